@@ -1,0 +1,61 @@
+//! `--device` parsing. CUDA is compiled in only with the `cuda` cargo feature.
+
+use candle_core::Device;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("invalid device '{0}': expected 'cpu', 'cuda' or 'cuda:N'")]
+    Invalid(String),
+    #[error("device '{0}' needs a build with `--features cuda`")]
+    CudaNotBuilt(String),
+    #[error("cannot open device '{0}': {1}")]
+    Open(String, String),
+}
+
+pub fn parse_device(spec: &str) -> Result<Device, DeviceError> {
+    let spec = spec.trim();
+    if spec.eq_ignore_ascii_case("cpu") {
+        return Ok(Device::Cpu);
+    }
+    let ordinal = match spec.strip_prefix("cuda") {
+        Some("") => 0,
+        Some(rest) => rest
+            .strip_prefix(':')
+            .and_then(|n| n.parse::<usize>().ok())
+            .ok_or_else(|| DeviceError::Invalid(spec.to_string()))?,
+        None => return Err(DeviceError::Invalid(spec.to_string())),
+    };
+    open_cuda(spec, ordinal)
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(spec: &str, ordinal: usize) -> Result<Device, DeviceError> {
+    Device::new_cuda(ordinal).map_err(|e| DeviceError::Open(spec.to_string(), e.to_string()))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(spec: &str, _ordinal: usize) -> Result<Device, DeviceError> {
+    Err(DeviceError::CudaNotBuilt(spec.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_cpu_and_rejects_garbage() {
+        assert!(parse_device("cpu").expect("cpu").is_cpu());
+        assert!(matches!(parse_device("tpu"), Err(DeviceError::Invalid(_))));
+        assert!(matches!(
+            parse_device("cuda:x"),
+            Err(DeviceError::Invalid(_))
+        ));
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_feature_is_a_clear_error() {
+        let e = parse_device("cuda:0").expect_err("no cuda in this build");
+        assert!(e.to_string().contains("--features cuda"), "{e}");
+    }
+}

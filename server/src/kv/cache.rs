@@ -1,0 +1,252 @@
+//! Per-layer block pools on the model's device, and the host swap pool.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::{BlockAllocator, BlockId, KvError};
+
+/// Shape of the cache. `num_blocks` device blocks are preallocated once, per layer, at start-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCacheConfig {
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// Blocks in the host-memory swap pool (0 disables swapping).
+    pub num_host_blocks: usize,
+    pub dtype: DType,
+}
+
+impl KvCacheConfig {
+    /// Width of one token's keys (or values) in one layer.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Bytes one block occupies across all layers, keys and values.
+    pub fn bytes_per_block(&self) -> usize {
+        self.num_layers * 2 * self.block_size * self.kv_dim() * self.dtype.size_in_bytes()
+    }
+
+    /// How many blocks fit in `bytes` (the `--kv-cache-memory` knob).
+    pub fn blocks_for_bytes(&self, bytes: usize) -> usize {
+        bytes / self.bytes_per_block().max(1)
+    }
+}
+
+/// One pool of blocks: for each layer a key and a value tensor of shape
+/// `[num_blocks * block_size, kv_dim]`, i.e. one row per token slot.
+#[derive(Debug)]
+struct Pool {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    allocator: BlockAllocator,
+}
+
+impl Pool {
+    fn new(cfg: &KvCacheConfig, num_blocks: usize, device: &Device) -> Result<Self, KvError> {
+        let shape = (num_blocks * cfg.block_size, cfg.kv_dim());
+        let mk = || Tensor::zeros(shape, cfg.dtype, device);
+        let k = (0..cfg.num_layers)
+            .map(|_| mk())
+            .collect::<Result<_, _>>()?;
+        let v = (0..cfg.num_layers)
+            .map(|_| mk())
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            k,
+            v,
+            allocator: BlockAllocator::new(num_blocks),
+        })
+    }
+
+    /// Every layer's key and value tensors, viewed as one row per block.
+    fn block_views(&self, block_elems: usize) -> Result<Vec<Tensor>, KvError> {
+        self.k
+            .iter()
+            .chain(self.v.iter())
+            .map(|t| {
+                let rows = t.dim(0)? * t.dim(1)? / block_elems;
+                Ok(t.reshape((rows, block_elems))?)
+            })
+            .collect()
+    }
+}
+
+/// The paged KV cache: device pools indexed by per-sequence block tables, and a host pool that
+/// preempted sequences are swapped out to.
+#[derive(Debug)]
+pub struct KvCache {
+    cfg: KvCacheConfig,
+    device: Device,
+    gpu: Pool,
+    host: Pool,
+}
+
+impl KvCache {
+    pub fn new(cfg: KvCacheConfig, device: &Device) -> Result<Self, KvError> {
+        Ok(Self {
+            cfg,
+            device: device.clone(),
+            gpu: Pool::new(&cfg, cfg.num_blocks, device)?,
+            host: Pool::new(&cfg, cfg.num_host_blocks, &Device::Cpu)?,
+        })
+    }
+
+    pub fn config(&self) -> &KvCacheConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Device-side allocator: used/free counts and allocation for block tables.
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.gpu.allocator
+    }
+
+    pub fn allocator_mut(&mut self) -> &mut BlockAllocator {
+        &mut self.gpu.allocator
+    }
+
+    /// Host swap pool allocator (for the `cpu_cache_usage_perc` gauge).
+    pub fn host_allocator(&self) -> &BlockAllocator {
+        &self.host.allocator
+    }
+
+    /// Key and value slot tensors of one layer, `[num_slots, kv_dim]`.
+    pub fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
+        (&self.gpu.k[layer], &self.gpu.v[layer])
+    }
+
+    fn block_elems(&self) -> usize {
+        self.cfg.block_size * self.cfg.kv_dim()
+    }
+
+    /// Copies `blocks` out to newly allocated host blocks (all layers, keys and values) and
+    /// frees them on the device. Returns the host block ids, in the same order.
+    pub fn swap_out(&mut self, blocks: &[BlockId]) -> Result<Vec<BlockId>, KvError> {
+        if !self.host.allocator.can_allocate(blocks.len()) {
+            return Err(KvError::OutOfSwapBlocks {
+                requested: blocks.len(),
+                free: self.host.allocator.num_free(),
+            });
+        }
+        self.check_used(&self.gpu.allocator, blocks)?;
+        let host_ids = self.host.allocator.allocate_n(blocks.len())?;
+        let copied = copy_blocks(
+            &self.gpu,
+            blocks,
+            &self.host,
+            &host_ids,
+            self.block_elems(),
+            &Device::Cpu,
+        );
+        if let Err(e) = copied {
+            self.host.allocator.free_all(&host_ids)?;
+            return Err(e);
+        }
+        self.gpu.allocator.free_all(blocks)?;
+        Ok(host_ids)
+    }
+
+    /// Copies host `blocks` back into newly allocated device blocks and frees the host blocks.
+    /// Returns the device block ids, in the same order.
+    pub fn swap_in(&mut self, host_blocks: &[BlockId]) -> Result<Vec<BlockId>, KvError> {
+        self.check_used(&self.host.allocator, host_blocks)?;
+        let ids = self.gpu.allocator.allocate_n(host_blocks.len())?;
+        let copied = copy_blocks(
+            &self.host,
+            host_blocks,
+            &self.gpu,
+            &ids,
+            self.block_elems(),
+            &self.device,
+        );
+        if let Err(e) = copied {
+            self.gpu.allocator.free_all(&ids)?;
+            return Err(e);
+        }
+        self.host.allocator.free_all(host_blocks)?;
+        Ok(ids)
+    }
+
+    /// Frees host blocks of a swapped sequence that will not come back (an aborted request).
+    pub fn free_host(&mut self, host_blocks: &[BlockId]) -> Result<(), KvError> {
+        self.host.allocator.free_all(host_blocks)
+    }
+
+    /// One block's keys and values for one layer, as f32 (for tests and debugging).
+    pub fn read_block(
+        &self,
+        layer: usize,
+        block: BlockId,
+    ) -> Result<(Vec<f32>, Vec<f32>), KvError> {
+        self.check_used(&self.gpu.allocator, &[block])?;
+        let bs = self.cfg.block_size;
+        let read = |t: &Tensor| -> Result<Vec<f32>, KvError> {
+            Ok(t.narrow(0, block as usize * bs, bs)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?)
+        };
+        Ok((read(&self.gpu.k[layer])?, read(&self.gpu.v[layer])?))
+    }
+
+    fn check_used(&self, alloc: &BlockAllocator, blocks: &[BlockId]) -> Result<(), KvError> {
+        for &id in blocks {
+            if !alloc.is_used(id) {
+                return Err(KvError::InvalidBlock {
+                    id,
+                    num_blocks: alloc.num_blocks(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Copies block rows `src_ids` of every layer of `src` into rows `dst_ids` of `dst`.
+fn copy_blocks(
+    src: &Pool,
+    src_ids: &[BlockId],
+    dst: &Pool,
+    dst_ids: &[BlockId],
+    block_elems: usize,
+    dst_device: &Device,
+) -> Result<(), KvError> {
+    if src_ids.is_empty() {
+        return Ok(());
+    }
+    let src_views = src.block_views(block_elems)?;
+    let dst_views = dst.block_views(block_elems)?;
+    let idx = Tensor::from_slice(src_ids, src_ids.len(), src_views[0].device())?;
+    for (s, d) in src_views.iter().zip(dst_views.iter()) {
+        let rows = s.index_select(&idx, 0)?.to_device(dst_device)?;
+        for (i, &dst_id) in dst_ids.iter().enumerate() {
+            d.slice_set(&rows.narrow(0, i, 1)?, 0, dst_id as usize)?;
+        }
+    }
+    Ok(())
+}
+
+impl KvCacheConfig {
+    /// A cache shaped for `model`, in f32.
+    pub fn for_model(
+        model: &crate::model::ModelConfig,
+        block_size: usize,
+        num_blocks: usize,
+        num_host_blocks: usize,
+    ) -> Self {
+        Self {
+            num_layers: model.num_layers,
+            num_kv_heads: model.num_kv_heads,
+            head_dim: model.head_dim,
+            block_size,
+            num_blocks,
+            num_host_blocks,
+            dtype: DType::F32,
+        }
+    }
+}

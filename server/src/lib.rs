@@ -1,0 +1,8 @@
+//! ferrite-server: an OpenAI-compatible LLM server on candle with a paged KV cache.
+//!
+//! Layers, each knowing only the one below: `model` (tensors), `kv` (blocks), and the serving
+//! engine and API built on top of them.
+
+pub mod device;
+pub mod kv;
+pub mod model;

@@ -1,0 +1,224 @@
+//! GGUF checkpoints: hyper-parameters and tokenizer from metadata, tensors block-quantized.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use candle_core::quantized::gguf_file::{Content, Value};
+
+use super::ModelError;
+use super::config::{Arch, ModelConfig, RopeScaling, RopeStyle};
+use super::weights::{RawWeight, WeightSource};
+
+/// An open GGUF file: parsed header plus a reader for tensor data.
+pub struct GgufFile {
+    path: PathBuf,
+    content: Content,
+    reader: BufReader<File>,
+    device: Device,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GgufFile {
+    pub fn open(path: &Path, device: &Device) -> Result<Self, ModelError> {
+        let file = File::open(path).map_err(|e| ModelError::Io {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        let mut reader = BufReader::new(file);
+        let content = Content::read(&mut reader).map_err(|e| ModelError::Corrupt {
+            path: path.to_path_buf(),
+            reason: format!("not a readable GGUF file: {e}"),
+        })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            content,
+            reader,
+            device: device.clone(),
+        })
+    }
+
+    pub fn metadata(&self) -> &HashMap<String, Value> {
+        &self.content.metadata
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.content.metadata.get(key)
+    }
+
+    fn require(&self, key: &str) -> Result<&Value, ModelError> {
+        self.get(key)
+            .ok_or_else(|| ModelError::MissingMetadata(key.to_string()))
+    }
+
+    fn usize(&self, key: &str) -> Result<usize, ModelError> {
+        value_usize(self.require(key)?).ok_or_else(|| ModelError::InvalidMetadata(key.to_string()))
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
+        self.get(key)
+            .map(|v| value_usize(v).ok_or_else(|| ModelError::InvalidMetadata(key.to_string())))
+            .transpose()
+    }
+
+    fn opt_f32(&self, key: &str) -> Result<Option<f32>, ModelError> {
+        self.get(key)
+            .map(|v| value_f32(v).ok_or_else(|| ModelError::InvalidMetadata(key.to_string())))
+            .transpose()
+    }
+
+    pub fn string(&self, key: &str) -> Option<&str> {
+        self.get(key)
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str)
+    }
+
+    /// Reads the architecture hyper-parameters.
+    pub fn config(&mut self) -> Result<ModelConfig, ModelError> {
+        let arch_name = self
+            .string("general.architecture")
+            .ok_or_else(|| ModelError::MissingMetadata("general.architecture".into()))?
+            .to_string();
+        let (arch, rope_style, attention_bias) = match arch_name.as_str() {
+            "llama" => (Arch::Llama, RopeStyle::Interleaved, false),
+            "mistral" => (Arch::Mistral, RopeStyle::Interleaved, false),
+            "qwen2" => (Arch::Qwen2, RopeStyle::Half, true),
+            other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
+        };
+        if self
+            .opt_usize(&format!("{arch_name}.expert_count"))?
+            .unwrap_or(0)
+            > 1
+        {
+            return Err(ModelError::UnsupportedArchitecture(format!(
+                "{arch_name} (mixture of experts)"
+            )));
+        }
+        let k = |s: &str| format!("{arch_name}.{s}");
+        let hidden_size = self.usize(&k("embedding_length"))?;
+        let num_heads = self.usize(&k("attention.head_count"))?;
+        let num_kv_heads = self
+            .opt_usize(&k("attention.head_count_kv"))?
+            .unwrap_or(num_heads);
+        let head_dim = match self.opt_usize(&k("attention.key_length"))? {
+            Some(d) => d,
+            None => hidden_size.checked_div(num_heads).unwrap_or(0),
+        };
+        let vocab_size = match self.opt_usize(&k("vocab_size"))? {
+            Some(v) => v,
+            None => match self.get("tokenizer.ggml.tokens") {
+                Some(Value::Array(a)) => a.len(),
+                _ => return Err(ModelError::MissingMetadata(k("vocab_size"))),
+            },
+        };
+        let rope_scaling = self.rope_scaling(&arch_name, head_dim)?;
+        let cfg = ModelConfig {
+            arch,
+            hidden_size,
+            intermediate_size: self.usize(&k("feed_forward_length"))?,
+            num_layers: self.usize(&k("block_count"))?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            rms_norm_eps: self
+                .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
+                .unwrap_or(1e-5) as f64,
+            rope_theta: self.opt_f32(&k("rope.freq_base"))?.unwrap_or(10_000.0),
+            rope_scaling,
+            rope_style,
+            max_position_embeddings: self.opt_usize(&k("context_length"))?.unwrap_or(4096),
+            sliding_window: self.opt_usize(&k("attention.sliding_window"))?,
+            attention_bias: attention_bias && self.has_tensor("blk.0.attn_q.bias"),
+            tie_word_embeddings: !self.has_tensor("output.weight"),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn rope_scaling(&mut self, arch: &str, head_dim: usize) -> Result<RopeScaling, ModelError> {
+        if self.has_tensor("rope_freqs.weight") {
+            let t = self
+                .take("rope_freqs.weight")?
+                .ok_or_else(|| ModelError::MissingTensor("rope_freqs.weight".into()))?;
+            let factors = match t {
+                RawWeight::Quantized(q) => q.dequantize(&candle_core::Device::Cpu)?,
+                RawWeight::Dense(t) => t,
+            };
+            let factors = factors.flatten_all()?.to_vec1::<f32>()?;
+            if factors.len() != head_dim / 2 {
+                return Err(ModelError::ShapeMismatch {
+                    tensor: "rope_freqs.weight".into(),
+                    expected: vec![head_dim / 2],
+                    got: vec![factors.len()],
+                });
+            }
+            return Ok(RopeScaling::FreqFactors(factors));
+        }
+        let ty = self
+            .string(&format!("{arch}.rope.scaling.type"))
+            .map(str::to_string);
+        let factor = self.opt_f32(&format!("{arch}.rope.scaling.factor"))?;
+        match (ty.as_deref(), factor) {
+            (None | Some("none"), _) => Ok(RopeScaling::None),
+            (Some("linear"), Some(factor)) if factor > 0.0 => Ok(RopeScaling::Linear { factor }),
+            (Some("linear"), _) => Err(ModelError::InvalidMetadata(format!(
+                "{arch}.rope.scaling.factor"
+            ))),
+            (Some(other), _) => Err(ModelError::Unsupported(format!(
+                "rope scaling type '{other}'"
+            ))),
+        }
+    }
+}
+
+impl WeightSource for GgufFile {
+    fn take(&mut self, name: &str) -> Result<Option<RawWeight>, ModelError> {
+        if !self.has_tensor(name) {
+            return Ok(None);
+        }
+        let q = self
+            .content
+            .tensor(&mut self.reader, name, &self.device)
+            .map_err(|e| ModelError::Corrupt {
+                path: self.path.clone(),
+                reason: format!("tensor {name}: {e}"),
+            })?;
+        Ok(Some(RawWeight::Quantized(q)))
+    }
+}
+
+fn value_usize(v: &Value) -> Option<usize> {
+    match v {
+        Value::U8(x) => Some(*x as usize),
+        Value::U16(x) => Some(*x as usize),
+        Value::U32(x) => Some(*x as usize),
+        Value::U64(x) => usize::try_from(*x).ok(),
+        Value::I8(x) => usize::try_from(*x).ok(),
+        Value::I16(x) => usize::try_from(*x).ok(),
+        Value::I32(x) => usize::try_from(*x).ok(),
+        Value::I64(x) => usize::try_from(*x).ok(),
+        _ => None,
+    }
+}
+
+fn value_f32(v: &Value) -> Option<f32> {
+    match v {
+        Value::F32(x) => Some(*x),
+        Value::F64(x) => Some(*x as f32),
+        other => value_usize(other).map(|x| x as f32),
+    }
+}

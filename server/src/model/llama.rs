@@ -1,0 +1,197 @@
+//! The batched Llama forward over the paged KV cache.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::ModelError;
+use super::attention::{AttentionBackend, AttnMeta, paged_attention};
+use super::config::ModelConfig;
+use super::rope::Rope;
+use super::weights::LlamaWeights;
+use crate::kv::KvCache;
+
+/// One sequence's share of a forward pass: the new tokens to run (a whole prompt, a prefill
+/// chunk, or one decode token), how many of its tokens are already in the cache, and its block
+/// table, which must already cover `start_pos + tokens.len()` positions.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqInput<'a> {
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+    pub block_table: &'a [u32],
+}
+
+/// A Llama-family model ready to run batches.
+#[derive(Debug)]
+pub struct LlamaModel {
+    cfg: ModelConfig,
+    weights: LlamaWeights,
+    rope: Rope,
+    max_len: usize,
+    device: Device,
+    attention: AttentionBackend,
+}
+
+impl LlamaModel {
+    /// `max_len` bounds positions (the RoPE table size): the server's `--max-model-len`.
+    pub fn new(
+        cfg: ModelConfig,
+        weights: LlamaWeights,
+        max_len: usize,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let rope = Rope::new(&cfg, max_len, device)?;
+        Ok(Self {
+            cfg,
+            weights,
+            rope,
+            max_len,
+            device: device.clone(),
+            attention: AttentionBackend::default(),
+        })
+    }
+
+    /// Chooses the attention implementation (tests compare the two).
+    pub fn set_attention_backend(&mut self, backend: AttentionBackend) {
+        self.attention = backend;
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    fn check_batch(&self, batch: &[SeqInput], cache: &KvCache) -> Result<(), ModelError> {
+        let bs = cache.config().block_size;
+        let bad =
+            |i: usize, msg: String| Err(ModelError::InvalidBatch(format!("sequence {i}: {msg}")));
+        if batch.is_empty() {
+            return Err(ModelError::InvalidBatch("empty batch".into()));
+        }
+        for (i, s) in batch.iter().enumerate() {
+            let end = s.start_pos + s.tokens.len();
+            if s.tokens.is_empty() {
+                return bad(i, "no tokens".into());
+            }
+            if end > self.max_len {
+                return bad(
+                    i,
+                    format!("positions up to {end} exceed max length {}", self.max_len),
+                );
+            }
+            if s.block_table.len() * bs < end {
+                return bad(
+                    i,
+                    format!(
+                        "block table holds {} slots, needs {end}",
+                        s.block_table.len() * bs
+                    ),
+                );
+            }
+            if let Some(&b) = s
+                .block_table
+                .iter()
+                .find(|&&b| !cache.allocator().is_used(b))
+            {
+                return bad(i, format!("block {b} is not allocated"));
+            }
+            if let Some(&t) = s
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.cfg.vocab_size)
+            {
+                return bad(
+                    i,
+                    format!(
+                        "token id {t} is outside the vocabulary ({})",
+                        self.cfg.vocab_size
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one forward pass over a mixed batch and returns the next-token logits of each
+    /// sequence (after its last token), `[batch.len(), vocab]` in f32. Keys and values of every
+    /// token are written to the cache.
+    pub fn forward(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
+        self.check_batch(batch, cache)?;
+        let cfg = &self.cfg;
+        let bs = cache.config().block_size;
+        let n_tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        let mut ids = Vec::with_capacity(n_tokens);
+        let mut pos = Vec::with_capacity(n_tokens);
+        let mut token_seq = Vec::with_capacity(n_tokens);
+        let mut slots = Vec::with_capacity(n_tokens);
+        let mut last = Vec::with_capacity(batch.len());
+        for (i, s) in batch.iter().enumerate() {
+            for (j, &tok) in s.tokens.iter().enumerate() {
+                let p = s.start_pos + j;
+                ids.push(tok);
+                pos.push(p as u32);
+                token_seq.push(i as u32);
+                slots.push(s.block_table[p / bs] * bs as u32 + (p % bs) as u32);
+            }
+            last.push((ids.len() - 1) as u32);
+        }
+        let meta = AttnMeta {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size: bs,
+            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+            sliding_window: cfg.sliding_window,
+            token_seq,
+            token_pos: pos.clone(),
+            block_tables: batch.iter().map(|s| s.block_table.to_vec()).collect(),
+        };
+        let dev = &self.device;
+        let positions = Tensor::from_vec(pos, n_tokens, dev)?;
+        let kv_dim = cfg.kv_dim();
+        let slot_idx = Tensor::from_vec(slots, (n_tokens, 1), dev)?
+            .broadcast_as((n_tokens, kv_dim))?
+            .contiguous()?;
+        let cache_dtype = cache.config().dtype;
+        let eps = cfg.rms_norm_eps as f32;
+
+        let mut x = self
+            .weights
+            .embed
+            .index_select(&Tensor::from_vec(ids, n_tokens, dev)?, 0)?;
+        for (l, w) in self.weights.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, eps)?;
+            let q =
+                w.q.forward(&h)?
+                    .reshape((n_tokens, cfg.num_heads, cfg.head_dim))?;
+            let k =
+                w.k.forward(&h)?
+                    .reshape((n_tokens, cfg.num_kv_heads, cfg.head_dim))?;
+            let v = w.v.forward(&h)?;
+            let q = self
+                .rope
+                .apply(&q, &positions)?
+                .reshape((n_tokens, cfg.q_dim()))?;
+            let k = self
+                .rope
+                .apply(&k, &positions)?
+                .reshape((n_tokens, kv_dim))?;
+            let (kc, vc) = cache.layer(l);
+            kc.scatter_set(&slot_idx, &k.to_dtype(cache_dtype)?, 0)?;
+            vc.scatter_set(&slot_idx, &v.to_dtype(cache_dtype)?.contiguous()?, 0)?;
+            let attn = paged_attention(&q, kc, vc, &meta, self.attention)?;
+            x = (x + w.o.forward(&attn)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
+            let act = (candle_nn::ops::silu(&w.gate.forward(&h)?)? * w.up.forward(&h)?)?;
+            x = (x + w.down.forward(&act)?)?;
+        }
+        let x = x.index_select(&Tensor::from_vec(last, batch.len(), dev)?, 0)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.weights.norm, eps)?;
+        Ok(self.weights.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+}

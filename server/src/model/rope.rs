@@ -1,0 +1,86 @@
+//! Rotary position embeddings with the scaling variants found in checkpoint metadata.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::config::{ModelConfig, RopeScaling, RopeStyle};
+
+/// Precomputed cos/sin tables, indexed by absolute position so that every token of a mixed
+/// batch can carry its own position.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    style: RopeStyle,
+}
+
+/// Inverse frequencies after scaling; public for tests against closed-form values.
+pub fn inv_freqs(cfg: &ModelConfig) -> Vec<f32> {
+    let d = cfg.head_dim;
+    let base: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / d as f32))
+        .collect();
+    match &cfg.rope_scaling {
+        RopeScaling::None => base,
+        RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+        RopeScaling::FreqFactors(factors) => base.iter().zip(factors).map(|(f, s)| f / s).collect(),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        } => {
+            let old = *original_max_position as f32;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+impl Rope {
+    pub fn new(cfg: &ModelConfig, max_len: usize, device: &Device) -> Result<Self> {
+        let inv = inv_freqs(cfg);
+        let inv = Tensor::from_vec(inv, (1, cfg.head_dim / 2), device)?;
+        let pos = Tensor::arange(0u32, max_len as u32, device)?
+            .to_dtype(DType::F32)?
+            .reshape((max_len, 1))?;
+        let freqs = pos.broadcast_mul(&inv)?;
+        Ok(Self {
+            cos: freqs.cos()?,
+            sin: freqs.sin()?,
+            style: cfg.rope_style,
+        })
+    }
+
+    /// Rotates `x` of shape `[tokens, heads, head_dim]`; `positions` is `[tokens]` (u32).
+    pub fn apply(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        let (t, h, d) = x.dims3()?;
+        let cos = self
+            .cos
+            .index_select(positions, 0)?
+            .reshape((t, 1, d / 2))?;
+        let sin = self
+            .sin
+            .index_select(positions, 0)?
+            .reshape((t, 1, d / 2))?;
+        let x = x.reshape((t, h, 1, d))?.contiguous()?;
+        let y = match self.style {
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
+        };
+        y.reshape((t, h, d))
+    }
+}

@@ -1,0 +1,250 @@
+//! Hugging Face model folders: `config.json`, `*.safetensors`, `tokenizer.json`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use serde::Deserialize;
+
+use super::ModelError;
+use super::config::{Arch, ModelConfig, RopeScaling, RopeStyle};
+use super::weights::{RawWeight, WeightSource};
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl OneOrMany {
+    pub fn to_vec(&self) -> Vec<u32> {
+        match self {
+            OneOrMany::One(x) => vec![*x],
+            OneOrMany::Many(v) => v.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct HfRopeScaling {
+    #[serde(alias = "type")]
+    rope_type: Option<String>,
+    factor: Option<f32>,
+    low_freq_factor: Option<f32>,
+    high_freq_factor: Option<f32>,
+    original_max_position_embeddings: Option<usize>,
+}
+
+/// The subset of `config.json` a Llama-family model needs.
+#[derive(Debug, Deserialize)]
+pub struct HfConfig {
+    #[serde(default)]
+    architectures: Vec<String>,
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f32>,
+    rope_scaling: Option<HfRopeScaling>,
+    max_position_embeddings: Option<usize>,
+    sliding_window: Option<usize>,
+    #[serde(default)]
+    use_sliding_window: Option<bool>,
+    attention_bias: Option<bool>,
+    tie_word_embeddings: Option<bool>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Option<OneOrMany>,
+}
+
+impl HfConfig {
+    pub fn read(dir: &Path) -> Result<Self, ModelError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::Io {
+            path: path.clone(),
+            source: e,
+        })?;
+        serde_json::from_str(&text).map_err(|e| ModelError::Corrupt {
+            path,
+            reason: format!("invalid config.json: {e}"),
+        })
+    }
+
+    pub fn to_model_config(&self, has_lm_head: bool) -> Result<ModelConfig, ModelError> {
+        let name = self
+            .architectures
+            .first()
+            .cloned()
+            .or_else(|| self.model_type.clone())
+            .unwrap_or_else(|| "<none>".into());
+        let arch = match name.as_str() {
+            "LlamaForCausalLM" | "llama" => Arch::Llama,
+            "MistralForCausalLM" | "mistral" => Arch::Mistral,
+            "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
+            other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
+        };
+        let head_dim = self.head_dim.unwrap_or_else(|| {
+            self.hidden_size
+                .checked_div(self.num_attention_heads)
+                .unwrap_or(0)
+        });
+        let rope_scaling = match &self.rope_scaling {
+            None => RopeScaling::None,
+            Some(s) => match (s.rope_type.as_deref(), s.factor) {
+                (Some("default") | None, _) => RopeScaling::None,
+                (Some("linear"), Some(factor)) => RopeScaling::Linear { factor },
+                (Some("llama3"), Some(factor)) => RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor: s.low_freq_factor.unwrap_or(1.0),
+                    high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
+                    original_max_position: s.original_max_position_embeddings.unwrap_or(8192),
+                },
+                (Some(other), _) => {
+                    return Err(ModelError::Unsupported(format!(
+                        "rope scaling type '{other}'"
+                    )));
+                }
+            },
+        };
+        let sliding_window = match arch {
+            Arch::Qwen2 if self.use_sliding_window != Some(true) => None,
+            _ => self.sliding_window,
+        };
+        let cfg = ModelConfig {
+            arch,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_layers: self.num_hidden_layers,
+            num_heads: self.num_attention_heads,
+            num_kv_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
+            head_dim,
+            vocab_size: self.vocab_size,
+            rms_norm_eps: self.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta: self.rope_theta.unwrap_or(10_000.0),
+            rope_scaling,
+            rope_style: RopeStyle::Half,
+            max_position_embeddings: self.max_position_embeddings.unwrap_or(4096),
+            sliding_window,
+            attention_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false) || !has_lm_head,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+/// All tensors of a folder's safetensors files, served under canonical names.
+#[derive(Debug)]
+pub struct SafetensorsDir {
+    tensors: HashMap<String, Tensor>,
+}
+
+impl SafetensorsDir {
+    pub fn open(dir: &Path, device: &Device) -> Result<Self, ModelError> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| ModelError::Io {
+                path: dir.to_path_buf(),
+                source: e,
+            })?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(ModelError::Corrupt {
+                path: dir.to_path_buf(),
+                reason: "no *.safetensors files".into(),
+            });
+        }
+        let mut tensors = HashMap::new();
+        for f in files {
+            let t =
+                candle_core::safetensors::load(&f, device).map_err(|e| ModelError::Corrupt {
+                    path: f.clone(),
+                    reason: format!("not a readable safetensors file: {e}"),
+                })?;
+            tensors.extend(t);
+        }
+        Ok(Self { tensors })
+    }
+
+    pub fn has_lm_head(&self) -> bool {
+        self.tensors.contains_key("lm_head.weight")
+    }
+}
+
+/// Maps a canonical (GGUF-style) tensor name to its Hugging Face name.
+pub fn hf_name(canonical: &str) -> Option<String> {
+    let fixed = match canonical {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(n) = fixed {
+        return Some(n.to_string());
+    }
+    let rest = canonical.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let (module, kind) = rest.rsplit_once('.')?;
+    let hf = match module {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{kind}"))
+}
+
+impl WeightSource for SafetensorsDir {
+    fn take(&mut self, name: &str) -> Result<Option<RawWeight>, ModelError> {
+        let Some(hf) = hf_name(name) else {
+            return Ok(None);
+        };
+        Ok(self.tensors.remove(&hf).map(RawWeight::Dense))
+    }
+}
+
+/// The chat template of a folder: `chat_template.jinja`, or `tokenizer_config.json`'s
+/// `chat_template` (a string, or a list of named templates of which "default" is used).
+pub fn read_chat_template(dir: &Path) -> Result<Option<String>, ModelError> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.exists() {
+        return std::fs::read_to_string(&jinja)
+            .map(Some)
+            .map_err(|e| ModelError::Io {
+                path: jinja,
+                source: e,
+            });
+    }
+    let path = dir.join("tokenizer_config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(None);
+    };
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Corrupt {
+        path,
+        reason: format!("invalid tokenizer_config.json: {e}"),
+    })?;
+    Ok(match v.get("chat_template") {
+        Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(serde_json::Value::Array(list)) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .or_else(|| list.first())
+            .and_then(|t| t.get("template"))
+            .and_then(|t| t.as_str())
+            .map(str::to_string),
+        _ => None,
+    })
+}
