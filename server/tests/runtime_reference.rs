@@ -1,18 +1,13 @@
 //! The batched paged runtime against an implementation not written here: candle-transformers'
-//! `quantized_llama`, on the default model.
+//! `quantized_llama`, on the default model, with weights kept quantized on both sides.
+//! (`runtime_reference_dense.rs` checks the default dense mode.)
 
 mod common;
 
-use candle_core::{Device, Tensor};
-use candle_transformers::models::quantized_llama::ModelWeights;
-use ferrite_server::kv::{KvCache, KvCacheConfig};
+use common::{diffs, ours, prompt_ids, reference};
+use ferrite_server::model::WeightMode;
 use ferrite_server::model::attention::AttentionBackend;
-use ferrite_server::model::driver::{GreedySeq, run_greedy};
-use ferrite_server::model::{self, LoadOptions, WeightMode};
 
-const PROMPT: &str =
-    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
-const NEW_TOKENS: usize = 32;
 /// With the generic attention path our forward performs the same floating-point operations as
 /// the reference, through block tables and per-token positions, so it must match exactly.
 const GENERIC_TOLERANCE: f32 = 1e-4;
@@ -24,96 +19,8 @@ const GENERIC_TOLERANCE: f32 = 1e-4;
 const FUSED_MAX_TOLERANCE: f32 = 1.5;
 const FUSED_MEAN_TOLERANCE: f32 = 0.2;
 
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// Greedy tokens and the first-step logits from quantized_llama.
-fn reference(prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
-    let path = common::default_model();
-    let mut f = std::fs::File::open(&path).expect("open model");
-    let content = candle_core::quantized::gguf_file::Content::read(&mut f).expect("gguf");
-    let mut m = ModelWeights::from_gguf(content, &mut f, &Device::Cpu).expect("reference model");
-    let input = Tensor::new(prompt, &Device::Cpu)
-        .expect("t")
-        .unsqueeze(0)
-        .expect("u");
-    let first = m
-        .forward(&input, 0)
-        .expect("forward")
-        .squeeze(0)
-        .expect("s")
-        .to_vec1::<f32>()
-        .expect("v");
-    let mut toks = vec![argmax(&first)];
-    let mut pos = prompt.len();
-    while toks.len() < NEW_TOKENS {
-        let last = *toks.last().expect("token");
-        let input = Tensor::new(&[last], &Device::Cpu)
-            .expect("t")
-            .unsqueeze(0)
-            .expect("u");
-        let l = m
-            .forward(&input, pos)
-            .expect("forward")
-            .squeeze(0)
-            .expect("s")
-            .to_vec1::<f32>()
-            .expect("v");
-        toks.push(argmax(&l));
-        pos += 1;
-    }
-    (first, toks)
-}
-
-fn diffs(a: &[f32], b: &[f32]) -> (f32, f32) {
-    assert_eq!(a.len(), b.len());
-    let max = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    let mean = a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32;
-    (max, mean)
-}
-
-/// Greedy-decodes PROMPT with our runtime; chunked prefill (7-token chunks) exercises
-/// multi-step prompts through the block tables.
-fn ours(backend: AttentionBackend, mode: WeightMode) -> (Vec<f32>, Vec<u32>, String) {
-    let opts = LoadOptions {
-        weight_mode: mode,
-        ..Default::default()
-    };
-    let mut loaded = model::load(&common::default_model(), &opts).expect("load");
-    loaded.model.set_attention_backend(backend);
-    let prompt = loaded.tokenizer.encode(PROMPT, false).expect("encode");
-    let cfg = KvCacheConfig::for_model(loaded.model.config(), 16, 64, 0);
-    let mut cache = KvCache::new(cfg, &Device::Cpu).expect("cache");
-    let mut seqs = vec![GreedySeq::new(prompt, NEW_TOKENS)];
-    run_greedy(&loaded.model, &mut cache, &mut seqs, 7).expect("run");
-    assert_eq!(
-        cache.allocator().num_used(),
-        0,
-        "finished sequence leaked blocks"
-    );
-    let s = seqs.pop().expect("seq");
-    let text = loaded.tokenizer.decode(&s.generated, true).expect("decode");
-    (s.first_logits.expect("logits"), s.generated, text)
-}
-
-fn prompt_ids() -> Vec<u32> {
-    let loaded = model::load(&common::default_model(), &LoadOptions::default()).expect("load");
-    loaded.tokenizer.encode(PROMPT, false).expect("encode")
-}
-
 #[test]
-fn default_runtime_matches_quantized_llama() {
+fn quantized_runtime_matches_quantized_llama() {
     let (ref_logits, ref_tokens) = reference(&prompt_ids());
     let (logits, tokens, text) = ours(AttentionBackend::Auto, WeightMode::Quantized);
     let (max, mean) = diffs(&logits, &ref_logits);

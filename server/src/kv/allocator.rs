@@ -188,3 +188,59 @@ mod tests {
         assert_eq!(blocks_for_tokens(17, 16), 2);
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc(usize),
+        FreeSeq(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (1usize..6).prop_map(Op::Alloc),
+            (0usize..16).prop_map(Op::FreeSeq)
+        ]
+    }
+
+    proptest! {
+        /// Random allocate/free traffic from many "sequences" never hands one block to two
+        /// owners, keeps counts consistent, and leaks nothing once every owner frees.
+        #[test]
+        fn no_leaks_or_double_ownership(ops in proptest::collection::vec(op(), 1..300), size in 1usize..40) {
+            let mut a = BlockAllocator::new(size);
+            let mut owners: Vec<Vec<BlockId>> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc(n) => match a.allocate_n(n) {
+                        Ok(ids) => owners.push(ids),
+                        Err(KvError::OutOfBlocks { requested, free }) => {
+                            prop_assert_eq!(requested, n);
+                            prop_assert!(free < n);
+                            prop_assert_eq!(free, a.num_free());
+                        }
+                        Err(e) => prop_assert!(false, "unexpected error {e}"),
+                    },
+                    Op::FreeSeq(i) if !owners.is_empty() => {
+                        let ids = owners.swap_remove(i % owners.len());
+                        a.free_all(&ids).expect("owned blocks free cleanly");
+                    }
+                    Op::FreeSeq(_) => {}
+                }
+                let owned: Vec<BlockId> = owners.iter().flatten().copied().collect();
+                let unique: std::collections::HashSet<_> = owned.iter().collect();
+                prop_assert_eq!(unique.len(), owned.len(), "a block has two owners");
+                prop_assert_eq!(owned.len(), a.num_used());
+                prop_assert!(owned.iter().all(|&b| a.is_used(b)));
+            }
+            for ids in owners.drain(..) {
+                a.free_all(&ids).expect("free");
+            }
+            prop_assert_eq!(a.num_free(), size);
+        }
+    }
+}

@@ -51,6 +51,15 @@ impl GgufFile {
         &self.content.metadata
     }
 
+    /// Elements in all tensors (the parameter count).
+    pub fn num_params(&self) -> usize {
+        self.content
+            .tensor_infos
+            .values()
+            .map(|t| t.shape.elem_count())
+            .sum()
+    }
+
     pub fn has_tensor(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)
     }

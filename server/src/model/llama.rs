@@ -166,13 +166,16 @@ impl LlamaModel {
             .index_select(&Tensor::from_vec(ids, n_tokens, dev)?, 0)?;
         for (l, w) in self.weights.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, eps)?;
+            let qkv = w.qkv.forward(&h)?;
             let q =
-                w.q.forward(&h)?
+                qkv.narrow(1, 0, cfg.q_dim())?
                     .reshape((n_tokens, cfg.num_heads, cfg.head_dim))?;
-            let k =
-                w.k.forward(&h)?
-                    .reshape((n_tokens, cfg.num_kv_heads, cfg.head_dim))?;
-            let v = w.v.forward(&h)?;
+            let k = qkv.narrow(1, cfg.q_dim(), kv_dim)?.reshape((
+                n_tokens,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+            ))?;
+            let v = qkv.narrow(1, cfg.q_dim() + kv_dim, kv_dim)?;
             let q = self
                 .rope
                 .apply(&q, &positions)?
@@ -187,7 +190,10 @@ impl LlamaModel {
             let attn = paged_attention(&q, kc, vc, &meta, self.attention)?;
             x = (x + w.o.forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
-            let act = (candle_nn::ops::silu(&w.gate.forward(&h)?)? * w.up.forward(&h)?)?;
+            let gate_up = w.gate_up.forward(&h)?;
+            let ffn = cfg.intermediate_size;
+            let act = (candle_nn::ops::silu(&gate_up.narrow(1, 0, ffn)?)?
+                * gate_up.narrow(1, ffn, ffn)?)?;
             x = (x + w.down.forward(&act)?)?;
         }
         let x = x.index_select(&Tensor::from_vec(last, batch.len(), dev)?, 0)?;

@@ -98,6 +98,8 @@ pub struct LoadedModel {
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
     pub format: ModelFormat,
+    /// The weight mode in effect (`auto` resolved).
+    pub weight_mode: WeightMode,
     /// Token ids that end generation (EOS, end-of-turn).
     pub eos_token_ids: Vec<u32>,
 }
@@ -150,8 +152,18 @@ fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel, ModelError>
         None => from_metadata?,
     };
     let template = file.string("tokenizer.chat_template").map(str::to_string);
-    let weights = LlamaWeights::load(&cfg, &mut file, opts.weight_mode, &opts.device)?;
-    finish(cfg, weights, tokenizer, template, ModelFormat::Gguf, opts)
+    let mode = opts.weight_mode.resolve(file.num_params());
+    tracing::info!(?mode, params = file.num_params(), "loading GGUF weights");
+    let weights = LlamaWeights::load(&cfg, &mut file, mode, &opts.device)?;
+    finish(
+        cfg,
+        weights,
+        tokenizer,
+        template,
+        ModelFormat::Gguf,
+        mode,
+        opts,
+    )
 }
 
 fn load_hf_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel, ModelError> {
@@ -169,13 +181,16 @@ fn load_hf_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel, ModelError
         .unwrap_or_else(|| dir.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path, hf.bos_token_id, eos)?;
     let template = safetensors::read_chat_template(dir)?;
-    let weights = LlamaWeights::load(&cfg, &mut src, opts.weight_mode, &opts.device)?;
+    // Safetensors weights are dense already; there is nothing to keep quantized.
+    let weights = LlamaWeights::load(&cfg, &mut src, WeightMode::Dense, &opts.device)?;
+    let format = ModelFormat::HfSafetensors;
     finish(
         cfg,
         weights,
         tokenizer,
         template,
-        ModelFormat::HfSafetensors,
+        format,
+        WeightMode::Dense,
         opts,
     )
 }
@@ -186,6 +201,7 @@ fn finish(
     tokenizer: Tokenizer,
     template: Option<String>,
     format: ModelFormat,
+    weight_mode: WeightMode,
     opts: &LoadOptions,
 ) -> Result<LoadedModel, ModelError> {
     let chat_template = template
@@ -205,6 +221,7 @@ fn finish(
         tokenizer,
         chat_template,
         format,
+        weight_mode,
         eos_token_ids,
     })
 }

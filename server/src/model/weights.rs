@@ -1,6 +1,8 @@
 //! Weight tensors of a Llama-family model, loaded from any [`WeightSource`].
 
-use candle_core::quantized::{QMatMul, QTensor};
+use std::borrow::Cow;
+
+use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
 use super::ModelError;
@@ -35,44 +37,168 @@ pub trait WeightSource {
     fn take(&mut self, name: &str) -> Result<Option<RawWeight>, ModelError>;
 }
 
-/// How matrix weights are held in memory.
+/// How matrix weights are held in memory and multiplied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum WeightMode {
-    /// Keep GGUF weights block-quantized and multiply with candle's quantized kernels. Per-row
-    /// results do not depend on the batch, and decode reads 4-8x fewer bytes.
+    /// `dense` when the dequantized weights fit in [`AUTO_DENSE_MAX_BYTES`], else `quantized`.
     #[default]
+    Auto,
+    /// Keep GGUF weights block-quantized and multiply with candle's quantized kernels. Results
+    /// are bitwise independent of the batch and decode reads 4-8x fewer bytes, but the kernels
+    /// redo the weight unpacking for every row, so throughput barely grows with batch size.
     Quantized,
-    /// Dequantize everything to f32 at load.
+    /// Dequantize everything to f32 at load and use dense GEMM: slower at batch 1 (memory
+    /// bound), several times faster for batches and prefill; batch invariant to ~1e-4.
     Dense,
+    /// Keep both; a forward of fewer than [`HYBRID_MIN_DENSE_TOKENS`] tokens uses the quantized
+    /// kernels, larger ones dense GEMM. Fastest at every batch size, but NOT batch invariant:
+    /// the two paths round differently, so a request's greedy output can change with load.
+    Hybrid,
 }
 
-/// `y = x Wᵀ (+ b)` over a flattened batch `[tokens, in]`.
+/// Largest f32 weight footprint `auto` dequantizes.
+pub const AUTO_DENSE_MAX_BYTES: usize = 4 << 30;
+
+impl WeightMode {
+    /// Resolves `auto` for a model whose weights have `num_params` elements.
+    pub fn resolve(self, num_params: usize) -> WeightMode {
+        match self {
+            WeightMode::Auto if num_params.saturating_mul(4) <= AUTO_DENSE_MAX_BYTES => {
+                WeightMode::Dense
+            }
+            WeightMode::Auto => WeightMode::Quantized,
+            m => m,
+        }
+    }
+}
+
+/// Tokens in one forward from which dense GEMM beats the quantized kernels for the default
+/// model on a 2-core AVX-512 machine (`bench-runtime --weights quantized|dense --batches 1,2,3,4`).
+pub const HYBRID_MIN_DENSE_TOKENS: usize = 4;
+
+/// One block of output rows of a [`Linear`]: the same weights in one or two representations.
+#[derive(Debug, Clone)]
+struct Part {
+    quant: Option<QMatMul>,
+    /// `[out, in]` f32. (Multiplying by its transposed view measured faster with candle's
+    /// GEMM than storing `[in, out]`: 228 vs 160 tok/s at batch 32.)
+    dense: Option<Tensor>,
+    out: usize,
+}
+
+impl Part {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let tokens = x.dim(0)?;
+        match (&self.quant, &self.dense) {
+            (Some(q), Some(_)) if tokens < HYBRID_MIN_DENSE_TOKENS => q.forward(x),
+            (_, Some(d)) => x.matmul(&d.t()?),
+            (Some(q), None) => q.forward(x),
+            (None, None) => candle_core::bail!("linear layer without weights"),
+        }
+    }
+
+    /// Stacks `other` below `self` when both hold the same representations, else `None`.
+    fn try_merge(&self, other: &Part) -> candle_core::Result<Option<Part>> {
+        let quant = match (&self.quant, &other.quant) {
+            (None, None) => None,
+            (Some(QMatMul::QTensor(a)), Some(QMatMul::QTensor(b))) if a.dtype() == b.dtype() => {
+                let (ka, kb) = (a.shape().dims()[1], b.shape().dims()[1]);
+                if ka != kb {
+                    return Ok(None);
+                }
+                // Block quantization runs along rows, so stacking rows is stacking bytes.
+                let mut bytes = a.data()?.into_owned();
+                bytes.extend_from_slice(&b.data()?);
+                let storage = QStorage::from_data(Cow::Owned(bytes), &a.device(), a.dtype())?;
+                let q = QTensor::new(storage, (self.out + other.out, ka))?;
+                Some(QMatMul::from_qtensor(q)?)
+            }
+            _ => return Ok(None),
+        };
+        let dense = match (&self.dense, &other.dense) {
+            (None, None) => None,
+            (Some(a), Some(b)) => Some(Tensor::cat(&[a, b], 0)?),
+            _ => return Ok(None),
+        };
+        Ok(Some(Part {
+            quant,
+            dense,
+            out: self.out + other.out,
+        }))
+    }
+}
+
+/// `y = x Wᵀ (+ b)` over a flattened batch `[tokens, in]`. Projections that read the same input
+/// (Q/K/V, gate/up) are fused, so one GEMM replaces several small ones.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    weight: QMatMul,
+    parts: Vec<Part>,
     bias: Option<Tensor>,
 }
 
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = self.weight.forward(x)?;
+        let y = match self.parts.as_slice() {
+            [one] => one.forward(x)?,
+            parts => {
+                let ys = parts
+                    .iter()
+                    .map(|p| p.forward(x))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Tensor::cat(&ys, 1)?
+            }
+        };
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.parts.iter().map(|p| p.out).sum()
+    }
+
+    /// Number of separate matrices (1 when fully fused).
+    pub fn num_parts(&self) -> usize {
+        self.parts.len()
+    }
+
+    /// Stacks projections of the same input along the output dimension, merging their weights
+    /// into one matrix where the representations allow (e.g. the same quantization type).
+    pub fn fuse(linears: Vec<Linear>) -> candle_core::Result<Linear> {
+        let with_bias = linears.iter().filter(|l| l.bias.is_some()).count();
+        let bias = if with_bias == 0 {
+            None
+        } else if with_bias == linears.len() {
+            let b: Vec<Tensor> = linears.iter().filter_map(|l| l.bias.clone()).collect();
+            Some(Tensor::cat(&b, 0)?)
+        } else {
+            candle_core::bail!("cannot fuse projections where only some have a bias")
+        };
+        let mut parts: Vec<Part> = Vec::new();
+        for p in linears.into_iter().flat_map(|l| l.parts) {
+            let merged = match parts.last() {
+                Some(last) => last.try_merge(&p)?,
+                None => None,
+            };
+            match (merged, parts.last_mut()) {
+                (Some(m), Some(last)) => *last = m,
+                _ => parts.push(p),
+            }
+        }
+        Ok(Linear { parts, bias })
     }
 }
 
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
     pub attn_norm: Tensor,
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
+    /// Q, K and V stacked: output `[tokens, q_dim + 2 * kv_dim]`.
+    pub qkv: Linear,
     pub o: Linear,
     pub ffn_norm: Tensor,
-    pub gate: Linear,
-    pub up: Linear,
+    /// Gate and up stacked: output `[tokens, 2 * intermediate]`.
+    pub gate_up: Linear,
     pub down: Linear,
 }
 
@@ -116,14 +242,26 @@ impl Loader<'_> {
         Ok(w.dense(self.device)?)
     }
 
-    fn matmul(&self, name: &str, w: RawWeight) -> Result<QMatMul, ModelError> {
+    fn part(&self, name: &str, w: RawWeight, out: usize) -> Result<Part, ModelError> {
         let wrap = |e: candle_core::Error| ModelError::Tensor(format!("{name}: {e}"));
-        Ok(match (w, self.mode) {
-            (RawWeight::Quantized(q), WeightMode::Quantized) => {
-                QMatMul::from_qtensor(q).map_err(wrap)?
+        let quantized = |q: QTensor| QMatMul::from_qtensor(q).map_err(wrap);
+        let (quant, dense) = match (w, self.mode) {
+            (RawWeight::Quantized(q), WeightMode::Quantized | WeightMode::Auto) => {
+                (Some(quantized(q)?), None)
             }
-            (w, _) => QMatMul::Tensor(w.dense(self.device).map_err(wrap)?),
-        })
+            (RawWeight::Quantized(q), WeightMode::Hybrid) => {
+                let d = q.dequantize(self.device).map_err(wrap)?;
+                (Some(quantized(q)?), Some(d))
+            }
+            (w, _) => (None, Some(w.dense(self.device).map_err(wrap)?)),
+        };
+        // candle keeps f32/f16 GGUF tensors dense inside QMatMul; hold those only once.
+        let (quant, dense) = match (quant, dense) {
+            (Some(QMatMul::Tensor(t)), None) => (None, Some(t.to_dtype(DType::F32).map_err(wrap)?)),
+            (Some(QMatMul::Tensor(_) | QMatMul::TensorF16(_)), Some(d)) => (None, Some(d)),
+            other => other,
+        };
+        Ok(Part { quant, dense, out })
     }
 
     fn linear(
@@ -136,13 +274,16 @@ impl Loader<'_> {
         let name = format!("{prefix}.weight");
         let w = self.required(&name)?;
         Self::check_shape(&name, &w, &[out, inp])?;
-        let weight = self.matmul(&name, w)?;
+        let part = self.part(&name, w, out)?;
         let bias = if bias {
             Some(self.vector(&format!("{prefix}.bias"), out)?)
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        Ok(Linear {
+            parts: vec![part],
+            bias,
+        })
     }
 }
 
@@ -158,10 +299,7 @@ impl LlamaWeights {
         let embed_raw = l.required("token_embd.weight")?;
         Loader::check_shape("token_embd.weight", &embed_raw, &[cfg.vocab_size, h])?;
         let (embed, tied_head) = match embed_raw {
-            RawWeight::Quantized(q) => {
-                let dense = q.dequantize(device)?;
-                (dense, RawWeight::Quantized(q))
-            }
+            RawWeight::Quantized(q) => (q.dequantize(device)?, RawWeight::Quantized(q)),
             RawWeight::Dense(t) => {
                 let t = t.to_device(device)?.to_dtype(DType::F32)?;
                 (t.clone(), RawWeight::Dense(t))
@@ -171,22 +309,24 @@ impl LlamaWeights {
         for i in 0..cfg.num_layers {
             let p = |s: &str| format!("blk.{i}.{s}");
             let bias = cfg.attention_bias;
+            let q = l.linear(&p("attn_q"), cfg.q_dim(), h, bias)?;
+            let k = l.linear(&p("attn_k"), cfg.kv_dim(), h, bias)?;
+            let v = l.linear(&p("attn_v"), cfg.kv_dim(), h, bias)?;
+            let gate = l.linear(&p("ffn_gate"), ffn, h, false)?;
+            let up = l.linear(&p("ffn_up"), ffn, h, false)?;
             layers.push(LayerWeights {
                 attn_norm: l.vector(&p("attn_norm.weight"), h)?,
-                q: l.linear(&p("attn_q"), cfg.q_dim(), h, bias)?,
-                k: l.linear(&p("attn_k"), cfg.kv_dim(), h, bias)?,
-                v: l.linear(&p("attn_v"), cfg.kv_dim(), h, bias)?,
+                qkv: Linear::fuse(vec![q, k, v])?,
                 o: l.linear(&p("attn_output"), h, cfg.q_dim(), false)?,
                 ffn_norm: l.vector(&p("ffn_norm.weight"), h)?,
-                gate: l.linear(&p("ffn_gate"), ffn, h, false)?,
-                up: l.linear(&p("ffn_up"), ffn, h, false)?,
+                gate_up: Linear::fuse(vec![gate, up])?,
                 down: l.linear(&p("ffn_down"), h, ffn, false)?,
             });
         }
         let norm = l.vector("output_norm.weight", h)?;
         let lm_head = if cfg.tie_word_embeddings {
             Linear {
-                weight: l.matmul("token_embd.weight", tied_head)?,
+                parts: vec![l.part("token_embd.weight", tied_head, cfg.vocab_size)?],
                 bias: None,
             }
         } else {

@@ -5,6 +5,17 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
+use candle_core::{Device, Tensor};
+use candle_transformers::models::quantized_llama::ModelWeights;
+use ferrite_server::kv::{KvCache, KvCacheConfig};
+use ferrite_server::model::attention::AttentionBackend;
+use ferrite_server::model::driver::{GreedySeq, run_greedy};
+use ferrite_server::model::{self, LoadOptions, WeightMode};
+
+pub const PROMPT: &str =
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+pub const NEW_TOKENS: usize = 32;
+
 /// Path of the default model, fetched by `scripts/fetch-model.sh` (the same script users run)
 /// unless `FERRITE_MODEL` points elsewhere.
 pub fn default_model() -> PathBuf {
@@ -26,4 +37,92 @@ pub fn default_model() -> PathBuf {
         PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string())
     })
     .clone()
+}
+
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy tokens and the first-step logits from quantized_llama.
+pub fn reference(prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
+    let path = default_model();
+    let mut f = std::fs::File::open(&path).expect("open model");
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).expect("gguf");
+    let mut m = ModelWeights::from_gguf(content, &mut f, &Device::Cpu).expect("reference model");
+    let input = Tensor::new(prompt, &Device::Cpu)
+        .expect("t")
+        .unsqueeze(0)
+        .expect("u");
+    let first = m
+        .forward(&input, 0)
+        .expect("forward")
+        .squeeze(0)
+        .expect("s")
+        .to_vec1::<f32>()
+        .expect("v");
+    let mut toks = vec![argmax(&first)];
+    let mut pos = prompt.len();
+    while toks.len() < NEW_TOKENS {
+        let last = *toks.last().expect("token");
+        let input = Tensor::new(&[last], &Device::Cpu)
+            .expect("t")
+            .unsqueeze(0)
+            .expect("u");
+        let l = m
+            .forward(&input, pos)
+            .expect("forward")
+            .squeeze(0)
+            .expect("s")
+            .to_vec1::<f32>()
+            .expect("v");
+        toks.push(argmax(&l));
+        pos += 1;
+    }
+    (first, toks)
+}
+
+pub fn diffs(a: &[f32], b: &[f32]) -> (f32, f32) {
+    assert_eq!(a.len(), b.len());
+    let max = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    let mean = a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32;
+    (max, mean)
+}
+
+/// Greedy-decodes PROMPT with our runtime; chunked prefill (7-token chunks) exercises
+/// multi-step prompts through the block tables.
+pub fn ours(backend: AttentionBackend, mode: WeightMode) -> (Vec<f32>, Vec<u32>, String) {
+    let opts = LoadOptions {
+        weight_mode: mode,
+        ..Default::default()
+    };
+    let mut loaded = model::load(&default_model(), &opts).expect("load");
+    loaded.model.set_attention_backend(backend);
+    let prompt = loaded.tokenizer.encode(PROMPT, false).expect("encode");
+    let cfg = KvCacheConfig::for_model(loaded.model.config(), 16, 64, 0);
+    let mut cache = KvCache::new(cfg, &Device::Cpu).expect("cache");
+    let mut seqs = vec![GreedySeq::new(prompt, NEW_TOKENS)];
+    run_greedy(&loaded.model, &mut cache, &mut seqs, 7).expect("run");
+    assert_eq!(
+        cache.allocator().num_used(),
+        0,
+        "finished sequence leaked blocks"
+    );
+    let s = seqs.pop().expect("seq");
+    let text = loaded.tokenizer.decode(&s.generated, true).expect("decode");
+    (s.first_logits.expect("logits"), s.generated, text)
+}
+
+pub fn prompt_ids() -> Vec<u32> {
+    let loaded = model::load(&default_model(), &LoadOptions::default()).expect("load");
+    loaded.tokenizer.encode(PROMPT, false).expect("encode")
 }
