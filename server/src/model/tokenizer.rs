@@ -164,6 +164,12 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json` (e.g. to pair a GGUF's
+    /// vocabulary with tools that expect the file).
+    pub fn save_json(&self, path: &Path) -> Result<(), ModelError> {
+        self.inner.save(path, false).map_err(tok_err)
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, ModelError> {
         self.inner.decode(ids, skip_special_tokens).map_err(tok_err)
     }

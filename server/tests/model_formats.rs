@@ -1,0 +1,377 @@
+//! Checkpoint formats, quantization types, and the errors bad checkpoints produce.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use ferrite_server::kv::{KvCache, KvCacheConfig};
+use ferrite_server::model::driver::{GreedySeq, run_greedy};
+use ferrite_server::model::{self, LoadOptions, LoadedModel, ModelError, WeightMode};
+
+const HIDDEN: usize = 256;
+const FFN: usize = 512;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const LAYERS: usize = 2;
+
+/// Deterministic pseudo-random values in [-scale, scale].
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// Tokenizer metadata of the default model, reused so tiny models have a real vocabulary.
+fn tokenizer_metadata() -> Vec<(String, Value)> {
+    let mut f = std::fs::File::open(common::default_model()).expect("model");
+    let c = gguf_file::Content::read(&mut f).expect("gguf");
+    c.metadata
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .collect()
+}
+
+/// Writes a tiny random Llama-family GGUF with matrices in `dtype`.
+fn write_tiny_gguf(
+    path: &Path,
+    arch: &str,
+    dtype: GgmlDType,
+    drop: Option<&str>,
+    bad_shape: Option<&str>,
+) {
+    let vocab = 49152;
+    let mut md: Vec<(String, Value)> = tokenizer_metadata();
+    let k = |s: &str| format!("{arch}.{s}");
+    md.extend([
+        (
+            "general.architecture".to_string(),
+            Value::String(arch.into()),
+        ),
+        (k("embedding_length"), Value::U32(HIDDEN as u32)),
+        (k("feed_forward_length"), Value::U32(FFN as u32)),
+        (k("block_count"), Value::U32(LAYERS as u32)),
+        (k("attention.head_count"), Value::U32(HEADS as u32)),
+        (k("attention.head_count_kv"), Value::U32(KV_HEADS as u32)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (k("rope.freq_base"), Value::F32(10000.0)),
+        (k("context_length"), Value::U32(512)),
+    ]);
+    let hd = HIDDEN / HEADS;
+    let mut specs: Vec<(String, Vec<usize>, bool)> = vec![
+        ("token_embd.weight".into(), vec![vocab, HIDDEN], true),
+        ("output_norm.weight".into(), vec![HIDDEN], false),
+    ];
+    for l in 0..LAYERS {
+        let p = |s: &str| format!("blk.{l}.{s}");
+        specs.extend([
+            (p("attn_norm.weight"), vec![HIDDEN], false),
+            (p("ffn_norm.weight"), vec![HIDDEN], false),
+            (p("attn_q.weight"), vec![HEADS * hd, HIDDEN], true),
+            (p("attn_k.weight"), vec![KV_HEADS * hd, HIDDEN], true),
+            (p("attn_v.weight"), vec![KV_HEADS * hd, HIDDEN], true),
+            (p("attn_output.weight"), vec![HIDDEN, HEADS * hd], true),
+            (p("ffn_gate.weight"), vec![FFN, HIDDEN], true),
+            (p("ffn_up.weight"), vec![FFN, HIDDEN], true),
+            (p("ffn_down.weight"), vec![HIDDEN, FFN], true),
+        ]);
+    }
+    let mut tensors = Vec::new();
+    for (i, (name, mut shape, matrix)) in specs.into_iter().enumerate() {
+        if drop == Some(name.as_str()) {
+            continue;
+        }
+        if bad_shape == Some(name.as_str()) {
+            shape[0] += 32;
+        }
+        let n: usize = shape.iter().product();
+        let t = if matrix {
+            let v = values(n, i as u64 + 1, 0.08);
+            let t = Tensor::from_vec(v, shape.as_slice(), &Device::Cpu).expect("t");
+            QTensor::quantize(&t, dtype).expect("quantize")
+        } else {
+            let v: Vec<f32> = values(n, i as u64 + 1, 0.1)
+                .iter()
+                .map(|x| 1.0 + x)
+                .collect();
+            let t = Tensor::from_vec(v, shape.as_slice(), &Device::Cpu).expect("t");
+            QTensor::quantize(&t, GgmlDType::F32).expect("f32")
+        };
+        tensors.push((name, t));
+    }
+    let mut f = std::fs::File::create(path).expect("create");
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut f, &md_refs, &t_refs).expect("write gguf");
+}
+
+fn first_logits(m: &LoadedModel, prompt: &[u32]) -> Vec<f32> {
+    let cfg = KvCacheConfig::for_model(m.model.config(), 16, 64, 0);
+    let mut cache = KvCache::new(cfg, &Device::Cpu).expect("cache");
+    let mut seqs = vec![GreedySeq::new(prompt.to_vec(), 1)];
+    run_greedy(&m.model, &mut cache, &mut seqs, 64).expect("run");
+    seqs[0].first_logits.clone().expect("logits")
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+    let den: f32 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
+}
+
+fn load(path: &Path, mode: WeightMode) -> Result<LoadedModel, ModelError> {
+    model::load(
+        path,
+        &LoadOptions {
+            weight_mode: mode,
+            ..Default::default()
+        },
+    )
+}
+
+#[test]
+fn every_supported_quantization_type_loads_and_agrees_with_f32() {
+    let dir = tempdir();
+    let prompt: Vec<u32> = vec![1, 4093, 198, 1780, 314, 260, 3575, 282];
+    let f32_path = dir.join("f32.gguf");
+    write_tiny_gguf(&f32_path, "llama", GgmlDType::F32, None, None);
+    let reference = first_logits(&load(&f32_path, WeightMode::Dense).expect("f32"), &prompt);
+    // Limits are ~1.6x the errors measured on these uniform random weights (F16 7.7e-4,
+    // Q8_0 1.8e-2/3.1e-2 dense/quantized, Q6K 5.5e-2, 4-bit 0.22-0.25). A mis-decoded tensor
+    // gives errors of order 1.
+    let cases = [
+        (GgmlDType::F16, 1.5e-3),
+        (GgmlDType::Q8_0, 5e-2),
+        (GgmlDType::Q6K, 9e-2),
+        (GgmlDType::Q4K, 0.4),
+        (GgmlDType::Q4_1, 0.4),
+        (GgmlDType::Q4_0, 0.4),
+    ];
+    for (dtype, tol) in cases {
+        let path = dir.join(format!("{dtype:?}.gguf"));
+        write_tiny_gguf(&path, "llama", dtype, None, None);
+        for mode in [WeightMode::Quantized, WeightMode::Dense] {
+            let m = load(&path, mode).unwrap_or_else(|e| panic!("{dtype:?}/{mode:?}: {e}"));
+            let err = rel_err(&first_logits(&m, &prompt), &reference);
+            eprintln!("{dtype:?} {mode:?}: relative logit error {err:.2e} (limit {tol:.0e})");
+            assert!(err < tol, "{dtype:?}/{mode:?}: relative error {err}");
+            assert!(err > 0.0 || dtype == GgmlDType::F32);
+        }
+    }
+}
+
+#[test]
+fn bad_checkpoints_get_clear_errors() {
+    let dir = tempdir();
+    let expect_err = |path: &Path| -> String {
+        match load(path, WeightMode::Auto) {
+            Ok(_) => panic!("{} loaded", path.display()),
+            Err(e) => e.to_string(),
+        }
+    };
+
+    let p = dir.join("gpt2.gguf");
+    write_tiny_gguf(&p, "gpt2", GgmlDType::F32, None, None);
+    let e = expect_err(&p);
+    assert!(e.contains("unsupported model architecture 'gpt2'"), "{e}");
+
+    let p = dir.join("missing.gguf");
+    write_tiny_gguf(
+        &p,
+        "llama",
+        GgmlDType::Q8_0,
+        Some("blk.1.ffn_down.weight"),
+        None,
+    );
+    let e = expect_err(&p);
+    assert!(e.contains("missing tensor 'blk.1.ffn_down.weight'"), "{e}");
+
+    let p = dir.join("shape.gguf");
+    write_tiny_gguf(
+        &p,
+        "llama",
+        GgmlDType::F32,
+        None,
+        Some("blk.0.attn_k.weight"),
+    );
+    let e = expect_err(&p);
+    assert!(
+        e.contains("blk.0.attn_k.weight") && e.contains("expected [128, 256]"),
+        "{e}"
+    );
+
+    let p = dir.join("garbage.gguf");
+    std::fs::write(&p, b"this is not a model at all").expect("write");
+    let e = expect_err(&p);
+    assert!(
+        e.contains("garbage.gguf") && e.contains("not a readable GGUF"),
+        "{e}"
+    );
+
+    // A real file cut short: the header parses, the tensor data is missing.
+    let good = dir.join("good.gguf");
+    write_tiny_gguf(&good, "llama", GgmlDType::Q8_0, None, None);
+    let bytes = std::fs::read(&good).expect("read");
+    let p = dir.join("truncated.gguf");
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).expect("write");
+    let e = expect_err(&p);
+    assert!(e.contains("truncated.gguf"), "{e}");
+
+    let e = expect_err(&dir.join("does-not-exist.gguf"));
+    assert!(
+        e.contains("does-not-exist.gguf") && e.contains("No such file"),
+        "{e}"
+    );
+
+    let hf = dir.join("hf-bad");
+    std::fs::create_dir_all(&hf).expect("dir");
+    std::fs::write(hf.join("config.json"), r#"{"architectures":["GPTNeoXForCausalLM"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"vocab_size":8}"#).expect("w");
+    candle_core::safetensors::save(
+        &HashMap::from([(
+            "x".to_string(),
+            Tensor::zeros(2, DType::F32, &Device::Cpu).expect("t"),
+        )]),
+        hf.join("model.safetensors"),
+    )
+    .expect("save");
+    let e = expect_err(&hf);
+    assert!(
+        e.contains("unsupported model architecture 'GPTNeoXForCausalLM'"),
+        "{e}"
+    );
+}
+
+/// Inverse of llama.cpp's Q/K row permutation: GGUF stores each head's rows interleaved for the
+/// interleaved RoPE; Hugging Face stores them in rotate-half order.
+fn unpermute(w: &Tensor, heads: usize) -> Tensor {
+    let (out, inp) = w.dims2().expect("2d");
+    w.reshape((heads, out / heads / 2, 2, inp))
+        .and_then(|t| t.transpose(1, 2))
+        .and_then(|t| t.reshape((out, inp)))
+        .expect("unpermute")
+}
+
+/// Converts the default GGUF into a Hugging Face folder (f32 safetensors, config.json,
+/// tokenizer.json, tokenizer_config.json) and checks that both load to the same model.
+#[test]
+fn hugging_face_folder_matches_the_gguf_it_was_converted_from() {
+    let gguf_path = common::default_model();
+    let gguf = load(&gguf_path, WeightMode::Dense).expect("gguf");
+    let cfg = gguf.model.config().clone();
+    let tmp = tempdir();
+    let dir = tmp.join("hf");
+    std::fs::create_dir_all(&dir).expect("dir");
+
+    let mut f = std::fs::File::open(&gguf_path).expect("open");
+    let content = gguf_file::Content::read(&mut f).expect("gguf");
+    let mut tensors = HashMap::new();
+    for name in content.tensor_infos.keys() {
+        let t = content
+            .tensor(&mut f, name, &Device::Cpu)
+            .expect("t")
+            .dequantize(&Device::Cpu)
+            .expect("dq");
+        let t = if name.ends_with("attn_q.weight") {
+            unpermute(&t, cfg.num_heads)
+        } else if name.ends_with("attn_k.weight") {
+            unpermute(&t, cfg.num_kv_heads)
+        } else {
+            t
+        };
+        let hf = ferrite_server::model::safetensors::hf_name(name).expect("mapped name");
+        tensors.insert(hf, t);
+    }
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).expect("save");
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": true,
+        "bos_token_id": 1,
+        "eos_token_id": 2
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("config");
+    gguf.tokenizer
+        .save_json(&dir.join("tokenizer.json"))
+        .expect("tokenizer.json");
+    let template = content.metadata["tokenizer.chat_template"]
+        .to_string()
+        .expect("template")
+        .clone();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({ "chat_template": template }).to_string(),
+    )
+    .expect("tokenizer_config");
+
+    let hf = load(&dir, WeightMode::Auto).expect("load HF folder");
+    assert_eq!(
+        hf.model.config().rope_style,
+        ferrite_server::model::RopeStyle::Half
+    );
+    let text = "Hello world! 12345 fn main() { println!(\"hi\"); } 🦀";
+    let ids = gguf.tokenizer.encode(text, false).expect("enc");
+    assert_eq!(hf.tokenizer.encode(text, false).expect("enc"), ids);
+    let msgs = vec![ferrite_server::model::ChatMessage {
+        role: "user".into(),
+        content: "Hi".into(),
+    }];
+    assert_eq!(
+        hf.chat_template
+            .as_ref()
+            .expect("tmpl")
+            .render(&msgs, true)
+            .expect("render"),
+        gguf.chat_template
+            .as_ref()
+            .expect("tmpl")
+            .render(&msgs, true)
+            .expect("render"),
+    );
+    assert_eq!(hf.eos_token_ids, vec![2]);
+    let prompt = gguf.tokenizer.encode(common::PROMPT, false).expect("enc");
+    let err = rel_err(&first_logits(&hf, &prompt), &first_logits(&gguf, &prompt));
+    eprintln!("HF folder vs GGUF: relative logit error {err:.2e}");
+    assert!(err < 1e-4, "HF folder logits differ from the GGUF's: {err}");
+}
+
+/// A scratch directory removed when dropped.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn join(&self, p: impl AsRef<Path>) -> std::path::PathBuf {
+        self.0.join(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempdir() -> TempDir {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let d = std::env::temp_dir().join(format!("ferrite-test-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("tempdir");
+    TempDir(d)
+}
