@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs every check and test: formatting, clippy, and the whole workspace's tests (which fetch the
+# default model through scripts/fetch-model.sh on first use).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+export FERRITE_MODEL="${FERRITE_MODEL:-$("$root/scripts/fetch-model.sh")}"
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== tests"
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast --final-status-level fail "$@"
+else
+  cargo test --workspace --no-fail-fast "$@"
+fi

@@ -1,0 +1,85 @@
+//! Command-line configuration of the server, with vLLM's flag names where they exist.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use crate::model::WeightMode;
+
+#[derive(Debug, Clone, Parser)]
+#[command(name = "ferrite-server", version, about = "OpenAI-compatible LLM server on candle")]
+pub struct ServerArgs {
+    /// GGUF file or Hugging Face folder (config.json, *.safetensors, tokenizer.json).
+    #[arg(long, env = "FERRITE_MODEL")]
+    pub model: PathBuf,
+    /// Name clients use in the `model` field (default: the model file or folder name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// `cpu`, `cuda` or `cuda:N` (CUDA needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// How to hold GGUF weights; see `WeightMode`.
+    #[arg(long, value_enum, default_value_t = WeightMode::Auto)]
+    pub weights: WeightMode,
+    /// A tokenizer.json to use instead of the model's own tokenizer.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Longest prompt + completion, in tokens (default: the model's context length).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Tokens per KV-cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Memory for the device KV cache, e.g. `512MiB`, `2GiB` or plain bytes.
+    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    pub kv_cache_memory: usize,
+    /// Number of device KV blocks; overrides --kv-cache-memory.
+    #[arg(long)]
+    pub num_gpu_blocks: Option<usize>,
+    /// Host swap space for preempted sequences, in GiB (vLLM's --swap-space).
+    #[arg(long, default_value_t = 4.0)]
+    pub swap_space: f64,
+}
+
+/// Parses `123`, `64KiB`, `512MiB`, `2GiB` (also KB/MB/GB as powers of 1000).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let num: f64 = num.parse().map_err(|_| format!("invalid size '{s}'"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        other => return Err(format!("unknown size unit '{other}' in '{s}'")),
+    };
+    let bytes = num * mult;
+    if !bytes.is_finite() || bytes < 0.0 {
+        return Err(format!("invalid size '{s}'"));
+    }
+    Ok(bytes as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sizes() {
+        assert_eq!(parse_bytes("1024"), Ok(1024));
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1.5k"), Ok(1536));
+        assert_eq!(parse_bytes("1GB"), Ok(1_000_000_000));
+        assert!(parse_bytes("12 parsecs").is_err());
+        assert!(parse_bytes("lots").is_err());
+    }
+}
