@@ -7,7 +7,11 @@ use clap::Parser;
 use crate::model::WeightMode;
 
 #[derive(Debug, Clone, Parser)]
-#[command(name = "ferrite-server", version, about = "OpenAI-compatible LLM server on candle")]
+#[command(
+    name = "ferrite-server",
+    version,
+    about = "OpenAI-compatible LLM server on candle"
+)]
 pub struct ServerArgs {
     /// GGUF file or Hugging Face folder (config.json, *.safetensors, tokenizer.json).
     #[arg(long, env = "FERRITE_MODEL")]
@@ -48,7 +52,9 @@ pub struct ServerArgs {
 /// Parses `123`, `64KiB`, `512MiB`, `2GiB` (also KB/MB/GB as powers of 1000).
 pub fn parse_bytes(s: &str) -> Result<usize, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let num: f64 = num.parse().map_err(|_| format!("invalid size '{s}'"))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {

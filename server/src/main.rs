@@ -76,7 +76,9 @@ async fn main() -> Result<()> {
     });
     // The runtime stays alive for the life of the server; the serving engine will own it.
     let (max_len, _runtime) = loader.await.context("model loader panicked")??;
-    state_for_load.max_model_len.store(max_len, Ordering::SeqCst);
+    state_for_load
+        .max_model_len
+        .store(max_len, Ordering::SeqCst);
     state_for_load.ready.store(true, Ordering::SeqCst);
     info!("ready");
     server.await.context("server task")??;
@@ -103,7 +105,10 @@ fn load_and_warm(args: &ServerArgs) -> Result<(usize, (model::LoadedModel, KvCac
         .num_gpu_blocks
         .unwrap_or_else(|| probe.blocks_for_bytes(args.kv_cache_memory));
     let host_blocks = probe.blocks_for_bytes((args.swap_space * (1u64 << 30) as f64) as usize);
-    anyhow::ensure!(num_blocks > 0, "the KV cache holds no block: raise --kv-cache-memory");
+    anyhow::ensure!(
+        num_blocks > 0,
+        "the KV cache holds no block: raise --kv-cache-memory"
+    );
     let kv = KvCacheConfig::for_model(cfg, args.block_size, num_blocks, host_blocks);
     let mut cache = KvCache::new(kv, &device)?;
     info!(

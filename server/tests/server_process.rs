@@ -28,7 +28,10 @@ impl Drop for Server {
 fn start(extra: &[&str]) -> Server {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_ferrite-server"))
-        .args(["--model", common::default_model().to_str().expect("utf-8 path")])
+        .args([
+            "--model",
+            common::default_model().to_str().expect("utf-8 path"),
+        ])
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["--served-model-name", "smol", "--kv-cache-memory", "64MiB"])
         .args(extra)
@@ -85,7 +88,10 @@ fn serves_probes_and_models_then_exits_cleanly_on_sigterm() {
     assert_eq!(version["version"], env!("CARGO_PKG_VERSION"));
 
     let pid = s.child.id().to_string();
-    let st = Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
+    let st = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
     assert!(st.success());
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
