@@ -55,6 +55,19 @@ fn grow(cache: &mut KvCache, s: &mut Seq, to: usize) -> Result<()> {
     Ok(())
 }
 
+/// Runs `prompt` as one prefill of the empty sequence `s`; returns the greedy next token.
+fn prefill(m: &model::LlamaModel, cache: &mut KvCache, s: &mut Seq, prompt: &[u32]) -> Result<u32> {
+    grow(cache, s, prompt.len())?;
+    let input = SeqInput {
+        tokens: prompt,
+        start_pos: 0,
+        block_table: &s.blocks,
+    };
+    let out = m.forward(&[input], cache)?;
+    s.len = prompt.len();
+    Ok(argmax_rows(&out)?[0])
+}
+
 /// Decode tokens/s at `batch`: prefill `context` tokens per sequence, then time `steps` steps.
 fn decode_rate(
     m: &model::LlamaModel,
@@ -74,17 +87,7 @@ fn decode_rate(
         let prompt: Vec<u32> = (0..args.context)
             .map(|j| ((i * 7919 + j * 104729) as u32) % vocab)
             .collect();
-        grow(cache, s, prompt.len())?;
-        let out = m.forward(
-            &[SeqInput {
-                tokens: &prompt,
-                start_pos: 0,
-                block_table: &s.blocks,
-            }],
-            cache,
-        )?;
-        s.len = prompt.len();
-        s.next = argmax_rows(&out)?[0];
+        s.next = prefill(m, cache, s, &prompt)?;
     }
     let start = Instant::now();
     for _ in 0..args.steps {
@@ -125,16 +128,8 @@ fn prefill_rate(m: &model::LlamaModel, cache: &mut KvCache, len: usize) -> Resul
         len: 0,
         next: 0,
     };
-    grow(cache, &mut s, len)?;
     let start = Instant::now();
-    m.forward(
-        &[SeqInput {
-            tokens: &prompt,
-            start_pos: 0,
-            block_table: &s.blocks,
-        }],
-        cache,
-    )?;
+    prefill(m, cache, &mut s, &prompt)?;
     let secs = start.elapsed().as_secs_f64();
     cache.allocator_mut().free_all(&s.blocks)?;
     Ok(len as f64 / secs)

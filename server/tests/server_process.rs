@@ -104,15 +104,20 @@ fn serves_probes_and_models_then_exits_cleanly_on_sigterm() {
     }
 }
 
-#[test]
-fn bad_model_path_exits_with_a_clear_error() {
+/// Runs the binary to completion on 127.0.0.1, expecting it to fail; returns its stderr.
+fn run_failing(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_ferrite-server"))
-        .args(["--model", "/nonexistent/model.gguf", "--host", "127.0.0.1"])
-        .args(["--port", &free_port().to_string()])
+        .args(args)
+        .args(["--host", "127.0.0.1", "--port", &free_port().to_string()])
         .output()
         .expect("run");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure for {args:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn bad_model_path_exits_with_a_clear_error() {
+    let err = run_failing(&["--model", "/nonexistent/model.gguf"]);
     assert!(err.contains("/nonexistent/model.gguf"), "{err}");
 }
 
@@ -121,13 +126,12 @@ fn cuda_device_without_the_feature_is_refused() {
     if cfg!(feature = "cuda") {
         return;
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_ferrite-server"))
-        .args(["--model", common::default_model().to_str().expect("utf-8")])
-        .args(["--device", "cuda:0", "--host", "127.0.0.1"])
-        .args(["--port", &free_port().to_string()])
-        .output()
-        .expect("run");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let model = common::default_model();
+    let err = run_failing(&[
+        "--model",
+        model.to_str().expect("utf-8"),
+        "--device",
+        "cuda:0",
+    ]);
     assert!(err.contains("--features cuda"), "{err}");
 }
