@@ -5,5 +5,6 @@
 
 pub mod config;
 pub mod device;
+pub mod engine;
 pub mod kv;
 pub mod model;

@@ -3,9 +3,11 @@
 
 mod allocator;
 mod cache;
+mod space;
 
 pub use allocator::{BlockAllocator, BlockId, blocks_for_tokens};
 pub use cache::{KvCache, KvCacheConfig};
+pub use space::{BlockSpace, CountingBlocks};
 
 /// Errors of the KV cache. Exhaustion is an ordinary, recoverable condition: the scheduler
 /// reacts to it by waiting or preempting.

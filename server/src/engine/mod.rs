@@ -1,0 +1,5 @@
+//! The serving engine: sequences and their states, the scheduler (a pure decision of what runs
+//! each step), and the sampler.
+
+pub mod sampler;
+pub mod scheduler;

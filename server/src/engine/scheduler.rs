@@ -1,0 +1,385 @@
+//! Continuous-batching scheduler: each step decides which sequences run and with how many
+//! tokens, allocates their blocks, and preempts when blocks run out. It sees token counts and
+//! block ids, never tokens or tensors, so it is tested on synthetic sequences.
+
+use std::collections::VecDeque;
+
+use crate::kv::{BlockId, BlockSpace, KvError, blocks_for_tokens};
+
+pub type SeqId = u64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Most sequences in the running batch.
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill + decode) in one forward.
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub block_size: usize,
+    /// Split long prompts across steps instead of requiring the whole prompt in one step.
+    pub chunked_prefill: bool,
+    /// Free blocks kept back when admitting new work, so running sequences can grow a little
+    /// before anything must be preempted.
+    pub watermark_blocks: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchedulerError {
+    #[error(
+        "the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one sequence of max_model_len {max_model_len}"
+    )]
+    CacheTooSmall {
+        num_blocks: usize,
+        block_size: usize,
+        max_model_len: usize,
+    },
+    #[error(
+        "max_num_batched_tokens ({0}) is smaller than max_model_len ({1}) without chunked prefill"
+    )]
+    BudgetTooSmall(usize, usize),
+    #[error("invalid scheduler setting: {0}")]
+    Invalid(&'static str),
+    #[error("unknown sequence {0}")]
+    UnknownSeq(SeqId),
+    #[error(transparent)]
+    Kv(#[from] KvError),
+}
+
+/// How a preempted sequence gives its blocks back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preemption {
+    /// Blocks copied to the host pool, copied back on resume.
+    Swap,
+    /// Blocks dropped; the prompt and the tokens generated so far are prefilled again.
+    Recompute,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqStatus {
+    Waiting,
+    Running,
+    Swapped,
+}
+
+/// What the scheduler tracks of one sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqState {
+    pub id: SeqId,
+    /// Prompt plus generated tokens that exist so far.
+    pub num_tokens: usize,
+    /// Tokens whose keys and values are in the cache.
+    pub num_computed: usize,
+    /// Device block table.
+    pub blocks: Vec<BlockId>,
+    /// Host blocks while swapped out.
+    pub host_blocks: Vec<BlockId>,
+    pub status: SeqStatus,
+    pub num_preemptions: u32,
+}
+
+/// One sequence's work in a step: run tokens `[start, start + len)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scheduled {
+    pub id: SeqId,
+    pub start: usize,
+    pub len: usize,
+    /// True when this finishes the sequence's known tokens, so the step yields its next token.
+    pub samples: bool,
+}
+
+/// The decision for one step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    pub scheduled: Vec<Scheduled>,
+    pub preempted: Vec<(SeqId, Preemption)>,
+    pub swapped_in: Vec<SeqId>,
+}
+
+impl StepPlan {
+    pub fn num_tokens(&self) -> usize {
+        self.scheduled.iter().map(|s| s.len).sum()
+    }
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    waiting: VecDeque<SeqState>,
+    running: Vec<SeqState>,
+    swapped: VecDeque<SeqState>,
+    num_preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, num_device_blocks: usize) -> Result<Self, SchedulerError> {
+        if cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 || cfg.block_size == 0 {
+            return Err(SchedulerError::Invalid(
+                "max_num_seqs, max_num_batched_tokens and block_size must be positive",
+            ));
+        }
+        if blocks_for_tokens(cfg.max_model_len, cfg.block_size) > num_device_blocks {
+            return Err(SchedulerError::CacheTooSmall {
+                num_blocks: num_device_blocks,
+                block_size: cfg.block_size,
+                max_model_len: cfg.max_model_len,
+            });
+        }
+        if !cfg.chunked_prefill && cfg.max_num_batched_tokens < cfg.max_model_len {
+            return Err(SchedulerError::BudgetTooSmall(
+                cfg.max_num_batched_tokens,
+                cfg.max_model_len,
+            ));
+        }
+        Ok(Self {
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            swapped: VecDeque::new(),
+            num_preemptions: 0,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// Queues a new sequence of `prompt_len` tokens.
+    pub fn add(&mut self, id: SeqId, prompt_len: usize) {
+        self.waiting.push_back(SeqState {
+            id,
+            num_tokens: prompt_len,
+            num_computed: 0,
+            blocks: Vec::new(),
+            host_blocks: Vec::new(),
+            status: SeqStatus::Waiting,
+            num_preemptions: 0,
+        });
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn num_swapped(&self) -> usize {
+        self.swapped.len()
+    }
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty() && self.swapped.is_empty()
+    }
+
+    pub fn get(&self, id: SeqId) -> Option<&SeqState> {
+        self.running
+            .iter()
+            .chain(self.waiting.iter())
+            .chain(self.swapped.iter())
+            .find(|s| s.id == id)
+    }
+
+    /// Decides the next step, allocating blocks for everything scheduled.
+    pub fn schedule(&mut self, space: &mut dyn BlockSpace) -> Result<StepPlan, SchedulerError> {
+        let mut plan = StepPlan::default();
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let bs = self.cfg.block_size;
+
+        // 1. Running sequences, oldest first; make room by preempting the newest.
+        let mut i = 0;
+        while i < self.running.len() {
+            let n = self.chunk(&self.running[i], budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let mut preempted_self = false;
+            loop {
+                let seq = &self.running[i];
+                let need =
+                    blocks_for_tokens(seq.num_computed + n, bs).saturating_sub(seq.blocks.len());
+                if need <= space.num_free() {
+                    break;
+                }
+                let victim = self
+                    .running
+                    .pop()
+                    .ok_or(SchedulerError::Invalid("empty running set"))?;
+                let last = self.running.len() == i;
+                let how = self.preempt(victim, space)?;
+                plan.preempted.push(how);
+                if last {
+                    preempted_self = true;
+                    break;
+                }
+            }
+            if preempted_self {
+                break;
+            }
+            let seq = &mut self.running[i];
+            plan.scheduled.push(Self::allocate(seq, n, bs, space)?);
+            budget -= n;
+            i += 1;
+        }
+
+        // 2. Swapped sequences come back before new ones start, unless we just preempted.
+        if plan.preempted.is_empty() {
+            while let Some(front) = self.swapped.front() {
+                if self.running.len() >= self.cfg.max_num_seqs || budget == 0 {
+                    break;
+                }
+                let n = self.chunk(front, budget);
+                let need = blocks_for_tokens(front.num_computed + n, bs);
+                if n == 0 || !self.fits(need, space) {
+                    break;
+                }
+                let mut seq = self
+                    .swapped
+                    .pop_front()
+                    .ok_or(SchedulerError::Invalid("empty swap queue"))?;
+                seq.blocks = space.swap_in(&seq.host_blocks)?;
+                seq.host_blocks.clear();
+                seq.status = SeqStatus::Running;
+                plan.swapped_in.push(seq.id);
+                plan.scheduled.push(Self::allocate(&mut seq, n, bs, space)?);
+                budget -= n;
+                self.running.push(seq);
+            }
+        }
+
+        // 3. New (or recomputing) sequences, first come first served.
+        if plan.preempted.is_empty() && self.swapped.is_empty() {
+            while let Some(front) = self.waiting.front() {
+                if self.running.len() >= self.cfg.max_num_seqs || budget == 0 {
+                    break;
+                }
+                let n = self.chunk(front, budget);
+                let need = blocks_for_tokens(front.num_computed + n, bs)
+                    .saturating_sub(front.blocks.len());
+                if n == 0 || !self.fits(need, space) {
+                    break;
+                }
+                let mut seq = self
+                    .waiting
+                    .pop_front()
+                    .ok_or(SchedulerError::Invalid("empty queue"))?;
+                seq.status = SeqStatus::Running;
+                plan.scheduled.push(Self::allocate(&mut seq, n, bs, space)?);
+                budget -= n;
+                self.running.push(seq);
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Records that the planned tokens were computed. For each sequence whose step yielded a
+    /// token, the caller then calls [`Scheduler::append_token`] or [`Scheduler::finish`].
+    pub fn commit(&mut self, plan: &StepPlan) {
+        for s in &plan.scheduled {
+            if let Some(seq) = self.running.iter_mut().find(|q| q.id == s.id) {
+                seq.num_computed = s.start + s.len;
+            }
+        }
+    }
+
+    /// A sampled token was appended to sequence `id`.
+    pub fn append_token(&mut self, id: SeqId) -> Result<(), SchedulerError> {
+        let seq = self
+            .running
+            .iter_mut()
+            .find(|q| q.id == id)
+            .ok_or(SchedulerError::UnknownSeq(id))?;
+        seq.num_tokens += 1;
+        Ok(())
+    }
+
+    /// Removes a sequence in any state and frees its device and host blocks. Used both for
+    /// completion and for aborts; the blocks are free before the next step.
+    pub fn finish(
+        &mut self,
+        id: SeqId,
+        space: &mut dyn BlockSpace,
+    ) -> Result<SeqState, SchedulerError> {
+        let seq = if let Some(p) = self.running.iter().position(|q| q.id == id) {
+            self.running.remove(p)
+        } else if let Some(p) = self.waiting.iter().position(|q| q.id == id) {
+            self.waiting
+                .remove(p)
+                .ok_or(SchedulerError::UnknownSeq(id))?
+        } else if let Some(p) = self.swapped.iter().position(|q| q.id == id) {
+            self.swapped
+                .remove(p)
+                .ok_or(SchedulerError::UnknownSeq(id))?
+        } else {
+            return Err(SchedulerError::UnknownSeq(id));
+        };
+        space.free_all(&seq.blocks)?;
+        space.free_host(&seq.host_blocks)?;
+        Ok(seq)
+    }
+
+    /// Tokens `seq` can run this step within `budget`.
+    fn chunk(&self, seq: &SeqState, budget: usize) -> usize {
+        let remaining = seq.num_tokens - seq.num_computed;
+        if remaining <= budget {
+            remaining
+        } else if self.cfg.chunked_prefill {
+            budget
+        } else {
+            0
+        }
+    }
+
+    /// Whether `need` more blocks may be taken for new work. The watermark is waived when
+    /// nothing runs, or a sequence needing nearly the whole cache could never start.
+    fn fits(&self, need: usize, space: &dyn BlockSpace) -> bool {
+        let reserve = if self.running.is_empty() {
+            0
+        } else {
+            self.cfg.watermark_blocks
+        };
+        need + reserve <= space.num_free()
+    }
+
+    fn allocate(
+        seq: &mut SeqState,
+        n: usize,
+        bs: usize,
+        space: &mut dyn BlockSpace,
+    ) -> Result<Scheduled, SchedulerError> {
+        let need = blocks_for_tokens(seq.num_computed + n, bs).saturating_sub(seq.blocks.len());
+        seq.blocks.extend(space.allocate_n(need)?);
+        Ok(Scheduled {
+            id: seq.id,
+            start: seq.num_computed,
+            len: n,
+            samples: seq.num_computed + n == seq.num_tokens,
+        })
+    }
+
+    fn preempt(
+        &mut self,
+        mut seq: SeqState,
+        space: &mut dyn BlockSpace,
+    ) -> Result<(SeqId, Preemption), SchedulerError> {
+        self.num_preemptions += 1;
+        seq.num_preemptions += 1;
+        // A sequence still in its prompt has little to save; only swap what was decoded.
+        let how = if !seq.blocks.is_empty() && space.host_num_free() >= seq.blocks.len() {
+            seq.host_blocks = space.swap_out(&seq.blocks)?;
+            seq.blocks.clear();
+            seq.status = SeqStatus::Swapped;
+            self.swapped.push_front(seq.clone());
+            Preemption::Swap
+        } else {
+            space.free_all(&seq.blocks)?;
+            seq.blocks.clear();
+            seq.num_computed = 0;
+            seq.status = SeqStatus::Waiting;
+            self.waiting.push_front(seq.clone());
+            Preemption::Recompute
+        };
+        Ok((seq.id, how))
+    }
+}
