@@ -1,0 +1,382 @@
+//! The engine loop: owns the model, the KV cache and the scheduler on its own thread, takes
+//! requests over a channel and streams events back per request. It is the only place that sees
+//! whole steps, so iteration statistics come from here and nowhere else.
+
+use std::collections::HashMap;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+
+use super::sampler::{Rng, SamplingParams, sample};
+use super::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId};
+use super::stop::{StopChecker, StopUpdate};
+use crate::kv::KvCache;
+use crate::model::{LoadedModel, SeqInput};
+
+/// One sequence to generate.
+#[derive(Debug)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// Dropping the receiver aborts the request within one step.
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A generated token and the text it released (possibly empty while a stop string may be
+    /// forming or a UTF-8 character is incomplete).
+    Token {
+        token: u32,
+        text: String,
+        logprob: f32,
+        top_logprobs: Vec<(u32, f32)>,
+    },
+    Finished {
+        reason: FinishReason,
+        /// Held-back text released at the end.
+        text: String,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    /// The engine could not run this request (the text says why).
+    Failed(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+enum Command {
+    Add(Box<Request>),
+    Shutdown,
+}
+
+/// Engine state published after every step; reading it never waits for a step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_swapped: usize,
+    pub num_preemptions: u64,
+    pub blocks_used: usize,
+    pub blocks_total: usize,
+    pub host_blocks_used: usize,
+    pub steps: u64,
+}
+
+/// The HTTP side's handle: cheap to clone, sends requests to the engine thread.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: std_mpsc::Sender<Command>,
+    stats: Arc<Mutex<EngineStats>>,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Command::Add(_) => f.write_str("Add"),
+            Command::Shutdown => f.write_str("Shutdown"),
+        }
+    }
+}
+
+impl EngineHandle {
+    pub fn submit(&self, req: Request) -> Result<(), EngineError> {
+        self.tx
+            .send(Command::Add(Box::new(req)))
+            .map_err(|_| EngineError::Stopped)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.stats.lock().map(|s| *s).unwrap_or_default()
+    }
+
+    /// Asks the engine to finish what it has and stop.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+}
+
+struct SeqData {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    req: Request,
+    rng: Rng,
+    stop: StopChecker,
+}
+
+/// Starts the engine thread.
+pub fn spawn(
+    model: LoadedModel,
+    cache: KvCache,
+    cfg: SchedulerConfig,
+) -> Result<(EngineHandle, JoinHandle<()>), SchedulerError> {
+    let scheduler = Scheduler::new(cfg, cache.allocator().num_blocks())?;
+    let (tx, rx) = std_mpsc::channel();
+    let stats = Arc::new(Mutex::new(EngineStats::default()));
+    let engine = Engine {
+        stats: stats.clone(),
+        steps: 0,
+        model,
+        cache,
+        scheduler,
+        seqs: HashMap::new(),
+        next_id: 0,
+        rx,
+        accepting: true,
+    };
+    let join = std::thread::Builder::new()
+        .name("ferrite-engine".into())
+        .spawn(move || engine.run())
+        .map_err(|_| SchedulerError::Invalid("cannot start the engine thread"))?;
+    Ok((EngineHandle { tx, stats }, join))
+}
+
+struct Engine {
+    model: LoadedModel,
+    cache: KvCache,
+    scheduler: Scheduler,
+    seqs: HashMap<SeqId, SeqData>,
+    next_id: SeqId,
+    rx: std_mpsc::Receiver<Command>,
+    accepting: bool,
+    stats: Arc<Mutex<EngineStats>>,
+    steps: u64,
+}
+
+impl Engine {
+    fn publish(&self) {
+        let s = EngineStats {
+            num_running: self.scheduler.num_running(),
+            num_waiting: self.scheduler.num_waiting(),
+            num_swapped: self.scheduler.num_swapped(),
+            num_preemptions: self.scheduler.num_preemptions(),
+            blocks_used: self.cache.allocator().num_used(),
+            blocks_total: self.cache.allocator().num_blocks(),
+            host_blocks_used: self.cache.host_allocator().num_used(),
+            steps: self.steps,
+        };
+        if let Ok(mut g) = self.stats.lock() {
+            *g = s;
+        }
+    }
+
+    fn run(mut self) {
+        loop {
+            if self.scheduler.is_idle() {
+                if !self.accepting {
+                    break;
+                }
+                match self.rx.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.handle(cmd);
+            }
+            self.reap_aborted();
+            if !self.scheduler.is_idle()
+                && let Err(e) = self.step()
+            {
+                tracing::error!(error = %e, "engine step failed; failing its requests");
+                self.fail_all(&e.to_string());
+            }
+            self.publish();
+        }
+        tracing::info!("engine stopped");
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Shutdown => self.accepting = false,
+            Command::Add(req) => {
+                if !self.accepting {
+                    let _ = req
+                        .events
+                        .send(Event::Failed("the server is shutting down".into()));
+                    return;
+                }
+                let id = self.next_id;
+                self.next_id += 1;
+                let rng = req
+                    .sampling
+                    .seed
+                    .map(Rng::new)
+                    .unwrap_or_else(Rng::from_entropy);
+                self.scheduler.add(id, req.prompt.len());
+                let stop = StopChecker::new(req.stop.clone());
+                let data = SeqData {
+                    tokens: req.prompt.clone(),
+                    prompt_len: req.prompt.len(),
+                    req: *req,
+                    rng,
+                    stop,
+                };
+                self.seqs.insert(id, data);
+            }
+        }
+    }
+
+    /// Requests whose receiver is gone (client disconnected) give their blocks back now.
+    fn reap_aborted(&mut self) {
+        let gone: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, d)| d.req.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.finish(id, FinishReason::Abort, String::new());
+        }
+    }
+
+    fn finish(&mut self, id: SeqId, reason: FinishReason, text: String) {
+        if let Err(e) = self.scheduler.finish(id, &mut self.cache) {
+            tracing::error!(seq = id, error = %e, "freeing a finished sequence failed");
+        }
+        if let Some(d) = self.seqs.remove(&id) {
+            let _ = d.req.events.send(Event::Finished {
+                reason,
+                text,
+                prompt_tokens: d.prompt_len,
+                completion_tokens: d.tokens.len() - d.prompt_len,
+            });
+        }
+    }
+
+    fn fail_all(&mut self, msg: &str) {
+        let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
+        for id in ids {
+            let _ = self.scheduler.finish(id, &mut self.cache);
+            if let Some(d) = self.seqs.remove(&id) {
+                let _ = d.req.events.send(Event::Failed(msg.to_string()));
+            }
+        }
+    }
+
+    fn step(&mut self) -> Result<(), Box<dyn std::error::Error>> {
+        let started = Instant::now();
+        let plan = self.scheduler.schedule(&mut self.cache)?;
+        if plan.scheduled.is_empty() {
+            // Nothing fits right now (should not persist); wait for a command briefly.
+            if let Ok(cmd) = self.rx.recv_timeout(std::time::Duration::from_millis(5)) {
+                self.handle(cmd);
+            }
+            return Ok(());
+        }
+        let tables: Vec<Vec<u32>> = plan
+            .scheduled
+            .iter()
+            .map(|s| {
+                self.scheduler
+                    .get(s.id)
+                    .map(|q| q.blocks.clone())
+                    .unwrap_or_default()
+            })
+            .collect();
+        let inputs: Vec<SeqInput> = plan
+            .scheduled
+            .iter()
+            .zip(&tables)
+            .map(|(s, t)| SeqInput {
+                tokens: &self.seqs[&s.id].tokens[s.start..s.start + s.len],
+                start_pos: s.start,
+                block_table: t,
+            })
+            .collect();
+        let logits = self.model.model.forward(&inputs, &self.cache)?;
+        self.steps += 1;
+        self.scheduler.commit(&plan);
+        let rows = logits.to_vec2::<f32>()?;
+        let eos = self.model.eos_token_ids.clone();
+        let max_len = self.model.model.max_len();
+        for (row, s) in rows.iter().zip(&plan.scheduled) {
+            if !s.samples {
+                continue;
+            }
+            let Some(d) = self.seqs.get_mut(&s.id) else {
+                continue;
+            };
+            let (prompt, output) = d.tokens.split_at(d.prompt_len);
+            let sampled = sample(row, &d.req.sampling, prompt, output, &mut d.rng);
+            d.tokens.push(sampled.token);
+            let n_out = d.tokens.len() - d.prompt_len;
+            let is_eos = !d.req.ignore_eos && eos.contains(&sampled.token);
+            let is_stop_id = d.req.stop_token_ids.contains(&sampled.token);
+            let mut finish = None;
+            let mut text = String::new();
+            if is_eos || is_stop_id {
+                finish = Some(FinishReason::Stop);
+            } else {
+                let full = self
+                    .model
+                    .tokenizer
+                    .decode(&d.tokens[d.prompt_len..], true)?;
+                match d.stop.update(&full) {
+                    StopUpdate::Delta(t) => text = t,
+                    StopUpdate::Stopped(t) => {
+                        text = t;
+                        finish = Some(FinishReason::Stop);
+                    }
+                }
+            }
+            if finish.is_none() && (n_out >= d.req.max_tokens || d.tokens.len() >= max_len) {
+                finish = Some(FinishReason::Length);
+            }
+            let _ = d.req.events.send(Event::Token {
+                token: sampled.token,
+                text,
+                logprob: sampled.logprob,
+                top_logprobs: sampled.top,
+            });
+            match finish {
+                Some(reason) => {
+                    // Text held back for a stop string that never completed belongs to the
+                    // output, unless a stop string did match.
+                    let stopped_by_string = reason == FinishReason::Stop && !is_eos && !is_stop_id;
+                    let tail = if stopped_by_string {
+                        String::new()
+                    } else {
+                        d.stop.flush()
+                    };
+                    self.finish(s.id, reason, tail);
+                }
+                None => self.scheduler.append_token(s.id)?,
+            }
+        }
+        tracing::trace!(
+            tokens = plan.num_tokens(),
+            secs = started.elapsed().as_secs_f64(),
+            "step"
+        );
+        Ok(())
+    }
+}
