@@ -3,6 +3,7 @@
 //! Layers, each knowing only the one below: `model` (tensors), `kv` (blocks), and the serving
 //! engine and API built on top of them.
 
+pub mod api;
 pub mod config;
 pub mod device;
 pub mod engine;

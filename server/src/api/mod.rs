@@ -1,0 +1,3 @@
+//! The OpenAI-compatible HTTP layer. It knows requests, never tensors.
+
+pub mod error;
