@@ -113,14 +113,6 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>, ModelError> {
     Ok(logits
         .to_vec2::<f32>()?
         .iter()
-        .map(|row| {
-            let mut best = 0;
-            for (j, &x) in row.iter().enumerate() {
-                if x > row[best] {
-                    best = j;
-                }
-            }
-            best as u32
-        })
+        .map(|row| crate::engine::sampler::argmax(row))
         .collect())
 }

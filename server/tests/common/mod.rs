@@ -7,6 +7,7 @@ use std::sync::OnceLock;
 
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
+use ferrite_server::engine::sampler::argmax;
 use ferrite_server::kv::{KvCache, KvCacheConfig};
 use ferrite_server::model::attention::AttentionBackend;
 use ferrite_server::model::driver::{GreedySeq, run_greedy};
@@ -37,16 +38,6 @@ pub fn default_model() -> PathBuf {
         PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string())
     })
     .clone()
-}
-
-pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Greedy tokens and the first-step logits from quantized_llama.
