@@ -349,66 +349,53 @@ mod tests {
             }
             seen.into_iter().collect::<Vec<_>>()
         };
-        assert_eq!(
-            only(
+        let cases = [
+            (
                 SamplingParams {
                     top_k: 1,
                     ..params()
                 },
-                &mut rng
+                vec![2],
             ),
-            vec![2]
-        );
-        assert_eq!(
-            only(
+            (
                 SamplingParams {
                     top_k: 2,
                     ..params()
                 },
-                &mut rng
+                vec![1, 2],
             ),
-            vec![1, 2]
-        );
-        assert_eq!(
-            only(
+            (
                 SamplingParams {
                     top_p: 0.7,
                     ..params()
                 },
-                &mut rng
+                vec![2],
             ),
-            vec![2]
-        );
-        assert_eq!(
-            only(
+            (
                 SamplingParams {
                     top_p: 0.85,
                     ..params()
                 },
-                &mut rng
+                vec![1, 2],
             ),
-            vec![1, 2]
-        );
-        assert_eq!(
-            only(
+            (
                 SamplingParams {
                     min_p: 0.2,
                     ..params()
                 },
-                &mut rng
+                vec![1, 2],
             ),
-            vec![1, 2]
-        );
-        assert_eq!(
-            only(
+            (
                 SamplingParams {
                     min_p: 0.5,
                     ..params()
                 },
-                &mut rng
+                vec![2],
             ),
-            vec![2]
-        );
+        ];
+        for (p, want) in cases {
+            assert_eq!(only(p.clone(), &mut rng), want, "{p:?}");
+        }
     }
 
     #[test]

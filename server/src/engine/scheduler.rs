@@ -225,15 +225,11 @@ impl Scheduler {
 
         // 2. Swapped sequences come back before new ones start, unless we just preempted.
         if plan.preempted.is_empty() {
-            while let Some(front) = self.swapped.front() {
-                if self.running.len() >= self.cfg.max_num_seqs || budget == 0 {
-                    break;
-                }
-                let n = self.chunk(front, budget);
-                let need = blocks_for_tokens(front.num_computed + n, bs);
-                if n == 0 || !self.fits(need, space) {
-                    break;
-                }
+            while let Some(n) = self
+                .swapped
+                .front()
+                .and_then(|f| self.admit(f, budget, space))
+            {
                 let mut seq = self
                     .swapped
                     .pop_front()
@@ -250,16 +246,11 @@ impl Scheduler {
 
         // 3. New (or recomputing) sequences, first come first served.
         if plan.preempted.is_empty() && self.swapped.is_empty() {
-            while let Some(front) = self.waiting.front() {
-                if self.running.len() >= self.cfg.max_num_seqs || budget == 0 {
-                    break;
-                }
-                let n = self.chunk(front, budget);
-                let need = blocks_for_tokens(front.num_computed + n, bs)
-                    .saturating_sub(front.blocks.len());
-                if n == 0 || !self.fits(need, space) {
-                    break;
-                }
+            while let Some(n) = self
+                .waiting
+                .front()
+                .and_then(|f| self.admit(f, budget, space))
+            {
                 let mut seq = self
                     .waiting
                     .pop_front()
@@ -329,6 +320,20 @@ impl Scheduler {
         } else {
             0
         }
+    }
+
+    /// Tokens a queued (waiting or swapped) sequence would run if it joined the batch now, or
+    /// `None` when the batch is full, the budget is spent, or its blocks do not fit.
+    fn admit(&self, seq: &SeqState, budget: usize, space: &dyn BlockSpace) -> Option<usize> {
+        if self.running.len() >= self.cfg.max_num_seqs || budget == 0 {
+            return None;
+        }
+        let n = self.chunk(seq, budget);
+        // A swapped sequence holds no device blocks; its host blocks come back as new ones.
+        let held = seq.blocks.len();
+        let need =
+            blocks_for_tokens(seq.num_computed + n, self.cfg.block_size).saturating_sub(held);
+        (n > 0 && self.fits(need, space)).then_some(n)
     }
 
     /// Whether `need` more blocks may be taken for new work. The watermark is waived when

@@ -29,7 +29,7 @@ pub struct AttnMeta {
 impl AttnMeta {
     /// Cache slot of position `pos` of sequence `seq`.
     #[inline]
-    fn slot(&self, seq: usize, pos: usize) -> usize {
+    pub fn slot(&self, seq: usize, pos: usize) -> usize {
         self.block_tables[seq][pos / self.block_size] as usize * self.block_size
             + pos % self.block_size
     }

@@ -128,15 +128,12 @@ impl LlamaModel {
         let mut ids = Vec::with_capacity(n_tokens);
         let mut pos = Vec::with_capacity(n_tokens);
         let mut token_seq = Vec::with_capacity(n_tokens);
-        let mut slots = Vec::with_capacity(n_tokens);
         let mut last = Vec::with_capacity(batch.len());
         for (i, s) in batch.iter().enumerate() {
             for (j, &tok) in s.tokens.iter().enumerate() {
-                let p = s.start_pos + j;
                 ids.push(tok);
-                pos.push(p as u32);
+                pos.push((s.start_pos + j) as u32);
                 token_seq.push(i as u32);
-                slots.push(s.block_table[p / bs] * bs as u32 + (p % bs) as u32);
             }
             last.push((ids.len() - 1) as u32);
         }
@@ -148,11 +145,18 @@ impl LlamaModel {
             scale: 1.0 / (cfg.head_dim as f32).sqrt(),
             sliding_window: cfg.sliding_window,
             token_seq,
-            token_pos: pos.clone(),
+            token_pos: pos,
             block_tables: batch.iter().map(|s| s.block_table.to_vec()).collect(),
         };
+        // Cache slot of every token, from the same block-table lookup attention reads through.
+        let slots: Vec<u32> = meta
+            .token_seq
+            .iter()
+            .zip(&meta.token_pos)
+            .map(|(&seq, &p)| meta.slot(seq as usize, p as usize) as u32)
+            .collect();
         let dev = &self.device;
-        let positions = Tensor::from_vec(pos, n_tokens, dev)?;
+        let positions = Tensor::new(meta.token_pos.as_slice(), dev)?;
         let kv_dim = cfg.kv_dim();
         let slot_idx = Tensor::from_vec(slots, (n_tokens, 1), dev)?
             .broadcast_as((n_tokens, kv_dim))?
