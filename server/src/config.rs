@@ -47,6 +47,25 @@ pub struct ServerArgs {
     /// Host swap space for preempted sequences, in GiB (vLLM's --swap-space).
     #[arg(long, default_value_t = 4.0)]
     pub swap_space: f64,
+    /// Most sequences in one batch.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most tokens (prompt chunks + decodes) in one engine step.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Split long prompts across steps so they do not stall running decodes.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub enable_chunked_prefill: bool,
+    /// Require `Authorization: Bearer <key>` on /v1/* (as vLLM's --api-key).
+    #[arg(long, env = "FERRITE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Refuse new requests with 503 + Retry-After while this many are already waiting
+    /// (default: no limit, as vLLM).
+    #[arg(long)]
+    pub max_queue_len: Option<usize>,
+    /// Seconds to finish in-flight requests after SIGTERM before exiting anyway.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_timeout: u64,
 }
 
 /// Parses `123`, `64KiB`, `512MiB`, `2GiB` (also KB/MB/GB as powers of 1000).

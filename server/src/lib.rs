@@ -8,4 +8,5 @@ pub mod config;
 pub mod device;
 pub mod engine;
 pub mod kv;
+pub mod metrics;
 pub mod model;

@@ -1,32 +1,23 @@
-//! ferrite-server binary: loads the model, sizes the paged KV cache, warms up, and serves.
-//!
-//! The OpenAI endpoints arrive with the serving engine; today the binary serves the probes and
-//! model listing that sit in front of it.
+//! ferrite-server binary: loads the model, sizes the paged KV cache, warms up, starts the engine
+//! thread and serves the OpenAI-compatible API. On SIGTERM it stops accepting, lets in-flight
+//! requests finish (up to `--shutdown-timeout`), and exits 0.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Json};
-use axum::routing::get;
 use clap::Parser;
+use ferrite_server::api::{self, state::AppState, state::Serving};
 use ferrite_server::config::ServerArgs;
 use ferrite_server::device::parse_device;
+use ferrite_server::engine::core as engine;
+use ferrite_server::engine::scheduler::SchedulerConfig;
 use ferrite_server::kv::{KvCache, KvCacheConfig};
+use ferrite_server::metrics::EngineMetrics;
 use ferrite_server::model::{self, LoadOptions, SeqInput};
-use tracing::info;
-
-struct AppState {
-    served_model_name: String,
-    ready: AtomicBool,
-    created: u64,
-    /// Known once the model is loaded (0 before).
-    max_model_len: AtomicUsize,
-}
+use tokio::sync::watch;
+use tracing::{info, warn};
 
 #[tokio::main]
 async fn main() -> Result<()> {
@@ -42,15 +33,13 @@ async fn main() -> Result<()> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
     });
-    let state = Arc::new(AppState {
-        served_model_name: served,
-        ready: AtomicBool::new(false),
-        created: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
-        max_model_len: AtomicUsize::new(0),
-    });
+    let metrics = EngineMetrics::new(&served)?;
+    let state = Arc::new(AppState::new(
+        served,
+        args.api_key.clone(),
+        args.max_queue_len,
+        metrics.clone(),
+    ));
 
     // Listen first so that probes see 503 while the model loads, not connection refused.
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
@@ -61,34 +50,93 @@ async fn main() -> Result<()> {
         .with_context(|| format!("binding {addr}"))?;
     info!(%addr, "listening");
 
-    let load_args = args.clone();
-    let loader = tokio::task::spawn_blocking(move || load_and_warm(&load_args));
-    let state_for_load = state.clone();
-    let app = axum::Router::new()
-        .route("/health", get(health))
-        .route("/version", get(version))
-        .route("/v1/models", get(models))
-        .with_state(state.clone());
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    {
+        let state = state.clone();
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            state.start_draining();
+            let _ = stop_tx.send(true);
+        });
+    }
+    let app = api::router(state.clone());
+    let mut server_stop = stop_rx.clone();
     let server = tokio::spawn(async move {
         axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
+            .with_graceful_shutdown(async move {
+                let _ = server_stop.wait_for(|&s| s).await;
+            })
             .await
     });
-    // The runtime stays alive for the life of the server; the serving engine will own it.
-    let (max_len, _runtime) = loader.await.context("model loader panicked")??;
-    state_for_load
-        .max_model_len
-        .store(max_len, Ordering::SeqCst);
-    state_for_load.ready.store(true, Ordering::SeqCst);
-    info!("ready");
-    server.await.context("server task")??;
-    info!("shut down");
+
+    let load_args = args.clone();
+    let loader = tokio::task::spawn_blocking(move || load_and_warm(&load_args));
+    let loaded = tokio::select! {
+        r = loader => r.context("model loader panicked")??,
+        _ = stop_rx.wait_for(|&s| s) => {
+            info!("shutdown requested while loading");
+            return Ok(());
+        }
+    };
+    let (mut loaded, cache) = loaded;
+    let max_model_len = loaded.model.max_len();
+    let sched = SchedulerConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_model_len,
+        block_size: args.block_size,
+        chunked_prefill: args.enable_chunked_prefill,
+        watermark_blocks: cache.allocator().num_blocks() / 100,
+    };
+    let tokenizer = loaded.tokenizer.clone();
+    let chat_template = loaded.chat_template.take();
+    let (handle, engine_thread) =
+        engine::spawn(loaded, cache, sched, metrics).context("starting the engine")?;
+    state.set_serving(Serving {
+        engine: handle.clone(),
+        tokenizer,
+        chat_template,
+        max_model_len,
+    });
+    info!(
+        max_num_seqs = sched.max_num_seqs,
+        max_num_batched_tokens = sched.max_num_batched_tokens,
+        chunked_prefill = sched.chunked_prefill,
+        "ready"
+    );
+
+    // Drain: the server stops accepting at the signal and returns once in-flight responses end.
+    let _ = stop_rx.wait_for(|&s| s).await;
+    let limit = Duration::from_secs(args.shutdown_timeout);
+    let started = Instant::now();
+    match tokio::time::timeout(limit, server).await {
+        Ok(r) => r.context("server task")??,
+        Err(_) => {
+            let st = handle.stats();
+            warn!(
+                running = st.num_running,
+                waiting = st.num_waiting,
+                "requests still in flight after --shutdown-timeout; exiting anyway"
+            );
+            return Ok(());
+        }
+    }
+    handle.shutdown();
+    let rest = limit.saturating_sub(started.elapsed());
+    let joined = tokio::task::spawn_blocking(move || engine_thread.join());
+    if tokio::time::timeout(rest.max(Duration::from_secs(1)), joined)
+        .await
+        .is_err()
+    {
+        warn!("the engine did not stop in time");
+    }
+    info!(secs = started.elapsed().as_secs_f64(), "shut down");
     Ok(())
 }
 
 /// Loads the model, allocates the KV cache, and runs one forward so the first request does not
 /// pay for lazy initialisation.
-fn load_and_warm(args: &ServerArgs) -> Result<(usize, (model::LoadedModel, KvCache))> {
+fn load_and_warm(args: &ServerArgs) -> Result<(model::LoadedModel, KvCache)> {
     let device = parse_device(&args.device)?;
     let t0 = Instant::now();
     let opts = LoadOptions {
@@ -130,37 +178,7 @@ fn load_and_warm(args: &ServerArgs) -> Result<(usize, (model::LoadedModel, KvCac
     };
     loaded.model.forward(&[input], &cache)?;
     cache.allocator_mut().free_all(&blocks)?;
-    let max_len = loaded.model.max_len();
-    Ok((max_len, (loaded, cache)))
-}
-
-async fn health(State(s): State<Arc<AppState>>) -> impl IntoResponse {
-    if s.ready.load(Ordering::SeqCst) {
-        (StatusCode::OK, "")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "loading")
-    }
-}
-
-async fn version() -> Json<serde_json::Value> {
-    Json(serde_json::json!({ "version": env!("CARGO_PKG_VERSION") }))
-}
-
-async fn models(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    Json(serde_json::json!({
-        "object": "list",
-        "data": [{
-            "id": s.served_model_name,
-            "object": "model",
-            "created": s.created,
-            "owned_by": "ferrite",
-            "root": s.served_model_name,
-            "max_model_len": match s.max_model_len.load(Ordering::SeqCst) {
-                0 => serde_json::Value::Null,
-                n => n.into(),
-            },
-        }]
-    }))
+    Ok((loaded, cache))
 }
 
 async fn shutdown_signal() {

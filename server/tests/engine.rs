@@ -41,7 +41,8 @@ fn engine(blocks: usize, host: usize, max_num_seqs: usize) -> (EngineHandle, Tok
         chunked_prefill: true,
         watermark_blocks: 1,
     };
-    let (h, _join) = spawn(m, cache, cfg).expect("spawn");
+    let metrics = ferrite_server::metrics::EngineMetrics::new("test").expect("metrics");
+    let (h, _join) = spawn(m, cache, cfg, metrics).expect("spawn");
     (h, tok)
 }
 

@@ -62,9 +62,17 @@ impl ApiError {
     }
 
     pub fn overloaded(retry_after: u64) -> Self {
+        Self::unavailable(
+            "the server is overloaded: the waiting queue is full, retry later",
+            retry_after,
+        )
+    }
+
+    /// 503 with `Retry-After`: loading, draining or overloaded.
+    pub fn unavailable(message: impl Into<String>, retry_after: u64) -> Self {
         Self {
             status: StatusCode::SERVICE_UNAVAILABLE,
-            message: "the server is overloaded: the waiting queue is full, retry later".into(),
+            message: message.into(),
             param: None,
             retry_after: Some(retry_after),
         }

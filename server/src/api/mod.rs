@@ -1,3 +1,155 @@
-//! The OpenAI-compatible HTTP layer. It knows requests, never tensors.
+//! The OpenAI-compatible HTTP layer. It knows requests, never tensors: everything model-side
+//! goes through the engine handle.
 
+pub mod chat;
+pub mod completions;
 pub mod error;
+pub mod extract;
+pub mod generate;
+pub mod protocol;
+pub mod state;
+pub mod tokenize;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::{get, post};
+use serde_json::json;
+
+use error::ApiError;
+use state::AppState;
+
+/// All routes. `/v1/*` sits behind the API key when one is set; probes, `/version`,
+/// `/metrics` and the tokenizer endpoints stay open, as in vLLM.
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/version", get(version))
+        .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// 200 once the model is loaded and warm and the server is not draining; 503 otherwise.
+async fn health(State(s): State<Arc<AppState>>) -> impl IntoResponse {
+    if s.is_ready() {
+        (StatusCode::OK, "")
+    } else if s.is_draining() {
+        (StatusCode::SERVICE_UNAVAILABLE, "shutting down")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "loading")
+    }
+}
+
+async fn version() -> Json<serde_json::Value> {
+    Json(json!({ "version": env!("CARGO_PKG_VERSION") }))
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.served_model_name,
+            "object": "model",
+            "created": s.created,
+            "owned_by": "ferrite",
+            "root": s.served_model_name,
+            "max_model_len": s.loaded().map(|l| l.max_model_len),
+        }]
+    }))
+}
+
+/// Prometheus text exposition; reads atomics only, so it never waits on the engine.
+async fn metrics(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
+    let body = s
+        .metrics
+        .encode()
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response())
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::not_found(format!(
+        "no route for {} {}",
+        req.method(),
+        req.uri().path()
+    ))
+}
+
+async fn require_api_key(
+    State(s): State<Arc<AppState>>,
+    req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    if let Some(key) = &s.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !constant_time_eq(given.as_bytes(), key.as_bytes()) {
+            return Err(ApiError::unauthorized());
+        }
+    }
+    Ok(next.run(req).await)
+}
+
+/// Compares without an early exit, so response timing does not leak how much of a key matched.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for (i, &x) in a.iter().enumerate() {
+        diff |= (x ^ b.get(i).copied().unwrap_or(0)) as usize;
+    }
+    diff == 0
+}
+
+/// Unix seconds now, for `created`.
+pub fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A random hex id for responses (unique enough to tell requests apart in logs).
+pub fn random_id() -> String {
+    let mut rng = crate::engine::sampler::Rng::from_entropy();
+    format!("{:016x}{:016x}", rng.next_u64(), rng.next_u64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_comparison() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"secret"));
+        assert_ne!(random_id(), random_id());
+    }
+}

@@ -3,6 +3,7 @@
 //! whole steps, so iteration statistics come from here and nowhere else.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -10,10 +11,12 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
+use super::detok::IncrementalDecoder;
 use super::sampler::{Rng, SamplingParams, sample};
 use super::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId};
 use super::stop::{StopChecker, StopUpdate};
 use crate::kv::KvCache;
+use crate::metrics::EngineMetrics;
 use crate::model::{LoadedModel, SeqInput};
 
 /// One sequence to generate.
@@ -96,6 +99,9 @@ pub struct EngineStats {
 pub struct EngineHandle {
     tx: std_mpsc::Sender<Command>,
     stats: Arc<Mutex<EngineStats>>,
+    /// Requests sent but not yet taken in by the engine: with the published waiting count this
+    /// gives a queue depth that is right between steps too.
+    pending: Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for Command {
@@ -109,9 +115,16 @@ impl std::fmt::Debug for Command {
 
 impl EngineHandle {
     pub fn submit(&self, req: Request) -> Result<(), EngineError> {
-        self.tx
-            .send(Command::Add(Box::new(req)))
-            .map_err(|_| EngineError::Stopped)
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        self.tx.send(Command::Add(Box::new(req))).map_err(|_| {
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+            EngineError::Stopped
+        })
+    }
+
+    /// Requests waiting to be scheduled, including those still in the channel.
+    pub fn queue_depth(&self) -> usize {
+        self.pending.load(Ordering::SeqCst) + self.stats().num_waiting
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -130,6 +143,12 @@ struct SeqData {
     req: Request,
     rng: Rng,
     stop: StopChecker,
+    decoder: IncrementalDecoder,
+    /// Output text decoded so far (what the stop checker scans).
+    text: String,
+    /// Whether the prompt's tokens were added to the prompt-token counter (once per request,
+    /// however often it is recomputed).
+    prompt_counted: bool,
 }
 
 /// Starts the engine thread.
@@ -137,11 +156,15 @@ pub fn spawn(
     model: LoadedModel,
     cache: KvCache,
     cfg: SchedulerConfig,
+    metrics: EngineMetrics,
 ) -> Result<(EngineHandle, JoinHandle<()>), SchedulerError> {
     let scheduler = Scheduler::new(cfg, cache.allocator().num_blocks())?;
     let (tx, rx) = std_mpsc::channel();
     let stats = Arc::new(Mutex::new(EngineStats::default()));
+    let pending = Arc::new(AtomicUsize::new(0));
     let engine = Engine {
+        metrics,
+        pending: pending.clone(),
         stats: stats.clone(),
         steps: 0,
         model,
@@ -156,7 +179,7 @@ pub fn spawn(
         .name("ferrite-engine".into())
         .spawn(move || engine.run())
         .map_err(|_| SchedulerError::Invalid("cannot start the engine thread"))?;
-    Ok((EngineHandle { tx, stats }, join))
+    Ok((EngineHandle { tx, stats, pending }, join))
 }
 
 struct Engine {
@@ -168,7 +191,9 @@ struct Engine {
     rx: std_mpsc::Receiver<Command>,
     accepting: bool,
     stats: Arc<Mutex<EngineStats>>,
+    pending: Arc<AtomicUsize>,
     steps: u64,
+    metrics: EngineMetrics,
 }
 
 impl Engine {
@@ -183,6 +208,15 @@ impl Engine {
             host_blocks_used: self.cache.host_allocator().num_used(),
             steps: self.steps,
         };
+        let m = &self.metrics;
+        m.num_requests_running.set(s.num_running as i64);
+        m.num_requests_waiting.set(s.num_waiting as i64);
+        m.num_requests_swapped.set(s.num_swapped as i64);
+        let usage = self.cache.allocator().usage();
+        m.kv_cache_usage_perc.set(usage);
+        m.gpu_cache_usage_perc.set(usage);
+        m.cpu_cache_usage_perc
+            .set(self.cache.host_allocator().usage());
         if let Ok(mut g) = self.stats.lock() {
             *g = s;
         }
@@ -218,6 +252,7 @@ impl Engine {
         match cmd {
             Command::Shutdown => self.accepting = false,
             Command::Add(req) => {
+                self.pending.fetch_sub(1, Ordering::SeqCst);
                 if !self.accepting {
                     let _ = req
                         .events
@@ -239,6 +274,9 @@ impl Engine {
                     req: *req,
                     rng,
                     stop,
+                    decoder: IncrementalDecoder::default(),
+                    text: String::new(),
+                    prompt_counted: false,
                 };
                 self.seqs.insert(id, data);
             }
@@ -262,7 +300,11 @@ impl Engine {
         if let Err(e) = self.scheduler.finish(id, &mut self.cache) {
             tracing::error!(seq = id, error = %e, "freeing a finished sequence failed");
         }
+        self.metrics.request_finished(reason);
         if let Some(d) = self.seqs.remove(&id) {
+            if !d.prompt_counted {
+                self.metrics.prompt_tokens.inc_by(d.prompt_len as u64);
+            }
             let _ = d.req.events.send(Event::Finished {
                 reason,
                 text,
@@ -285,6 +327,9 @@ impl Engine {
     fn step(&mut self) -> Result<(), Box<dyn std::error::Error>> {
         let started = Instant::now();
         let plan = self.scheduler.schedule(&mut self.cache)?;
+        self.metrics
+            .num_preemptions
+            .inc_by(plan.preempted.len() as u64);
         if plan.scheduled.is_empty() {
             // Nothing fits right now (should not persist); wait for a command briefly.
             if let Ok(cmd) = self.rx.recv_timeout(std::time::Duration::from_millis(5)) {
@@ -328,6 +373,11 @@ impl Engine {
             let (prompt, output) = d.tokens.split_at(d.prompt_len);
             let sampled = sample(row, &d.req.sampling, prompt, output, &mut d.rng);
             d.tokens.push(sampled.token);
+            self.metrics.generation_tokens.inc();
+            if !d.prompt_counted {
+                d.prompt_counted = true;
+                self.metrics.prompt_tokens.inc_by(d.prompt_len as u64);
+            }
             let n_out = d.tokens.len() - d.prompt_len;
             let is_eos = !d.req.ignore_eos && eos.contains(&sampled.token);
             let is_stop_id = d.req.stop_token_ids.contains(&sampled.token);
@@ -336,11 +386,11 @@ impl Engine {
             if is_eos || is_stop_id {
                 finish = Some(FinishReason::Stop);
             } else {
-                let full = self
-                    .model
-                    .tokenizer
-                    .decode(&d.tokens[d.prompt_len..], true)?;
-                match d.stop.update(&full) {
+                let delta = d
+                    .decoder
+                    .next(&self.model.tokenizer, &d.tokens[d.prompt_len..])?;
+                d.text.push_str(&delta);
+                match d.stop.update(&d.text) {
                     StopUpdate::Delta(t) => text = t,
                     StopUpdate::Stopped(t) => {
                         text = t;

@@ -2,6 +2,7 @@
 //! each step), and the sampler.
 
 pub mod core;
+pub mod detok;
 pub mod sampler;
 pub mod scheduler;
 pub mod stop;

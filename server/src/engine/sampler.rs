@@ -19,6 +19,8 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Number of top alternatives to report per token (None: no logprobs).
     pub logprobs: Option<usize>,
+    /// Added to the logits of these token ids before anything else (OpenAI `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -33,6 +35,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             seed: None,
             logprobs: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -54,6 +57,24 @@ pub enum SamplingError {
     RepetitionPenalty(f32),
     #[error("logprobs must be between 0 and 20, got {0}")]
     Logprobs(usize),
+    #[error("logit_bias values must be between -100 and 100, got {0}")]
+    LogitBias(f32),
+}
+
+impl SamplingError {
+    /// The request field at fault.
+    pub fn param(&self) -> &'static str {
+        match self {
+            SamplingError::Temperature(_) => "temperature",
+            SamplingError::TopP(_) => "top_p",
+            SamplingError::TopK(_) => "top_k",
+            SamplingError::MinP(_) => "min_p",
+            SamplingError::Penalty { name, .. } => name,
+            SamplingError::RepetitionPenalty(_) => "repetition_penalty",
+            SamplingError::Logprobs(_) => "logprobs",
+            SamplingError::LogitBias(_) => "logit_bias",
+        }
+    }
 }
 
 impl SamplingParams {
@@ -85,6 +106,13 @@ impl SamplingParams {
             && n > 20
         {
             return Err(SamplingError::Logprobs(n));
+        }
+        if let Some(&(_, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(SamplingError::LogitBias(b));
         }
         Ok(())
     }
@@ -205,6 +233,11 @@ pub fn sample(
     rng: &mut Rng,
 ) -> Sampled {
     let mut logits = raw_logits.to_vec();
+    for &(t, b) in &params.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
     apply_penalties(&mut logits, params, prompt, output);
     let token = if params.is_greedy() {
         argmax(&logits)

@@ -1,0 +1,100 @@
+//! What every handler shares: the served name, auth and admission settings, and — once the
+//! model is loaded — the engine handle with the tokenizer and chat template.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::error::ApiError;
+use crate::engine::core::EngineHandle;
+use crate::metrics::EngineMetrics;
+use crate::model::{ChatTemplate, Tokenizer};
+
+#[derive(Debug)]
+pub struct AppState {
+    pub served_model_name: String,
+    /// Unix seconds, for `created` fields.
+    pub created: u64,
+    /// Bearer token required on `/v1/*` (vLLM's `--api-key`).
+    pub api_key: Option<String>,
+    /// Requests waiting for the engine beyond this are refused with 503.
+    pub max_queue_len: Option<usize>,
+    pub metrics: EngineMetrics,
+    serving: OnceLock<Serving>,
+    draining: AtomicBool,
+}
+
+/// The loaded model as the HTTP side sees it.
+#[derive(Debug)]
+pub struct Serving {
+    pub engine: EngineHandle,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub max_model_len: usize,
+}
+
+impl AppState {
+    pub fn new(
+        served_model_name: String,
+        api_key: Option<String>,
+        max_queue_len: Option<usize>,
+        metrics: EngineMetrics,
+    ) -> Self {
+        Self {
+            served_model_name,
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            api_key,
+            max_queue_len,
+            metrics,
+            serving: OnceLock::new(),
+            draining: AtomicBool::new(false),
+        }
+    }
+
+    /// Called once the model is loaded and warm; from then on `/health` answers 200.
+    pub fn set_serving(&self, s: Serving) {
+        let _ = self.serving.set(s);
+    }
+
+    pub fn serving(&self) -> Result<&Serving, ApiError> {
+        if self.is_draining() {
+            return Err(ApiError::unavailable("the server is shutting down", 5));
+        }
+        self.serving
+            .get()
+            .ok_or_else(|| ApiError::unavailable("the model is still loading", 5))
+    }
+
+    pub fn loaded(&self) -> Option<&Serving> {
+        self.serving.get()
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.serving.get().is_some() && !self.is_draining()
+    }
+
+    /// Set on SIGTERM: readiness fails so that load balancers stop sending new work.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// 400 unless `model` is absent or names the served model.
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.served_model_name => Err(ApiError::invalid_param(
+                "model",
+                format!(
+                    "The model `{m}` does not exist. This server serves `{}`.",
+                    self.served_model_name
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+}

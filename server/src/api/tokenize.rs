@@ -1,0 +1,75 @@
+//! `POST /tokenize` and `POST /detokenize`, as vLLM serves them.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::Json;
+use serde_json::{Value, json};
+
+use super::chat::chat_prompt;
+use super::completions::token_text;
+use super::error::ApiError;
+use super::extract::JsonBody;
+use super::protocol::{DetokenizeRequest, TokenizeRequest};
+use super::state::AppState;
+
+pub async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    JsonBody(req): JsonBody<TokenizeRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let serving = state.serving()?;
+    state.check_model(req.model.as_deref())?;
+    let tokens = match (&req.prompt, &req.messages) {
+        (Some(p), None) => serving
+            .tokenizer
+            .encode(p, req.add_special_tokens.unwrap_or(true))
+            .map_err(|e| ApiError::invalid_param("prompt", format!("cannot tokenize: {e}")))?,
+        (None, Some(m)) => chat_prompt(serving, m, req.add_generation_prompt.unwrap_or(true))?,
+        _ => {
+            return Err(ApiError::bad_request(
+                "give exactly one of `prompt` or `messages`",
+            ));
+        }
+    };
+    let mut body = json!({
+        "count": tokens.len(),
+        "max_model_len": serving.max_model_len,
+        "tokens": tokens,
+    });
+    if req.return_token_strs.unwrap_or(false) {
+        body["token_strs"] = tokens
+            .iter()
+            .map(|&t| Value::from(token_text(&serving.tokenizer, t)))
+            .collect();
+    }
+    Ok(Json(body))
+}
+
+pub async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    JsonBody(req): JsonBody<DetokenizeRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let serving = state.serving()?;
+    state.check_model(req.model.as_deref())?;
+    let vocab = serving.tokenizer.vocab_size();
+    let ids = req
+        .tokens
+        .iter()
+        .map(|&t| {
+            u32::try_from(t)
+                .ok()
+                .filter(|&id| (id as usize) < vocab)
+                .ok_or_else(|| {
+                    ApiError::invalid_param(
+                        "tokens",
+                        format!("token id {t} is not below the vocabulary size {vocab}"),
+                    )
+                })
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    let text = serving
+        .tokenizer
+        .decode(&ids, false)
+        .map_err(|e| ApiError::invalid_param("tokens", e.to_string()))?;
+    Ok(Json(json!({ "prompt": text })))
+}
