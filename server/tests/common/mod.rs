@@ -1,6 +1,8 @@
 //! Shared helpers for tests that need the default model.
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
