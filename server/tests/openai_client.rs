@@ -1,0 +1,44 @@
+//! The official `openai` Python client (PyPI) against the real binary: runs the pytest suite in
+//! `tests/python/`, which starts the server on 127.0.0.1 itself.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The venv python from `scripts/python-env.sh` (created on first use), or FERRITE_TEST_PYTHON.
+fn python() -> String {
+    if let Ok(p) = std::env::var("FERRITE_TEST_PYTHON") {
+        return p;
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new("bash")
+        .arg(root.join("scripts/python-env.sh"))
+        .output()
+        .expect("run scripts/python-env.sh");
+    assert!(
+        out.status.success(),
+        "python-env.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[test]
+fn openai_python_client_suite() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python");
+    let out = Command::new(python())
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"])
+        .arg(&dir)
+        .current_dir(&dir)
+        .env("FERRITE_SERVER_BIN", env!("CARGO_BIN_EXE_ferrite-server"))
+        .env("FERRITE_MODEL", common::default_model())
+        .output()
+        .expect("run pytest");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "pytest failed:\n{stdout}");
+    // A suite that collected nothing must not pass silently.
+    assert!(stdout.contains(" passed"), "no tests ran:\n{stdout}");
+}
