@@ -15,7 +15,15 @@ const KV_USAGE: &str = "vllm:kv_cache_usage_perc{";
 
 /// 64 prompts of mixed lengths (about 12 to 45 tokens) with mixed output lengths.
 fn mixed_requests() -> Vec<serde_json::Value> {
-    let topics = ["rivers", "planets", "bread", "chess", "violins", "volcanoes", "owls"];
+    let topics = [
+        "rivers",
+        "planets",
+        "bread",
+        "chess",
+        "violins",
+        "volcanoes",
+        "owls",
+    ];
     (0..64)
         .map(|i| {
             let filler = "Be brief and precise. ".repeat(i % 7);

@@ -28,7 +28,10 @@ impl Drop for Server {
 pub fn start(extra: &[&str]) -> Server {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_ferrite-server"))
-        .args(["--model", super::default_model().to_str().expect("utf-8 path")])
+        .args([
+            "--model",
+            super::default_model().to_str().expect("utf-8 path"),
+        ])
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["--served-model-name", "smol"])
         .args(extra)
@@ -106,7 +109,10 @@ impl Server {
             if v == value {
                 return;
             }
-            assert!(Instant::now() < deadline, "{prefix} is {v}, expected {value}");
+            assert!(
+                Instant::now() < deadline,
+                "{prefix} is {v}, expected {value}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
