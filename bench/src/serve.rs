@@ -39,6 +39,13 @@ struct Args {
     /// Per-request timeout in seconds.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
+    /// Scrape `/metrics` of the `--scrape` targets every this many milliseconds during each
+    /// level, as Prometheus would (0: never), and report scrape latency.
+    #[arg(long, default_value_t = 0)]
+    scrape_ms: u64,
+    /// Names of targets to scrape (repeatable).
+    #[arg(long = "scrape")]
+    scrape: Vec<String>,
 }
 
 /// What one request saw.
@@ -59,6 +66,9 @@ struct LevelResult {
     ttft: Vec<f64>,
     itl: Vec<f64>,
     e2e: Vec<f64>,
+    /// Latencies of `/metrics` scrapes taken during the level.
+    scrapes: Vec<f64>,
+    scrape_bytes: usize,
 }
 
 impl LevelResult {
@@ -181,6 +191,43 @@ async fn one_request(t: &Target, body: &Value) -> Result<Sample> {
     Ok(sample)
 }
 
+/// One `GET /metrics`; returns (seconds, body bytes).
+async fn scrape(t: &Target) -> Result<(f64, usize)> {
+    let started = Instant::now();
+    let stream = tokio::net::TcpStream::connect(&t.addr).await?;
+    stream.set_nodelay(true)?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let req = hyper::Request::get("/metrics")
+        .header(HOST, &t.host)
+        .body(Full::new(Bytes::new()))?;
+    let resp = sender.send_request(req).await?;
+    if !resp.status().is_success() {
+        bail!("/metrics answered {}", resp.status());
+    }
+    let body = resp.into_body().collect().await?.to_bytes();
+    Ok((started.elapsed().as_secs_f64(), body.len()))
+}
+
+/// Scrapes every `every` until `stop` is set.
+async fn scrape_loop(
+    t: Arc<Target>,
+    every: Duration,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Result<(Vec<f64>, usize)> {
+    let mut ticks = tokio::time::interval(every);
+    let (mut lat, mut bytes) = (Vec::new(), 0);
+    while !stop.load(Ordering::SeqCst) {
+        ticks.tick().await;
+        let (secs, n) = scrape(&t).await?;
+        lat.push(secs);
+        bytes = n;
+    }
+    Ok((lat, bytes))
+}
+
 /// End (exclusive) of the first complete SSE event in `buf`, if any.
 fn find_event_end(buf: &[u8]) -> Option<usize> {
     buf.windows(2)
@@ -197,6 +244,11 @@ async fn run_level(
 ) -> Result<LevelResult> {
     let total = (concurrency * args.rounds).max(4);
     let next = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let scraper = (args.scrape_ms > 0 && args.scrape.contains(&t.name)).then(|| {
+        let every = Duration::from_millis(args.scrape_ms);
+        tokio::spawn(scrape_loop(t.clone(), every, stop.clone()))
+    });
     let started = Instant::now();
     let mut workers = Vec::new();
     for _ in 0..concurrency {
@@ -242,6 +294,10 @@ async fn run_level(
         }
     }
     r.wall = started.elapsed().as_secs_f64();
+    stop.store(true, Ordering::SeqCst);
+    if let Some(s) = scraper {
+        (r.scrapes, r.scrape_bytes) = s.await??;
+    }
     Ok(r)
 }
 
@@ -259,6 +315,17 @@ fn print_level(name: &str, r: &LevelResult) {
         percentile(&r.e2e, 50.0),
         percentile(&r.e2e, 99.0),
     );
+    if !r.scrapes.is_empty() {
+        println!(
+            "{name:>10} c={:<3} /metrics scrapes={} p50={:.2}ms p99={:.2}ms max={:.2}ms size={} B",
+            r.concurrency,
+            r.scrapes.len(),
+            percentile(&r.scrapes, 50.0) * 1e3,
+            percentile(&r.scrapes, 99.0) * 1e3,
+            percentile(&r.scrapes, 100.0) * 1e3,
+            r.scrape_bytes,
+        );
+    }
 }
 
 #[tokio::main]

@@ -66,6 +66,20 @@ pub struct ServerArgs {
     /// Seconds to finish in-flight requests after SIGTERM before exiting anyway.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// Seconds between stats log lines (and updates of the average-throughput gauges).
+    #[arg(long, default_value_t = 10.0, value_parser = parse_interval)]
+    pub log_stats_interval: f64,
+    /// Turn off the stats log line and the average-throughput gauges.
+    #[arg(long)]
+    pub disable_log_stats: bool,
+}
+
+/// A positive, finite number of seconds.
+fn parse_interval(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("expected a positive number of seconds, got '{s}'")),
+    }
 }
 
 /// Parses `123`, `64KiB`, `512MiB`, `2GiB` (also KB/MB/GB as powers of 1000).
@@ -106,5 +120,14 @@ mod tests {
         assert_eq!(parse_bytes("1GB"), Ok(1_000_000_000));
         assert!(parse_bytes("12 parsecs").is_err());
         assert!(parse_bytes("lots").is_err());
+    }
+
+    #[test]
+    fn intervals_must_be_positive() {
+        assert_eq!(parse_interval("0.5"), Ok(0.5));
+        assert!(parse_interval("0").is_err());
+        assert!(parse_interval("-1").is_err());
+        assert!(parse_interval("inf").is_err());
+        assert!(parse_interval("soon").is_err());
     }
 }

@@ -14,7 +14,8 @@ use ferrite_server::device::parse_device;
 use ferrite_server::engine::core as engine;
 use ferrite_server::engine::scheduler::SchedulerConfig;
 use ferrite_server::kv::{KvCache, KvCacheConfig};
-use ferrite_server::metrics::EngineMetrics;
+use ferrite_server::metrics::http::HttpMetrics;
+use ferrite_server::metrics::{self, CacheInfo, EngineMetrics, stats_log};
 use ferrite_server::model::{self, LoadOptions, SeqInput};
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -22,6 +23,7 @@ use tracing::{info, warn};
 #[tokio::main]
 async fn main() -> Result<()> {
     tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
@@ -33,12 +35,13 @@ async fn main() -> Result<()> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
     });
-    let metrics = EngineMetrics::new(&served)?;
+    let registry = metrics::process_registry()?;
+    let http_metrics = HttpMetrics::new(&registry)?;
     let state = Arc::new(AppState::new(
-        served,
+        served.clone(),
         args.api_key.clone(),
         args.max_queue_len,
-        metrics.clone(),
+        registry.clone(),
     ));
 
     // Listen first so that probes see 503 while the model loads, not connection refused.
@@ -59,7 +62,7 @@ async fn main() -> Result<()> {
             let _ = stop_tx.send(true);
         });
     }
-    let app = api::router(state.clone());
+    let app = api::router(state.clone(), http_metrics);
     let mut server_stop = stop_rx.clone();
     let server = tokio::spawn(async move {
         axum::serve(listener, app)
@@ -88,10 +91,22 @@ async fn main() -> Result<()> {
         chunked_prefill: args.enable_chunked_prefill,
         watermark_blocks: cache.allocator().num_blocks() / 100,
     };
+    let cache_info = CacheInfo {
+        block_size: args.block_size,
+        num_gpu_blocks: cache.allocator().num_blocks(),
+        num_cpu_blocks: cache.host_allocator().num_blocks(),
+        cache_dtype: "auto".into(),
+        swap_space_gib: args.swap_space,
+    };
+    let metrics = EngineMetrics::new(&registry, &served, max_model_len, &cache_info)?;
     let tokenizer = loaded.tokenizer.clone();
     let chat_template = loaded.chat_template.take();
     let (handle, engine_thread) =
-        engine::spawn(loaded, cache, sched, metrics).context("starting the engine")?;
+        engine::spawn(loaded, cache, sched, metrics.clone()).context("starting the engine")?;
+    if !args.disable_log_stats {
+        let every = Duration::from_secs_f64(args.log_stats_interval);
+        stats_log::spawn(&registry, &served, metrics, handle.clone(), every)?;
+    }
     state.set_serving(Serving {
         engine: handle.clone(),
         tokenizer,

@@ -41,7 +41,8 @@ fn engine(blocks: usize, host: usize, max_num_seqs: usize) -> (EngineHandle, Tok
         chunked_prefill: true,
         watermark_blocks: 1,
     };
-    let metrics = ferrite_server::metrics::EngineMetrics::new("test").expect("metrics");
+    let metrics =
+        ferrite_server::metrics::EngineMetrics::standalone("test", 8192).expect("metrics");
     let (h, _join) = spawn(m, cache, cfg, metrics).expect("spawn");
     (h, tok)
 }
@@ -80,6 +81,8 @@ fn submit_with(
         stop_token_ids: vec![],
         ignore_eos,
         events: tx,
+        arrival: std::time::Instant::now(),
+        group: None,
     })
     .expect("submit");
     rx

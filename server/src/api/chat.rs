@@ -19,6 +19,7 @@ pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     JsonBody(req): JsonBody<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let arrival = std::time::Instant::now();
     let serving = state.serving()?;
     state.check_model(req.model.as_deref())?;
     if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
@@ -64,7 +65,7 @@ pub async fn chat_completions(
         prompts: vec![prompt],
     };
     generate::admit(&state, serving)?;
-    let receivers = generate::submit(serving, &g)?;
+    let receivers = generate::submit(serving, &g, arrival)?;
     let id = format!("chatcmpl-{}", super::random_id());
     let model = state.served_model_name.clone();
     let created = super::now_secs();

@@ -20,6 +20,7 @@ pub async fn completions(
     State(state): State<Arc<AppState>>,
     JsonBody(req): JsonBody<CompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let arrival = std::time::Instant::now();
     let serving = state.serving()?;
     state.check_model(req.model.as_deref())?;
     if req.suffix.is_some() {
@@ -65,7 +66,7 @@ pub async fn completions(
     } else {
         Vec::new()
     };
-    let receivers = generate::submit(serving, &g)?;
+    let receivers = generate::submit(serving, &g, arrival)?;
     let id = format!("cmpl-{}", super::random_id());
     let model = state.served_model_name.clone();
     let created = super::now_secs();

@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::time::Instant;
 
 use axum::response::sse::{Event as SseEvent, Sse};
 use futures_util::stream::{self, BoxStream, Stream, StreamExt};
@@ -13,7 +14,7 @@ use tokio::sync::mpsc;
 use super::error::ApiError;
 use super::protocol::SamplingFields;
 use super::state::{AppState, Serving};
-use crate::engine::core::{Event, FinishReason, Request};
+use crate::engine::core::{Event, FinishReason, Request, RequestGroup};
 use crate::engine::sampler::SamplingParams;
 
 /// Largest `n` accepted, as OpenAI's API.
@@ -192,9 +193,11 @@ pub fn admit(state: &AppState, serving: &Serving) -> Result<(), ApiError> {
 pub fn submit(
     serving: &Serving,
     g: &Generation,
+    arrival: Instant,
 ) -> Result<Vec<mpsc::UnboundedReceiver<Event>>, ApiError> {
     let mut receivers = Vec::with_capacity(g.prompts.len() * g.n);
     for (prompt, &max_tokens) in g.prompts.iter().zip(&g.max_tokens) {
+        let group = RequestGroup::new(g.n, max_tokens);
         for i in 0..g.n {
             let (tx, rx) = mpsc::unbounded_channel();
             let mut sampling = g.sampling.clone();
@@ -209,6 +212,8 @@ pub fn submit(
                     stop_token_ids: g.stop_token_ids.clone(),
                     ignore_eos: g.ignore_eos,
                     events: tx,
+                    arrival,
+                    group: Some(group.clone()),
                 })
                 .map_err(|e| ApiError::unavailable(e.to_string(), 5))?;
             receivers.push(rx);

@@ -20,12 +20,13 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use serde_json::json;
 
+use crate::metrics::http::HttpMetrics;
 use error::ApiError;
 use state::AppState;
 
 /// All routes. `/v1/*` sits behind the API key when one is set; probes, `/version`,
 /// `/metrics` and the tokenizer endpoints stay open, as in vLLM.
-pub fn router(state: Arc<AppState>) -> Router {
+pub fn router(state: Arc<AppState>, http: HttpMetrics) -> Router {
     let v1 = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions::completions))
@@ -42,6 +43,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(
+            http,
+            crate::metrics::http::record,
+        ))
         .with_state(state)
 }
 
@@ -76,10 +81,8 @@ async fn models(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
 
 /// Prometheus text exposition; reads atomics only, so it never waits on the engine.
 async fn metrics(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
-    let body = s
-        .metrics
-        .encode()
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let body =
+        crate::metrics::encode(&s.registry).map_err(|e| ApiError::internal(e.to_string()))?;
     Ok((
         [(
             header::CONTENT_TYPE,

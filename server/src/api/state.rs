@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::error::ApiError;
 use crate::engine::core::EngineHandle;
-use crate::metrics::EngineMetrics;
 use crate::model::{ChatTemplate, Tokenizer};
+use prometheus::Registry;
 
 #[derive(Debug)]
 pub struct AppState {
@@ -18,7 +18,8 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Requests waiting for the engine beyond this are refused with 503.
     pub max_queue_len: Option<usize>,
-    pub metrics: EngineMetrics,
+    /// Everything `/metrics` exposes.
+    pub registry: Registry,
     serving: OnceLock<Serving>,
     draining: AtomicBool,
 }
@@ -37,7 +38,7 @@ impl AppState {
         served_model_name: String,
         api_key: Option<String>,
         max_queue_len: Option<usize>,
-        metrics: EngineMetrics,
+        registry: Registry,
     ) -> Self {
         Self {
             served_model_name,
@@ -47,7 +48,7 @@ impl AppState {
                 .unwrap_or(0),
             api_key,
             max_queue_len,
-            metrics,
+            registry,
             serving: OnceLock::new(),
             draining: AtomicBool::new(false),
         }

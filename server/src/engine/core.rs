@@ -30,6 +30,31 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Dropping the receiver aborts the request within one step.
     pub events: mpsc::UnboundedSender<Event>,
+    /// When the API received it: TTFT, queue time and e2e latency count from here.
+    pub arrival: Instant,
+    /// The API request this sequence is one choice of (`None`: a request of its own).
+    pub group: Option<Arc<RequestGroup>>,
+}
+
+/// What the `n` sequences of one API request share, so that per-request metrics (`n`,
+/// `max_tokens`, the longest generation) are recorded once, when the last one finishes.
+#[derive(Debug)]
+pub struct RequestGroup {
+    pub n: usize,
+    pub max_tokens: usize,
+    remaining: AtomicUsize,
+    max_generated: AtomicUsize,
+}
+
+impl RequestGroup {
+    pub fn new(n: usize, max_tokens: usize) -> Arc<Self> {
+        Arc::new(Self {
+            n,
+            max_tokens,
+            remaining: AtomicUsize::new(n),
+            max_generated: AtomicUsize::new(0),
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,6 +174,9 @@ struct SeqData {
     /// Whether the prompt's tokens were added to the prompt-token counter (once per request,
     /// however often it is recomputed).
     prompt_counted: bool,
+    first_scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
 }
 
 /// Starts the engine thread.
@@ -277,6 +305,9 @@ impl Engine {
                     decoder: IncrementalDecoder::default(),
                     text: String::new(),
                     prompt_counted: false,
+                    first_scheduled: None,
+                    first_token: None,
+                    last_token: None,
                 };
                 self.seqs.insert(id, data);
             }
@@ -305,13 +336,52 @@ impl Engine {
             if !d.prompt_counted {
                 self.metrics.prompt_tokens.inc_by(d.prompt_len as u64);
             }
+            let generated = d.tokens.len() - d.prompt_len;
+            self.observe_finished(&d, generated);
             let _ = d.req.events.send(Event::Finished {
                 reason,
                 text,
                 prompt_tokens: d.prompt_len,
-                completion_tokens: d.tokens.len() - d.prompt_len,
+                completion_tokens: generated,
             });
         }
+    }
+
+    /// Per-request histograms, from the request's own timestamps.
+    fn observe_finished(&self, d: &SeqData, generated: usize) {
+        let m = &self.metrics;
+        let now = Instant::now();
+        let secs = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64();
+        m.e2e_request_latency.observe(secs(d.req.arrival, now));
+        if let Some(sched) = d.first_scheduled {
+            m.request_inference_time.observe(secs(sched, now));
+            if let Some(first) = d.first_token {
+                m.request_prefill_time.observe(secs(sched, first));
+            }
+        }
+        if let (Some(first), Some(last)) = (d.first_token, d.last_token) {
+            m.request_decode_time.observe(secs(first, last));
+            if generated > 1 {
+                m.request_time_per_output_token
+                    .observe(secs(first, last) / (generated - 1) as f64);
+            }
+        }
+        m.request_prompt_tokens.observe(d.prompt_len as f64);
+        m.request_generation_tokens.observe(generated as f64);
+        let (n, max_tokens, longest) = match &d.req.group {
+            None => (1, d.req.max_tokens, generated),
+            Some(g) => {
+                g.max_generated.fetch_max(generated, Ordering::SeqCst);
+                if g.remaining.fetch_sub(1, Ordering::SeqCst) != 1 {
+                    return;
+                }
+                (g.n, g.max_tokens, g.max_generated.load(Ordering::SeqCst))
+            }
+        };
+        m.request_max_num_generation_tokens.observe(longest as f64);
+        m.request_params_n.observe(n as f64);
+        m.request_params_best_of.observe(n as f64);
+        m.request_params_max_tokens.observe(max_tokens as f64);
     }
 
     fn fail_all(&mut self, msg: &str) {
@@ -358,6 +428,22 @@ impl Engine {
             })
             .collect();
         let logits = self.model.model.forward(&inputs, &self.cache)?;
+        let scheduled_at = started;
+        for sch in &plan.scheduled {
+            if let Some(d) = self.seqs.get_mut(&sch.id)
+                && d.first_scheduled.is_none()
+            {
+                d.first_scheduled = Some(scheduled_at);
+                self.metrics.request_queue_time.observe(
+                    scheduled_at
+                        .saturating_duration_since(d.req.arrival)
+                        .as_secs_f64(),
+                );
+            }
+        }
+        self.metrics
+            .iteration_tokens
+            .observe(plan.num_tokens() as f64);
         self.steps += 1;
         self.scheduler.commit(&plan);
         let rows = logits.to_vec2::<f32>()?;
@@ -374,6 +460,21 @@ impl Engine {
             let sampled = sample(row, &d.req.sampling, prompt, output, &mut d.rng);
             d.tokens.push(sampled.token);
             self.metrics.generation_tokens.inc();
+            let now = Instant::now();
+            match d.last_token {
+                None => {
+                    d.first_token = Some(now);
+                    self.metrics
+                        .time_to_first_token
+                        .observe(now.saturating_duration_since(d.req.arrival).as_secs_f64());
+                }
+                Some(prev) => {
+                    let gap = now.saturating_duration_since(prev).as_secs_f64();
+                    self.metrics.inter_token_latency.observe(gap);
+                    self.metrics.time_per_output_token.observe(gap);
+                }
+            }
+            d.last_token = Some(now);
             if !d.prompt_counted {
                 d.prompt_counted = true;
                 self.metrics.prompt_tokens.inc_by(d.prompt_len as u64);

@@ -1,9 +1,14 @@
-//! vLLM-compatible Prometheus metrics. The engine thread is the only writer of engine metrics
-//! (one process, one engine: nothing partial or doubled); a scrape only reads atomics, so it
-//! never waits for an engine step.
+//! vLLM-compatible Prometheus metrics (names, types, labels and buckets of
+//! `shared/metrics-protocol.md`). The engine thread is the only writer of engine metrics (one
+//! process, one engine: nothing partial or doubled); a scrape only reads atomics, so it never
+//! waits for an engine step.
 
-use prometheus::{Encoder, Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
-use prometheus::{Opts, Registry, TextEncoder};
+pub mod http;
+pub mod stats_log;
+
+use prometheus::core::Collector;
+use prometheus::{Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter};
+use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::engine::core::FinishReason;
 
@@ -12,14 +17,57 @@ const LABELS: &[&str] = &["model_name", "engine"];
 /// The single engine of this process.
 const ENGINE: &str = "0";
 
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+const TOKEN_LATENCY_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+const REQUEST_LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+const N_BUCKETS: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0];
+const ITERATION_TOKEN_BUCKETS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+];
+
+/// 1, 2, 5, 10, 20, 50, … up to `max` (the seed's `build_1_2_5_buckets`).
+pub fn buckets_1_2_5(max: usize) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut exp = 1usize;
+    'outer: loop {
+        for m in [1, 2, 5] {
+            let v = m * exp;
+            if v > max {
+                break 'outer;
+            }
+            out.push(v as f64);
+        }
+        exp *= 10;
+    }
+    out
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("metrics: {0}")]
 pub struct MetricsError(#[from] prometheus::Error);
 
+/// What `vllm:cache_config_info` reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheInfo {
+    pub block_size: usize,
+    pub num_gpu_blocks: usize,
+    pub num_cpu_blocks: usize,
+    pub cache_dtype: String,
+    pub swap_space_gib: f64,
+}
+
 /// The engine's metrics, bound to this server's `model_name`.
 #[derive(Debug, Clone)]
 pub struct EngineMetrics {
-    registry: Registry,
     pub num_requests_running: IntGauge,
     pub num_requests_waiting: IntGauge,
     pub num_requests_swapped: IntGauge,
@@ -32,75 +80,145 @@ pub struct EngineMetrics {
     pub num_preemptions: IntCounter,
     /// Indexed by `FinishReason` (stop, length, abort).
     request_success: [IntCounter; 3],
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    /// The seed's per-token name for the same observation as `inter_token_latency`.
+    pub time_per_output_token: Histogram,
+    pub request_time_per_output_token: Histogram,
+    pub e2e_request_latency: Histogram,
+    pub request_queue_time: Histogram,
+    pub request_inference_time: Histogram,
+    pub request_prefill_time: Histogram,
+    pub request_decode_time: Histogram,
+    pub request_prompt_tokens: Histogram,
+    pub request_generation_tokens: Histogram,
+    pub request_max_num_generation_tokens: Histogram,
+    pub request_params_max_tokens: Histogram,
+    pub request_params_n: Histogram,
+    pub request_params_best_of: Histogram,
+    pub iteration_tokens: Histogram,
+}
+
+/// Registers collectors for one model on one registry, labelled `model_name` and `engine`.
+struct Builder<'a> {
+    registry: &'a Registry,
+    values: [&'a str; 2],
+}
+
+impl Builder<'_> {
+    fn register<C: Collector + Clone + 'static>(&self, c: C) -> Result<C, MetricsError> {
+        self.registry.register(Box::new(c.clone()))?;
+        Ok(c)
+    }
+    fn int_gauge(&self, name: &str, help: &str) -> Result<IntGauge, MetricsError> {
+        let v = self.register(IntGaugeVec::new(Opts::new(name, help), LABELS)?)?;
+        Ok(v.with_label_values(&self.values))
+    }
+    fn gauge(&self, name: &str, help: &str) -> Result<Gauge, MetricsError> {
+        let v = self.register(GaugeVec::new(Opts::new(name, help), LABELS)?)?;
+        Ok(v.with_label_values(&self.values))
+    }
+    fn counter(&self, name: &str, help: &str) -> Result<IntCounter, MetricsError> {
+        let v = self.register(IntCounterVec::new(Opts::new(name, help), LABELS)?)?;
+        Ok(v.with_label_values(&self.values))
+    }
+    fn histogram(
+        &self,
+        name: &str,
+        help: &str,
+        buckets: &[f64],
+    ) -> Result<Histogram, MetricsError> {
+        let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+        let v = self.register(HistogramVec::new(opts, LABELS)?)?;
+        Ok(v.with_label_values(&self.values))
+    }
 }
 
 impl EngineMetrics {
-    pub fn new(model_name: &str) -> Result<Self, MetricsError> {
-        let registry = Registry::new();
-        let values = [model_name, ENGINE];
-        let gauge_i = |name: &str, help: &str| -> Result<IntGauge, MetricsError> {
-            let v = IntGaugeVec::new(Opts::new(name, help), LABELS)?;
-            registry.register(Box::new(v.clone()))?;
-            Ok(v.with_label_values(&values))
+    /// Registers every engine metric on `registry`. Request-size buckets run up to
+    /// `max_model_len`.
+    pub fn new(
+        registry: &Registry,
+        model_name: &str,
+        max_model_len: usize,
+        cache: &CacheInfo,
+    ) -> Result<Self, MetricsError> {
+        let b = Builder {
+            registry,
+            values: [model_name, ENGINE],
         };
-        let gauge_f = |name: &str, help: &str| -> Result<Gauge, MetricsError> {
-            let v = GaugeVec::new(Opts::new(name, help), LABELS)?;
-            registry.register(Box::new(v.clone()))?;
-            Ok(v.with_label_values(&values))
-        };
-        let counter = |name: &str, help: &str| -> Result<IntCounter, MetricsError> {
-            let v = IntCounterVec::new(Opts::new(name, help), LABELS)?;
-            registry.register(Box::new(v.clone()))?;
-            Ok(v.with_label_values(&values))
-        };
-        let success = IntCounterVec::new(
+        let success = b.register(IntCounterVec::new(
             Opts::new(
                 "vllm:request_success_total",
                 "Count of finished requests by finish reason.",
             ),
             &["model_name", "engine", "finished_reason"],
-        )?;
-        registry.register(Box::new(success.clone()))?;
-        #[cfg(target_os = "linux")]
-        registry.register(Box::new(
-            prometheus::process_collector::ProcessCollector::for_self(),
-        ))?;
+        )?)?;
         let by_reason =
             |r: FinishReason| success.with_label_values(&[model_name, ENGINE, r.as_str()]);
+        let info = b.register(GaugeVec::new(
+            Opts::new(
+                "vllm:cache_config_info",
+                "Information of the KV cache config.",
+            ),
+            &[
+                "model_name",
+                "engine",
+                "block_size",
+                "num_gpu_blocks",
+                "num_cpu_blocks",
+                "cache_dtype",
+                "swap_space",
+                "enable_prefix_caching",
+            ],
+        )?)?;
+        info.with_label_values(&[
+            model_name,
+            ENGINE,
+            &cache.block_size.to_string(),
+            &cache.num_gpu_blocks.to_string(),
+            &cache.num_cpu_blocks.to_string(),
+            &cache.cache_dtype,
+            &cache.swap_space_gib.to_string(),
+            "False",
+        ])
+        .set(1.0);
+        let sizes = buckets_1_2_5(max_model_len.max(1));
+        let h = |name: &str, help: &str, buckets: &[f64]| b.histogram(name, help, buckets);
         Ok(Self {
-            num_requests_running: gauge_i(
+            num_requests_running: b.int_gauge(
                 "vllm:num_requests_running",
                 "Number of requests in the running batch.",
             )?,
-            num_requests_waiting: gauge_i(
+            num_requests_waiting: b.int_gauge(
                 "vllm:num_requests_waiting",
                 "Number of requests waiting to be scheduled.",
             )?,
-            num_requests_swapped: gauge_i(
+            num_requests_swapped: b.int_gauge(
                 "vllm:num_requests_swapped",
                 "Number of requests swapped out to host memory.",
             )?,
-            kv_cache_usage_perc: gauge_f(
+            kv_cache_usage_perc: b.gauge(
                 "vllm:kv_cache_usage_perc",
                 "Fraction of device KV-cache blocks in use (0 to 1).",
             )?,
-            gpu_cache_usage_perc: gauge_f(
+            gpu_cache_usage_perc: b.gauge(
                 "vllm:gpu_cache_usage_perc",
                 "Fraction of device KV-cache blocks in use (0 to 1); older name.",
             )?,
-            cpu_cache_usage_perc: gauge_f(
+            cpu_cache_usage_perc: b.gauge(
                 "vllm:cpu_cache_usage_perc",
                 "Fraction of host swap KV-cache blocks in use (0 to 1).",
             )?,
-            prompt_tokens: counter(
+            prompt_tokens: b.counter(
                 "vllm:prompt_tokens_total",
                 "Number of prompt (prefill) tokens processed.",
             )?,
-            generation_tokens: counter(
+            generation_tokens: b.counter(
                 "vllm:generation_tokens_total",
                 "Number of generated tokens.",
             )?,
-            num_preemptions: counter(
+            num_preemptions: b.counter(
                 "vllm:num_preemptions_total",
                 "Number of preemptions of running requests.",
             )?,
@@ -109,8 +227,99 @@ impl EngineMetrics {
                 by_reason(FinishReason::Length),
                 by_reason(FinishReason::Abort),
             ],
-            registry,
+            time_to_first_token: h(
+                "vllm:time_to_first_token_seconds",
+                "Time from arrival to the first generated token, in seconds.",
+                TTFT_BUCKETS,
+            )?,
+            inter_token_latency: h(
+                "vllm:inter_token_latency_seconds",
+                "Time between consecutive generated tokens of a request, in seconds.",
+                TOKEN_LATENCY_BUCKETS,
+            )?,
+            time_per_output_token: h(
+                "vllm:time_per_output_token_seconds",
+                "Time between consecutive generated tokens of a request, in seconds (older name).",
+                TOKEN_LATENCY_BUCKETS,
+            )?,
+            request_time_per_output_token: h(
+                "vllm:request_time_per_output_token_seconds",
+                "Per request: (e2e - TTFT) / (generated tokens - 1), in seconds.",
+                TOKEN_LATENCY_BUCKETS,
+            )?,
+            e2e_request_latency: h(
+                "vllm:e2e_request_latency_seconds",
+                "Time from arrival to finish, in seconds.",
+                REQUEST_LATENCY_BUCKETS,
+            )?,
+            request_queue_time: h(
+                "vllm:request_queue_time_seconds",
+                "Time from arrival to first scheduled, in seconds.",
+                REQUEST_LATENCY_BUCKETS,
+            )?,
+            request_inference_time: h(
+                "vllm:request_inference_time_seconds",
+                "Time from first scheduled to finish, in seconds.",
+                REQUEST_LATENCY_BUCKETS,
+            )?,
+            request_prefill_time: h(
+                "vllm:request_prefill_time_seconds",
+                "Time from first scheduled to the first token, in seconds.",
+                REQUEST_LATENCY_BUCKETS,
+            )?,
+            request_decode_time: h(
+                "vllm:request_decode_time_seconds",
+                "Time from the first token to the last, in seconds.",
+                REQUEST_LATENCY_BUCKETS,
+            )?,
+            request_prompt_tokens: h(
+                "vllm:request_prompt_tokens",
+                "Prompt length of finished requests, in tokens.",
+                &sizes,
+            )?,
+            request_generation_tokens: h(
+                "vllm:request_generation_tokens",
+                "Generated tokens of finished requests.",
+                &sizes,
+            )?,
+            request_max_num_generation_tokens: h(
+                "vllm:request_max_num_generation_tokens",
+                "Most tokens generated by any sequence of a request (n > 1).",
+                &sizes,
+            )?,
+            request_params_max_tokens: h(
+                "vllm:request_params_max_tokens",
+                "The max_tokens parameter of finished requests.",
+                &sizes,
+            )?,
+            request_params_n: h(
+                "vllm:request_params_n",
+                "The n parameter of finished requests.",
+                N_BUCKETS,
+            )?,
+            request_params_best_of: h(
+                "vllm:request_params_best_of",
+                "The best_of parameter of finished requests.",
+                N_BUCKETS,
+            )?,
+            iteration_tokens: h(
+                "vllm:iteration_tokens_total",
+                "Tokens processed per engine step (prefill and decode).",
+                ITERATION_TOKEN_BUCKETS,
+            )?,
         })
+    }
+
+    /// A fresh registry with just these metrics (tests and tools).
+    pub fn standalone(model_name: &str, max_model_len: usize) -> Result<Self, MetricsError> {
+        let cache = CacheInfo {
+            block_size: 16,
+            num_gpu_blocks: 0,
+            num_cpu_blocks: 0,
+            cache_dtype: "auto".into(),
+            swap_space_gib: 0.0,
+        };
+        Self::new(&Registry::new(), model_name, max_model_len, &cache)
     }
 
     pub fn request_finished(&self, reason: FinishReason) {
@@ -121,15 +330,64 @@ impl EngineMetrics {
         };
         self.request_success[i].inc();
     }
+}
 
-    pub fn registry(&self) -> &Registry {
-        &self.registry
+/// The registry of the process: process metrics from the start, engine metrics once the model
+/// is loaded, HTTP metrics from the router.
+pub fn process_registry() -> Result<Registry, MetricsError> {
+    let registry = Registry::new();
+    #[cfg(target_os = "linux")]
+    registry.register(Box::new(
+        prometheus::process_collector::ProcessCollector::for_self(),
+    ))?;
+    Ok(registry)
+}
+
+/// The text exposition of every metric on `registry`.
+pub fn encode(registry: &Registry) -> Result<String, MetricsError> {
+    let mut buf = Vec::new();
+    TextEncoder::new().encode(&registry.gather(), &mut buf)?;
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_two_five_buckets() {
+        assert_eq!(
+            buckets_1_2_5(512),
+            vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0]
+        );
+        assert_eq!(buckets_1_2_5(1), vec![1.0]);
     }
 
-    /// The text exposition of every registered metric.
-    pub fn encode(&self) -> Result<String, MetricsError> {
-        let mut buf = Vec::new();
-        TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
-        Ok(String::from_utf8_lossy(&buf).into_owned())
+    #[test]
+    fn exposition_has_vllm_names_labels_and_buckets() {
+        let registry = Registry::new();
+        let cache = CacheInfo {
+            block_size: 16,
+            num_gpu_blocks: 100,
+            num_cpu_blocks: 7,
+            cache_dtype: "auto".into(),
+            swap_space_gib: 4.0,
+        };
+        let m = EngineMetrics::new(&registry, "smol", 8192, &cache).expect("metrics");
+        m.request_finished(FinishReason::Abort);
+        m.time_to_first_token.observe(0.03);
+        let text = encode(&registry).expect("encode");
+        for line in [
+            "vllm:request_success_total{engine=\"0\",finished_reason=\"abort\",model_name=\"smol\"} 1",
+            "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"smol\",le=\"0.04\"} 1",
+            "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"smol\",le=\"0.02\"} 0",
+            "vllm:request_prompt_tokens_bucket{engine=\"0\",model_name=\"smol\",le=\"5000\"} 0",
+            "# TYPE vllm:e2e_request_latency_seconds histogram",
+            "# TYPE vllm:num_requests_running gauge",
+            "# TYPE vllm:generation_tokens_total counter",
+        ] {
+            assert!(text.contains(line), "missing {line}");
+        }
+        assert!(text.contains("num_gpu_blocks=\"100\""));
     }
 }

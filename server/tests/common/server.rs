@@ -2,7 +2,9 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 pub fn free_port() -> u16 {
@@ -26,6 +28,41 @@ impl Drop for Server {
 
 /// Starts the binary on the default model (served as `smol`); `extra` flags come last.
 pub fn start(extra: &[&str]) -> Server {
+    spawn(extra, Stdio::null())
+}
+
+/// The server's log (its stdout), captured to a file.
+pub struct Log(PathBuf);
+
+impl Log {
+    pub fn lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.0)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+impl Drop for Log {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Like `start`, keeping the log.
+pub fn start_logged(extra: &[&str]) -> (Server, Log) {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "ferrite-server-{}-{}.log",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst)
+    ));
+    let file = std::fs::File::create(&path).expect("log file");
+    (spawn(extra, Stdio::from(file)), Log(path))
+}
+
+fn spawn(extra: &[&str], stdout: Stdio) -> Server {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_ferrite-server"))
         .args([
@@ -35,7 +72,7 @@ pub fn start(extra: &[&str]) -> Server {
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["--served-model-name", "smol"])
         .args(extra)
-        .stdout(Stdio::null())
+        .stdout(stdout)
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn ferrite-server");
@@ -117,6 +154,16 @@ impl Server {
         }
     }
 
+    /// One scrape of `/metrics`.
+    pub fn scrape(&self) -> Metrics {
+        let text = ureq::get(&format!("{}/metrics", self.base))
+            .call()
+            .expect("metrics")
+            .into_string()
+            .expect("text");
+        Metrics::parse(text)
+    }
+
     pub fn post(&self, path: &str, body: &serde_json::Value) -> ureq::Response {
         ureq::post(&format!("{}{path}", self.base))
             .send_json(body.clone())
@@ -167,4 +214,68 @@ pub fn read_stream(mut r: SseReader) -> (String, Option<String>) {
         }
     }
     (text, finish)
+}
+
+/// One scrape of `/metrics`, parsed into samples.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    pub text: String,
+    samples: Vec<(String, Labels, f64)>,
+}
+
+type Labels = Vec<(String, String)>;
+
+impl Metrics {
+    pub fn parse(text: String) -> Self {
+        let samples = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .filter_map(|l| {
+                let (series, value) = l.rsplit_once(' ')?;
+                let value: f64 = value.parse().ok()?;
+                let (name, labels) = match series.split_once('{') {
+                    Some((n, rest)) => (n, rest.trim_end_matches('}')),
+                    None => (series, ""),
+                };
+                let labels = labels
+                    .split("\",")
+                    .filter(|p| !p.is_empty())
+                    .filter_map(|p| {
+                        let (k, v) = p.split_once("=\"")?;
+                        Some((k.to_string(), v.trim_end_matches('"').to_string()))
+                    })
+                    .collect();
+                Some((name.to_string(), labels, value))
+            })
+            .collect();
+        Self { text, samples }
+    }
+
+    /// The value of the one series named `name` whose labels include `labels`.
+    pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let found: Vec<f64> = self
+            .samples
+            .iter()
+            .filter(|(n, l, _)| {
+                n == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| l.iter().any(|(lk, lv)| lk == k && lv == v))
+            })
+            .map(|(_, _, v)| *v)
+            .collect();
+        match found.as_slice() {
+            [v] => *v,
+            _ => panic!(
+                "{} series {name} with {labels:?} (want exactly 1) in:\n{}",
+                found.len(),
+                self.text
+            ),
+        }
+    }
+
+    /// Whether any series is named `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.samples.iter().any(|(n, _, _)| n == name)
+    }
 }

@@ -1,0 +1,258 @@
+//! The periodic stats log line (the seed's `LoggingStatLogger`) and the average-throughput
+//! gauges that go with it. Throughput is the change of the engine's own token counters over the
+//! interval, so the line, the gauges and `rate()` on the counters always agree.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use prometheus::{GaugeVec, Opts, Registry};
+
+use super::{ENGINE, EngineMetrics, LABELS, MetricsError};
+use crate::engine::core::EngineHandle;
+
+/// One reading of the engine's counters and gauges.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Snapshot {
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    pub running: usize,
+    pub swapped: usize,
+    /// Waiting in the scheduler plus not yet taken in by the engine.
+    pub pending: usize,
+    /// Fractions 0..1.
+    pub gpu_cache_usage: f64,
+    pub cpu_cache_usage: f64,
+}
+
+impl Snapshot {
+    pub fn read(metrics: &EngineMetrics, engine: &EngineHandle) -> Self {
+        Self {
+            prompt_tokens: metrics.prompt_tokens.get(),
+            generation_tokens: metrics.generation_tokens.get(),
+            running: metrics.num_requests_running.get().max(0) as usize,
+            swapped: metrics.num_requests_swapped.get().max(0) as usize,
+            pending: engine.queue_depth(),
+            gpu_cache_usage: metrics.kv_cache_usage_perc.get(),
+            cpu_cache_usage: metrics.cpu_cache_usage_perc.get(),
+        }
+    }
+
+    fn is_busy(&self) -> bool {
+        self.running + self.swapped + self.pending > 0
+    }
+}
+
+/// What one interval showed; `Display` is the seed's wording.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IntervalStats {
+    pub prompt_throughput: f64,
+    pub generation_throughput: f64,
+    pub now: Snapshot,
+}
+
+impl IntervalStats {
+    fn is_idle(&self) -> bool {
+        self.prompt_throughput == 0.0 && self.generation_throughput == 0.0 && !self.now.is_busy()
+    }
+}
+
+impl fmt::Display for IntervalStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Avg prompt throughput: {:.1} tokens/s, Avg generation throughput: {:.1} tokens/s, \
+             Running: {} reqs, Swapped: {} reqs, Pending: {} reqs, \
+             GPU KV cache usage: {:.1}%, CPU KV cache usage: {:.1}%.",
+            self.prompt_throughput,
+            self.generation_throughput,
+            self.now.running,
+            self.now.swapped,
+            self.now.pending,
+            self.now.gpu_cache_usage * 100.0,
+            self.now.cpu_cache_usage * 100.0,
+        )
+    }
+}
+
+/// Turns successive snapshots into interval stats, sets the throughput gauges, and decides
+/// which intervals are worth a log line.
+#[derive(Debug)]
+pub struct StatsLogger {
+    prompt_throughput: prometheus::Gauge,
+    generation_throughput: prometheus::Gauge,
+    last_at: Instant,
+    last: Snapshot,
+    /// Whether the previous interval was idle: an idle system logs once, then stays quiet.
+    last_idle: bool,
+}
+
+impl StatsLogger {
+    /// Registers `vllm:avg_{prompt,generation}_throughput_toks_per_s` on `registry`.
+    pub fn new(
+        registry: &Registry,
+        model_name: &str,
+        start: Instant,
+        first: Snapshot,
+    ) -> Result<Self, MetricsError> {
+        let gauge = |name: &str, help: &str| -> Result<prometheus::Gauge, MetricsError> {
+            let v = GaugeVec::new(Opts::new(name, help), LABELS)?;
+            registry.register(Box::new(v.clone()))?;
+            Ok(v.with_label_values(&[model_name, ENGINE]))
+        };
+        Ok(Self {
+            prompt_throughput: gauge(
+                "vllm:avg_prompt_throughput_toks_per_s",
+                "Average prefill throughput in tokens/s over the last log interval.",
+            )?,
+            generation_throughput: gauge(
+                "vllm:avg_generation_throughput_toks_per_s",
+                "Average generation throughput in tokens/s over the last log interval.",
+            )?,
+            last_at: start,
+            last: first,
+            last_idle: false,
+        })
+    }
+
+    /// Closes the interval ending at `at`. Returns the stats to log, or `None` for an idle
+    /// interval that follows another idle one.
+    pub fn tick(&mut self, at: Instant, now: Snapshot) -> Option<IntervalStats> {
+        let secs = at.saturating_duration_since(self.last_at).as_secs_f64();
+        let rate = |cur: u64, prev: u64| {
+            if secs > 0.0 {
+                cur.saturating_sub(prev) as f64 / secs
+            } else {
+                0.0
+            }
+        };
+        let stats = IntervalStats {
+            prompt_throughput: rate(now.prompt_tokens, self.last.prompt_tokens),
+            generation_throughput: rate(now.generation_tokens, self.last.generation_tokens),
+            now,
+        };
+        self.prompt_throughput.set(stats.prompt_throughput);
+        self.generation_throughput.set(stats.generation_throughput);
+        self.last_at = at;
+        self.last = now;
+        let idle = stats.is_idle();
+        let quiet = idle && self.last_idle;
+        self.last_idle = idle;
+        (!quiet).then_some(stats)
+    }
+}
+
+/// Logs the stats line every `interval` until the process ends. Reads only atomics and the
+/// published engine state, so it never waits for an engine step.
+pub fn spawn(
+    registry: &Registry,
+    model_name: &str,
+    metrics: EngineMetrics,
+    engine: EngineHandle,
+    interval: Duration,
+) -> Result<tokio::task::JoinHandle<()>, MetricsError> {
+    let start = tokio::time::Instant::now();
+    let mut logger = StatsLogger::new(
+        registry,
+        model_name,
+        start.into_std(),
+        Snapshot::read(&metrics, &engine),
+    )?;
+    Ok(tokio::spawn(async move {
+        let mut ticks = tokio::time::interval_at(start + interval, interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let at = ticks.tick().await;
+            if let Some(stats) = logger.tick(at.into_std(), Snapshot::read(&metrics, &engine)) {
+                tracing::info!(target: "ferrite_server::stats", "{stats}");
+            }
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(prompt: u64, gen_: u64, running: usize) -> Snapshot {
+        Snapshot {
+            prompt_tokens: prompt,
+            generation_tokens: gen_,
+            running,
+            ..Snapshot::default()
+        }
+    }
+
+    #[test]
+    fn line_uses_the_seed_wording() {
+        let s = IntervalStats {
+            prompt_throughput: 12.345,
+            generation_throughput: 6.0,
+            now: Snapshot {
+                running: 3,
+                swapped: 1,
+                pending: 2,
+                gpu_cache_usage: 0.4567,
+                cpu_cache_usage: 0.0,
+                ..Snapshot::default()
+            },
+        };
+        assert_eq!(
+            s.to_string(),
+            "Avg prompt throughput: 12.3 tokens/s, Avg generation throughput: 6.0 tokens/s, \
+             Running: 3 reqs, Swapped: 1 reqs, Pending: 2 reqs, GPU KV cache usage: 45.7%, \
+             CPU KV cache usage: 0.0%."
+        );
+    }
+
+    #[test]
+    fn throughput_is_counter_change_over_interval_and_sets_gauges() {
+        let registry = Registry::new();
+        let t0 = Instant::now();
+        let mut l = StatsLogger::new(&registry, "m", t0, snap(100, 50, 0)).expect("logger");
+        let s = l
+            .tick(t0 + Duration::from_secs(10), snap(300, 150, 2))
+            .expect("busy interval logs");
+        assert_eq!(s.prompt_throughput, 20.0);
+        assert_eq!(s.generation_throughput, 10.0);
+        let text = super::super::encode(&registry).expect("encode");
+        assert!(text.contains(
+            "vllm:avg_generation_throughput_toks_per_s{engine=\"0\",model_name=\"m\"} 10"
+        ));
+        assert!(
+            text.contains(
+                "vllm:avg_prompt_throughput_toks_per_s{engine=\"0\",model_name=\"m\"} 20"
+            )
+        );
+    }
+
+    #[test]
+    fn idle_logs_once_then_stays_quiet_until_work_returns() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut l = StatsLogger::new(&Registry::new(), "m", t0, snap(0, 0, 0)).expect("logger");
+        assert!(l.tick(at(10), snap(10, 5, 1)).is_some(), "busy");
+        let first_idle = l
+            .tick(at(20), snap(10, 5, 0))
+            .expect("first idle interval logs");
+        assert_eq!(first_idle.generation_throughput, 0.0);
+        assert!(
+            l.tick(at(30), snap(10, 5, 0)).is_none(),
+            "second idle is quiet"
+        );
+        assert!(
+            l.tick(at(40), snap(10, 5, 0)).is_none(),
+            "third idle is quiet"
+        );
+        // A request that is only waiting (no tokens yet) is not idle.
+        let waiting = Snapshot {
+            pending: 1,
+            ..snap(10, 5, 0)
+        };
+        assert!(l.tick(at(50), waiting).is_some(), "waiting work logs");
+        assert!(
+            l.tick(at(60), snap(10, 5, 0)).is_some(),
+            "idle after work logs once"
+        );
+        assert!(l.tick(at(70), snap(10, 5, 0)).is_none());
+    }
+}
