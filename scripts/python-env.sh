@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Creates .venv with the Python packages the tests drive the server with (the official openai
-# client, httpx, pytest). Prints the venv's python. Idempotent.
+# client, httpx, pytest; kubernetes-validate and jsonschema for manifests). Prints the venv's python. Idempotent.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="$root/.venv"
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import openai, httpx, pytest' 2>/dev/null; then
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import openai, httpx, pytest, kubernetes_validate, jsonschema, yaml' 2>/dev/null; then
   python3 -m venv "$venv" >&2
   "$venv/bin/pip" install --quiet --disable-pip-version-check \
-    'openai>=1.50,<3' 'httpx>=0.27' 'pytest>=8' >&2
+    'openai>=1.50,<3' 'httpx>=0.27' 'pytest>=8' \
+    'kubernetes-validate>=1.29' 'jsonschema>=4' 'pyyaml>=6' >&2
 fi
 echo "$venv/bin/python"

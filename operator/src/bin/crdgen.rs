@@ -1,0 +1,7 @@
+//! Writes the InferenceService CRD as YAML to stdout; `crds/` holds its output, and a test fails
+//! when the committed file is stale.
+
+fn main() -> anyhow::Result<()> {
+    print!("{}", ferrite_operator::crd::crd_yaml()?);
+    Ok(())
+}

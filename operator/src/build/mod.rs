@@ -1,0 +1,200 @@
+//! The build step: a pure function from an `InferenceService` (and the operator's config) to the
+//! objects that should exist. No API calls here, so every field is unit-tested without a cluster.
+
+pub mod dashboards;
+pub mod deployment;
+pub mod model;
+pub mod monitor;
+pub mod service;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::{Resource, ResourceExt};
+
+use crate::config::OperatorConfig;
+use crate::crd::InferenceService;
+use monitor::ServiceMonitor;
+
+/// Label carrying the owning InferenceService's name on everything the operator makes.
+pub const INSTANCE_LABEL: &str = "ferrite.dev/inferenceservice";
+/// Default HTTP port of both runtimes.
+pub const DEFAULT_PORT: i32 = 8000;
+/// Default drain time, matching ferrite-server's `--shutdown-timeout`.
+pub const DEFAULT_SHUTDOWN_SECONDS: i32 = 30;
+
+/// What the cluster offers, discovered at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClusterCapabilities {
+    /// Whether `servicemonitors.monitoring.coreos.com` is installed.
+    pub service_monitor_crd: bool,
+}
+
+/// Everything one InferenceService should own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Desired {
+    pub deployment: Deployment,
+    pub service: Service,
+    /// Only with more than one replica.
+    pub pdb: Option<PodDisruptionBudget>,
+    /// Only when enabled and the CRD exists.
+    pub service_monitor: Option<ServiceMonitor>,
+    pub dashboards: Vec<ConfigMap>,
+    /// The label selector of the pods, for status.selector (the scale subresource).
+    pub selector: String,
+    /// In-cluster base URL of the API.
+    pub url: String,
+}
+
+/// A spec the CRD schema accepts but the operator cannot build; shown as `Degraded`.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BuildError {
+    #[error("the resource has no {0}")]
+    MissingMetadata(&'static str),
+    #[error("model.source {0:?}: {1}")]
+    ModelSource(String, &'static str),
+    #[error("runtime.engine.kvCacheMemory {0:?} is not a byte quantity")]
+    KvCacheMemory(String),
+    #[error("dashboard {0}: {1}")]
+    Dashboard(String, &'static str),
+}
+
+impl BuildError {
+    /// CamelCase reason for the `Degraded` condition.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            BuildError::MissingMetadata(_) => "InvalidMetadata",
+            BuildError::ModelSource(..) => "InvalidModelSource",
+            BuildError::KvCacheMemory(_) => "InvalidEngineSettings",
+            BuildError::Dashboard(..) => "InvalidDashboard",
+        }
+    }
+}
+
+/// The resource's name, namespace and the owner reference children carry.
+#[derive(Debug, Clone)]
+pub(crate) struct Owner {
+    pub name: String,
+    pub namespace: String,
+    pub reference: OwnerReference,
+}
+
+impl Owner {
+    fn of(isvc: &InferenceService) -> Result<Self, BuildError> {
+        let namespace = isvc
+            .namespace()
+            .ok_or(BuildError::MissingMetadata("namespace"))?;
+        let reference = isvc
+            .controller_owner_ref(&())
+            .ok_or(BuildError::MissingMetadata("uid"))?;
+        Ok(Self {
+            name: isvc.name_any(),
+            namespace,
+            reference,
+        })
+    }
+
+    /// Metadata for a child named `name`, labelled and owned.
+    pub fn meta(&self, name: String, extra_labels: &BTreeMap<String, String>) -> ObjectMeta {
+        let mut labels = self.labels();
+        labels.extend(extra_labels.clone());
+        ObjectMeta {
+            name: Some(name),
+            namespace: Some(self.namespace.clone()),
+            labels: Some(labels),
+            owner_references: Some(vec![self.reference.clone()]),
+            ..ObjectMeta::default()
+        }
+    }
+
+    /// Labels on every child (and the pods).
+    pub fn labels(&self) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (
+                "app.kubernetes.io/name".into(),
+                "inferenceservice".to_string(),
+            ),
+            ("app.kubernetes.io/instance".into(), self.name.clone()),
+            (
+                "app.kubernetes.io/managed-by".into(),
+                "ferrite-operator".into(),
+            ),
+            (INSTANCE_LABEL.into(), self.name.clone()),
+        ])
+    }
+
+    /// The pods' selector: stable across spec changes (a Deployment's selector is immutable).
+    pub fn selector_labels(&self) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (INSTANCE_LABEL.into(), self.name.clone()),
+            ("app.kubernetes.io/component".into(), "server".into()),
+        ])
+    }
+}
+
+/// The served model name: spec.model.servedName or the resource name.
+pub fn served_name(isvc: &InferenceService) -> String {
+    isvc.spec
+        .model
+        .served_name
+        .clone()
+        .unwrap_or_else(|| isvc.name_any())
+}
+
+/// Replicas to run: spec.replicas, else autoscaling.minReplicas (at least 1), else 1.
+pub fn desired_replicas(isvc: &InferenceService) -> i32 {
+    isvc.spec.replicas.unwrap_or_else(|| {
+        isvc.spec
+            .autoscaling
+            .as_ref()
+            .map_or(1, |a| a.min_replicas.max(1))
+    })
+}
+
+pub fn port(isvc: &InferenceService) -> i32 {
+    isvc.spec.runtime.port.unwrap_or(DEFAULT_PORT)
+}
+
+/// Builds every desired object.
+pub fn build(
+    isvc: &InferenceService,
+    config: &OperatorConfig,
+    caps: ClusterCapabilities,
+) -> Result<Desired, BuildError> {
+    let owner = Owner::of(isvc)?;
+    let deployment = deployment::deployment(isvc, config, &owner)?;
+    let service = service::service(isvc, &owner);
+    let pdb = (desired_replicas(isvc) > 1).then(|| service::pdb(&owner));
+    let sm = &isvc.spec.monitoring.service_monitor;
+    let service_monitor =
+        (sm.enabled && caps.service_monitor_crd).then(|| monitor::service_monitor(sm, &owner));
+    let dashboards = if isvc.spec.monitoring.dashboards.enabled {
+        dashboards::config_maps(isvc, config, &owner)?
+    } else {
+        Vec::new()
+    };
+    let selector = owner
+        .selector_labels()
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let url = format!(
+        "http://{}.{}.svc.cluster.local:{}",
+        owner.name,
+        owner.namespace,
+        port(isvc)
+    );
+    Ok(Desired {
+        deployment,
+        service,
+        pdb,
+        service_monitor,
+        dashboards,
+        selector,
+        url,
+    })
+}

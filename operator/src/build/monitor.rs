@@ -1,0 +1,64 @@
+//! The Prometheus Operator ServiceMonitor (`monitoring.coreos.com/v1`), typed with just the
+//! fields the operator sets.
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::Owner;
+use crate::crd::ServiceMonitorSpec as MonitorSettings;
+
+/// The subset of the Prometheus Operator's ServiceMonitor spec the operator writes.
+#[derive(CustomResource, JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "monitoring.coreos.com",
+    version = "v1",
+    kind = "ServiceMonitor",
+    plural = "servicemonitors",
+    namespaced,
+    derive = "PartialEq"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceMonitorSpec {
+    pub selector: LabelSelector,
+    pub endpoints: Vec<Endpoint>,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct LabelSelector {
+    pub match_labels: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Endpoint {
+    pub port: String,
+    pub path: String,
+    pub interval: String,
+    pub scheme: String,
+}
+
+/// The CRD whose presence decides whether monitors can be created.
+pub const SERVICE_MONITOR_CRD: &str = "servicemonitors.monitoring.coreos.com";
+
+pub(crate) fn service_monitor(settings: &MonitorSettings, owner: &Owner) -> ServiceMonitor {
+    let spec = ServiceMonitorSpec {
+        // The Service carries the owner's labels; select it by the instance label only.
+        selector: LabelSelector {
+            match_labels: std::collections::BTreeMap::from([(
+                super::INSTANCE_LABEL.to_string(),
+                owner.name.clone(),
+            )]),
+        },
+        endpoints: vec![Endpoint {
+            port: "http".into(),
+            path: "/metrics".into(),
+            interval: settings.interval.clone(),
+            scheme: "http".into(),
+        }],
+    };
+    let mut sm = ServiceMonitor::new(&owner.name, spec);
+    sm.metadata = owner.meta(owner.name.clone(), &settings.labels);
+    sm
+}

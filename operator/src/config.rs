@@ -1,0 +1,86 @@
+//! Operator-wide settings: default images, the field manager, and the dashboards to ship.
+
+use std::path::Path;
+
+/// One Grafana dashboard (from `dashboards/`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dashboard {
+    /// File stem, e.g. `overview`.
+    pub name: String,
+    pub json: serde_json::Value,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct OperatorConfig {
+    /// ferrite-server image for CPU pods.
+    pub ferrite_image: String,
+    /// ferrite-server image built with `--features cuda`, for pods with GPUs.
+    pub ferrite_cuda_image: String,
+    /// vLLM's OpenAI server image.
+    pub vllm_image: String,
+    /// Image with Python, used by the init container that downloads `hf://` models for ferrite.
+    pub downloader_image: String,
+    /// Dashboards shipped as ConfigMaps for each InferenceService.
+    pub dashboards: Vec<Dashboard>,
+}
+
+/// The one field manager for every server-side apply.
+pub const FIELD_MANAGER: &str = "ferrite-operator";
+
+impl Default for OperatorConfig {
+    fn default() -> Self {
+        let v = env!("CARGO_PKG_VERSION");
+        Self {
+            ferrite_image: format!("ghcr.io/ferrite-dev/ferrite-server:{v}"),
+            ferrite_cuda_image: format!("ghcr.io/ferrite-dev/ferrite-server:{v}-cuda"),
+            vllm_image: "vllm/vllm-openai:v0.11.0".into(),
+            downloader_image: "python:3.12-slim".into(),
+            dashboards: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading dashboards from {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("dashboard {path} is not valid JSON: {source}")]
+    Json {
+        path: String,
+        source: serde_json::Error,
+    },
+}
+
+/// Loads every `*.json` in `dir`, sorted by name.
+pub fn load_dashboards(dir: &Path) -> Result<Vec<Dashboard>, ConfigError> {
+    let io = |source| ConfigError::Io {
+        path: dir.display().to_string(),
+        source,
+    };
+    let mut paths: Vec<_> = std::fs::read_dir(dir)
+        .map_err(io)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    paths.sort();
+    paths
+        .into_iter()
+        .map(|p| {
+            let path = p.display().to_string();
+            let text = std::fs::read_to_string(&p).map_err(|source| ConfigError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let json =
+                serde_json::from_str(&text).map_err(|source| ConfigError::Json { path, source })?;
+            let name = p
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            Ok(Dashboard { name, json })
+        })
+        .collect()
+}

@@ -1,0 +1,421 @@
+//! The `InferenceService` custom resource (`ferrite.dev/v1alpha1`). Doc comments become the
+//! CRD's field descriptions, so `kubectl explain inferenceservice.spec` reads them; CEL rules
+//! reject what the OpenAPI types alone cannot.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Affinity, EnvVar, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Desired state of an InferenceService.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "ferrite.dev",
+    version = "v1alpha1",
+    kind = "InferenceService",
+    plural = "inferenceservices",
+    singular = "inferenceservice",
+    shortname = "fisvc",
+    category = "ferrite",
+    namespaced,
+    cel,
+    doc = "An LLM served over the OpenAI API by ferrite-server or vLLM, with its Deployment, Service, monitoring and autoscaling managed by ferrite-operator.",
+    validation = Rule::new("self.metadata.name.size() <= 63").message("the name must be at most 63 characters (it names the Service)"),
+    status = "InferenceServiceStatus",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn(
+        name = "Model",
+        type_ = "string",
+        json_path = ".spec.model.source"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "integer",
+        json_path = ".status.readyReplicas"
+    ),
+    printcolumn(name = "Desired", type_ = "integer", json_path = ".spec.replicas"),
+    printcolumn(name = "URL", type_ = "string", json_path = ".status.url"),
+    printcolumn(
+        name = "Status",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[x_kube(validation = Rule::new(
+    "!has(self.modelCache) || !self.model.source.startsWith('pvc://')"
+).message("modelCache is for downloaded models; a pvc:// model is mounted from its claim directly"))]
+#[x_kube(validation = Rule::new(
+    "!has(self.autoscaling) || !has(self.replicas) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)"
+).message("replicas must lie within autoscaling.minReplicas..maxReplicas"))]
+#[serde(rename_all = "camelCase")]
+pub struct InferenceServiceSpec {
+    /// What to serve.
+    pub model: ModelSpec,
+    /// The server that runs the model.
+    #[serde(default)]
+    pub runtime: RuntimeSpec,
+    /// Compute for each replica.
+    #[serde(default)]
+    pub resources: ResourcesSpec,
+    /// Number of pods. Written by `kubectl scale`, HPA, KEDA or the built-in autoscaler through
+    /// the scale subresource; defaults to 1 (or autoscaling.minReplicas, at least 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub replicas: Option<i32>,
+    /// Scale on queue length and KV-cache usage. Absent: replicas stay as set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingSpec>,
+    /// Where the pods may run.
+    #[serde(default)]
+    pub scheduling: SchedulingSpec,
+    /// A PersistentVolumeClaim that holds downloaded (hf://) models across restarts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_cache: Option<ModelCacheSpec>,
+    /// Prometheus ServiceMonitor and Grafana dashboards.
+    #[serde(default)]
+    pub monitoring: MonitoringSpec,
+}
+
+/// What to serve and under which name.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSpec {
+    /// Where the weights are: an absolute path in the image (`/models/x.gguf`),
+    /// `pvc://<claim>/<path>` (the claim is mounted read-only), or `hf://<org>/<name>`
+    /// (downloaded at start, into modelCache when set).
+    #[schemars(regex(
+        pattern = r"^(/[^\s]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]+|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+(/[^\s]+)?)$"
+    ))]
+    pub source: String,
+    /// The `model` id clients send; defaults to the resource's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub served_name: Option<String>,
+    /// Weight format; inferred from the source when absent (`.gguf` is GGUF, else safetensors).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<ModelFormat>,
+}
+
+/// Weight file format.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelFormat {
+    #[serde(rename = "gguf")]
+    Gguf,
+    #[serde(rename = "safetensors")]
+    Safetensors,
+}
+
+/// Which server runs the model. Both speak the OpenAI API and vLLM's metrics protocol.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RuntimeKind {
+    #[default]
+    #[serde(rename = "ferrite")]
+    Ferrite,
+    #[serde(rename = "vllm")]
+    Vllm,
+}
+
+/// The server process.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeSpec {
+    /// `ferrite` (default) or `vllm`.
+    #[serde(default)]
+    pub kind: RuntimeKind,
+    /// Container image; defaults to the operator's image for this runtime (and GPU variant).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Extra arguments appended after the ones the operator derives.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// Extra environment variables.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+    /// HTTP port of the server (API, /health and /metrics).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: Option<i32>,
+    /// Engine settings, passed as the runtime's flags.
+    #[serde(default)]
+    pub engine: EngineSpec,
+}
+
+/// Engine settings shared by ferrite-server and vLLM.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct EngineSpec {
+    /// Longest prompt + completion in tokens (`--max-model-len`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 16, max = 1048576))]
+    pub max_model_len: Option<i32>,
+    /// Most sequences in one batch (`--max-num-seqs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub max_num_seqs: Option<i32>,
+    /// Tokens per KV-cache block (`--block-size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self in [8, 16, 32, 64, 128]").message("blockSize must be 8, 16, 32, 64 or 128"))]
+    pub block_size: Option<i32>,
+    /// Memory for the KV cache, as a Kubernetes quantity (`2Gi`, `512Mi`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"))]
+    pub kv_cache_memory: Option<String>,
+    /// Seconds the server drains in-flight requests after SIGTERM; the pod's
+    /// terminationGracePeriodSeconds is set a little above it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub shutdown_timeout_seconds: Option<i32>,
+}
+
+/// Compute for each replica.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ResourcesSpec {
+    /// NVIDIA GPUs (`nvidia.com/gpu`) per replica; 0 runs on CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 16))]
+    pub gpus: Option<i32>,
+    /// CPU request and limit, as a quantity (`4`, `500m`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]+(\.[0-9]+)?m?$"))]
+    pub cpu: Option<String>,
+    /// Memory request and limit, as a quantity (`8Gi`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"))]
+    pub memory: Option<String>,
+}
+
+/// How replicas follow load: `Builtin` (the operator scrapes the pods and writes spec.replicas)
+/// or `HPA` (the operator serves the signals on the External Metrics API and creates an HPA).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AutoscalingMode {
+    #[default]
+    Builtin,
+    #[serde(rename = "HPA")]
+    Hpa,
+}
+
+/// Autoscaling on LLM signals.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas").message("minReplicas must not exceed maxReplicas"))]
+#[x_kube(validation = Rule::new("self.minReplicas > 0 || has(self.idleTimeoutSeconds)").message("minReplicas 0 (scale to zero) needs idleTimeoutSeconds"))]
+#[x_kube(validation = Rule::new("has(self.targets.queuePerReplica) || has(self.targets.kvCacheUsage)").message("set at least one target: queuePerReplica or kvCacheUsage"))]
+pub struct AutoscalingSpec {
+    /// `Builtin` (default) or `HPA`.
+    #[serde(default)]
+    pub mode: AutoscalingMode,
+    /// Fewest replicas; 0 allows scale to zero after idleTimeoutSeconds.
+    #[schemars(range(min = 0, max = 1000))]
+    pub min_replicas: i32,
+    /// Most replicas.
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_replicas: i32,
+    /// Per-signal targets; the replica count is the highest any signal asks for.
+    pub targets: AutoscalingTargets,
+    /// Stabilization windows and rate limits.
+    #[serde(default)]
+    pub behavior: ScalingBehavior,
+    /// Seconds between scrapes of the pods (Builtin mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 300))]
+    pub scrape_interval_seconds: Option<i32>,
+    /// Scale up at once, and hold scale-down, when the queue exceeds this multiple of its
+    /// target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1.0, max = 100.0))]
+    pub panic_threshold: Option<f64>,
+    /// Seconds without requests before scaling to zero (only with minReplicas 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 30, max = 86400))]
+    pub idle_timeout_seconds: Option<i32>,
+}
+
+/// Target values per replica.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AutoscalingTargets {
+    /// Waiting requests per replica (`vllm:num_requests_waiting`, averaged over ready pods).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.1, max = 10000.0))]
+    pub queue_per_replica: Option<f64>,
+    /// KV-cache usage fraction, 0..1 (`vllm:kv_cache_usage_perc`, averaged over ready pods).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.05, max = 1.0))]
+    pub kv_cache_usage: Option<f64>,
+}
+
+/// HPA-style behaviour.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ScalingBehavior {
+    /// Window over which the highest recommendation wins before scaling up (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub scale_up_stabilization_seconds: Option<i32>,
+    /// Window over which the highest recommendation wins before scaling down (default 300).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub scale_down_stabilization_seconds: Option<i32>,
+    /// Most replicas added per minute, as a percentage of the current count (default 100:
+    /// at most double).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_scale_up_percent_per_minute: Option<i32>,
+    /// Most replicas removed per minute, as a percentage of the current count (default 50).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub max_scale_down_percent_per_minute: Option<i32>,
+    /// Tolerance around each target before anything changes (default 0.1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 0.9))]
+    pub tolerance: Option<f64>,
+}
+
+/// Pod placement.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SchedulingSpec {
+    /// Node labels the pods require (e.g. a GPU product).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Taints the pods tolerate (e.g. `nvidia.com/gpu`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// Node and pod (anti-)affinity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// PriorityClass of the pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// RuntimeClass of the pods (e.g. `nvidia`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_class_name: Option<String>,
+}
+
+/// A claim for downloaded models.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelCacheSpec {
+    /// An existing PersistentVolumeClaim in the same namespace.
+    #[schemars(length(min = 1, max = 253))]
+    pub claim_name: String,
+}
+
+/// Monitoring objects the operator creates.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct MonitoringSpec {
+    #[serde(default)]
+    pub service_monitor: ServiceMonitorSpec,
+    #[serde(default)]
+    pub dashboards: DashboardsSpec,
+}
+
+/// A Prometheus Operator ServiceMonitor for the pods' /metrics.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceMonitorSpec {
+    /// Create it (only where the ServiceMonitor CRD is installed; the status says otherwise).
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Scrape interval, e.g. `15s`.
+    #[serde(default = "default_interval")]
+    #[schemars(regex(pattern = r"^[0-9]+(ms|s|m)$"))]
+    pub interval: String,
+    /// Extra labels, e.g. the `release` label your Prometheus selects monitors by.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+impl Default for ServiceMonitorSpec {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            interval: default_interval(),
+            labels: BTreeMap::new(),
+        }
+    }
+}
+
+/// Grafana dashboards as ConfigMaps for the Grafana sidecar.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DashboardsSpec {
+    /// Create the ConfigMaps.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Labels the sidecar selects ConfigMaps by; default `grafana_dashboard: "1"`.
+    #[serde(default = "default_dashboard_labels")]
+    pub labels: BTreeMap<String, String>,
+    /// Grafana folder, set as the `grafana_folder` annotation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub folder: Option<String>,
+}
+
+impl Default for DashboardsSpec {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            labels: default_dashboard_labels(),
+            folder: None,
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_interval() -> String {
+    "15s".into()
+}
+
+fn default_dashboard_labels() -> BTreeMap<String, String> {
+    BTreeMap::from([("grafana_dashboard".to_string(), "1".to_string())])
+}
+
+/// Observed state.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct InferenceServiceStatus {
+    /// `Ready`, `Progressing` and `Degraded` (plus `ScalingActive` with autoscaling).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// The metadata.generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Pods of the current Deployment.
+    #[serde(default)]
+    pub replicas: i32,
+    /// Pods passing their readiness probe.
+    #[serde(default)]
+    pub ready_replicas: i32,
+    /// Label selector of the pods, for the scale subresource (HPA, KEDA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    /// In-cluster base URL of the OpenAI-compatible API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+}
+
+/// The CRD as YAML, exactly as committed under `crds/`.
+pub fn crd_yaml() -> Result<String, serde_yaml_ng::Error> {
+    use kube::CustomResourceExt;
+    let yaml = serde_yaml_ng::to_string(&InferenceService::crd())?;
+    Ok(format!(
+        "# Generated by `cargo run -p ferrite-operator --bin crdgen`; do not edit.\n{yaml}"
+    ))
+}

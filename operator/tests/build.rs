@@ -1,0 +1,472 @@
+//! The build step, object by object and option by option: fields, not snapshots.
+
+use std::collections::BTreeMap;
+
+use ferrite_operator::build::dashboards::dashboard_uid;
+use ferrite_operator::build::{BuildError, ClusterCapabilities, Desired, build};
+use ferrite_operator::config::{Dashboard, OperatorConfig};
+use ferrite_operator::crd::InferenceService;
+use k8s_openapi::api::core::v1::{Container, PodSpec};
+use serde_json::{Value, json};
+
+const NO_MONITOR_CRD: ClusterCapabilities = ClusterCapabilities {
+    service_monitor_crd: false,
+};
+const MONITOR_CRD: ClusterCapabilities = ClusterCapabilities {
+    service_monitor_crd: true,
+};
+
+fn isvc(spec: Value) -> InferenceService {
+    serde_json::from_value(json!({
+        "apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": "ml", "uid": "1234-abcd", "generation": 3},
+        "spec": spec,
+    }))
+    .expect("valid InferenceService")
+}
+
+fn config() -> OperatorConfig {
+    OperatorConfig {
+        dashboards: vec![Dashboard {
+            name: "overview".into(),
+            json: json!({"uid": "ferrite-overview", "title": "Ferrite overview", "id": 7,
+                         "templating": {"list": [
+                             {"name": "datasource", "type": "datasource"},
+                             {"name": "model_name", "type": "query"}]}}),
+        }],
+        ..OperatorConfig::default()
+    }
+}
+
+fn built(spec: Value, caps: ClusterCapabilities) -> Desired {
+    build(&isvc(spec), &config(), caps).expect("builds")
+}
+
+fn pod(d: &Desired) -> &PodSpec {
+    d.deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod spec")
+}
+
+fn server(d: &Desired) -> &Container {
+    &pod(d).containers[0]
+}
+
+fn args(d: &Desired) -> Vec<String> {
+    server(d).args.clone().expect("args")
+}
+
+/// The value after `flag` in the arguments.
+fn arg(d: &Desired, flag: &str) -> Option<String> {
+    let a = args(d);
+    a.iter()
+        .position(|x| x == flag)
+        .and_then(|i| a.get(i + 1).cloned())
+}
+
+#[test]
+fn minimal_ferrite_cpu_deployment() {
+    let d = built(
+        json!({"model": {"source": "/models/smol.gguf"}}),
+        NO_MONITOR_CRD,
+    );
+    let dep = &d.deployment;
+    assert_eq!(dep.metadata.name.as_deref(), Some("chat"));
+    assert_eq!(dep.metadata.namespace.as_deref(), Some("ml"));
+    let owner = &dep.metadata.owner_references.as_ref().expect("owner")[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.name.as_str(), owner.uid.as_str()),
+        ("InferenceService", "chat", "1234-abcd")
+    );
+    assert_eq!(owner.controller, Some(true));
+    let spec = dep.spec.as_ref().expect("spec");
+    assert_eq!(spec.replicas, Some(1));
+    let c = server(&d);
+    assert_eq!(
+        c.image.as_deref(),
+        Some(OperatorConfig::default().ferrite_image.as_str())
+    );
+    assert_eq!(arg(&d, "--model").as_deref(), Some("/models/smol.gguf"));
+    assert_eq!(arg(&d, "--served-model-name").as_deref(), Some("chat"));
+    assert_eq!(arg(&d, "--port").as_deref(), Some("8000"));
+    assert_eq!(arg(&d, "--host").as_deref(), Some("0.0.0.0"));
+    assert_eq!(arg(&d, "--shutdown-timeout").as_deref(), Some("30"));
+    assert_eq!(arg(&d, "--device"), None, "CPU pods run on the CPU");
+    assert_eq!(c.ports.as_ref().expect("ports")[0].container_port, 8000);
+
+    // Probes: /health gates traffic; startup allows a long model load.
+    let startup = c.startup_probe.as_ref().expect("startup probe");
+    assert_eq!(
+        startup.http_get.as_ref().and_then(|h| h.path.as_deref()),
+        Some("/health")
+    );
+    let budget = startup.period_seconds.unwrap_or(10) * startup.failure_threshold.unwrap_or(3);
+    assert!(budget >= 1800, "startup budget {budget}s");
+    let ready = c.readiness_probe.as_ref().expect("readiness probe");
+    assert_eq!(
+        ready.http_get.as_ref().and_then(|h| h.path.as_deref()),
+        Some("/health")
+    );
+
+    // Security: non-root, no escalation, no capabilities, read-only root (ferrite writes only
+    // /tmp, an emptyDir).
+    let sc = c.security_context.as_ref().expect("security context");
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(sc.run_as_non_root, Some(true));
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    assert_eq!(
+        sc.capabilities.as_ref().and_then(|c| c.drop.clone()),
+        Some(vec!["ALL".to_string()])
+    );
+    let psc = pod(&d).security_context.as_ref().expect("pod security");
+    assert_eq!(psc.run_as_non_root, Some(true));
+    assert!(
+        c.volume_mounts
+            .as_ref()
+            .expect("mounts")
+            .iter()
+            .any(|m| m.mount_path == "/tmp")
+    );
+
+    // Drain: the kubelet waits longer than the server's --shutdown-timeout.
+    assert_eq!(pod(&d).termination_grace_period_seconds, Some(45));
+
+    let ann = spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.annotations.clone())
+        .expect("annotations");
+    assert_eq!(ann["prometheus.io/scrape"], "true");
+    assert_eq!(ann["prometheus.io/port"], "8000");
+    assert_eq!(ann["prometheus.io/path"], "/metrics");
+
+    // The Service selects exactly the Deployment's pods, on the named port.
+    let svc = d.service.spec.as_ref().expect("service spec");
+    assert_eq!(svc.selector.as_ref(), spec.selector.match_labels.as_ref());
+    let pod_labels = spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.clone())
+        .expect("pod labels");
+    for (k, v) in svc.selector.as_ref().expect("selector") {
+        assert_eq!(pod_labels.get(k), Some(v));
+    }
+    assert_eq!(svc.ports.as_ref().expect("ports")[0].port, 8000);
+    assert_eq!(
+        d.selector,
+        "app.kubernetes.io/component=server,ferrite.dev/inferenceservice=chat"
+    );
+    assert_eq!(d.url, "http://chat.ml.svc.cluster.local:8000");
+    assert!(d.pdb.is_none(), "one replica needs no PDB");
+    assert!(d.service_monitor.is_none(), "no ServiceMonitor CRD");
+}
+
+#[test]
+fn engine_settings_become_flags() {
+    let d = built(
+        json!({"model": {"source": "/m.gguf", "servedName": "assistant"},
+               "runtime": {"port": 9000, "args": ["--weights", "quantized"],
+                           "engine": {"maxModelLen": 4096, "maxNumSeqs": 64, "blockSize": 32,
+                                      "kvCacheMemory": "2Gi", "shutdownTimeoutSeconds": 120}}}),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(arg(&d, "--served-model-name").as_deref(), Some("assistant"));
+    assert_eq!(arg(&d, "--port").as_deref(), Some("9000"));
+    assert_eq!(arg(&d, "--max-model-len").as_deref(), Some("4096"));
+    assert_eq!(arg(&d, "--max-num-seqs").as_deref(), Some("64"));
+    assert_eq!(arg(&d, "--block-size").as_deref(), Some("32"));
+    assert_eq!(arg(&d, "--kv-cache-memory").as_deref(), Some("2147483648"));
+    assert_eq!(arg(&d, "--shutdown-timeout").as_deref(), Some("120"));
+    assert_eq!(pod(&d).termination_grace_period_seconds, Some(135));
+    // The user's own arguments come last, so they win where the runtime takes the last value.
+    assert_eq!(&args(&d)[args(&d).len() - 2..], ["--weights", "quantized"]);
+    assert_eq!(d.url, "http://chat.ml.svc.cluster.local:9000");
+}
+
+#[test]
+fn ferrite_on_gpus_uses_the_cuda_image_and_device() {
+    let d = built(
+        json!({"model": {"source": "/m.gguf"}, "resources": {"gpus": 1, "cpu": "4", "memory": "16Gi"}}),
+        NO_MONITOR_CRD,
+    );
+    let c = server(&d);
+    assert_eq!(
+        c.image.as_deref(),
+        Some(OperatorConfig::default().ferrite_cuda_image.as_str())
+    );
+    assert_eq!(arg(&d, "--device").as_deref(), Some("cuda"));
+    let r = c.resources.as_ref().expect("resources");
+    let limits = r.limits.as_ref().expect("limits");
+    assert_eq!(limits["nvidia.com/gpu"].0, "1");
+    assert_eq!(limits["cpu"].0, "4");
+    assert_eq!(r.requests.as_ref().expect("requests")["memory"].0, "16Gi");
+    assert!(
+        !r.requests
+            .as_ref()
+            .expect("requests")
+            .contains_key("nvidia.com/gpu"),
+        "extended resources are set as limits"
+    );
+}
+
+#[test]
+fn vllm_gets_its_image_flags_shared_memory_and_a_writable_root() {
+    let d = built(
+        json!({"model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+               "runtime": {"kind": "vllm", "engine": {"kvCacheMemory": "10Gi"}},
+               "resources": {"gpus": 2}, "modelCache": {"claimName": "hf-cache"}}),
+        NO_MONITOR_CRD,
+    );
+    let c = server(&d);
+    assert_eq!(
+        c.image.as_deref(),
+        Some(OperatorConfig::default().vllm_image.as_str())
+    );
+    assert_eq!(
+        arg(&d, "--model").as_deref(),
+        Some("meta-llama/Llama-3.1-8B-Instruct")
+    );
+    assert_eq!(arg(&d, "--tensor-parallel-size").as_deref(), Some("2"));
+    assert_eq!(
+        arg(&d, "--kv-cache-memory-bytes").as_deref(),
+        Some("10737418240")
+    );
+    assert_eq!(arg(&d, "--kv-cache-memory"), None);
+    assert_eq!(arg(&d, "--shutdown-timeout"), None, "not a vLLM flag");
+    let sc = c.security_context.as_ref().expect("security");
+    assert_eq!(sc.read_only_root_filesystem, Some(false));
+    assert_eq!(sc.run_as_non_root, Some(true));
+    let mounts = c.volume_mounts.as_ref().expect("mounts");
+    assert!(mounts.iter().any(|m| m.mount_path == "/dev/shm"));
+    let env = c.env.as_ref().expect("env");
+    assert!(
+        env.iter()
+            .any(|e| e.name == "HF_HOME" && e.value.as_deref() == Some("/mnt/models/hf"))
+    );
+    // vLLM downloads by itself, into the cache claim.
+    assert!(pod(&d).init_containers.is_none());
+    let vols = pod(&d).volumes.as_ref().expect("volumes");
+    assert!(vols.iter().any(|v| {
+        v.persistent_volume_claim
+            .as_ref()
+            .is_some_and(|p| p.claim_name == "hf-cache" && p.read_only == Some(false))
+    }));
+}
+
+#[test]
+fn pvc_models_mount_read_only() {
+    let d = built(
+        json!({"model": {"source": "pvc://weights/smol/model.gguf"}}),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(
+        arg(&d, "--model").as_deref(),
+        Some("/mnt/models/smol/model.gguf")
+    );
+    let vol = pod(&d)
+        .volumes
+        .as_ref()
+        .expect("volumes")
+        .iter()
+        .find(|v| v.name == "model")
+        .expect("model volume");
+    let pvc = vol.persistent_volume_claim.as_ref().expect("pvc");
+    assert_eq!(pvc.claim_name, "weights");
+    assert_eq!(pvc.read_only, Some(true));
+    let m = server(&d)
+        .volume_mounts
+        .as_ref()
+        .expect("mounts")
+        .iter()
+        .find(|m| m.name == "model")
+        .expect("model mount");
+    assert_eq!(
+        (m.mount_path.as_str(), m.read_only),
+        ("/mnt/models", Some(true))
+    );
+}
+
+#[test]
+fn hugging_face_models_for_ferrite_are_downloaded_by_an_init_container() {
+    let d = built(
+        json!({"model": {"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}}),
+        NO_MONITOR_CRD,
+    );
+    let init = &pod(&d).init_containers.as_ref().expect("init containers")[0];
+    assert_eq!(init.name, "model-download");
+    let env: BTreeMap<String, String> = init
+        .env
+        .as_ref()
+        .expect("env")
+        .iter()
+        .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+        .collect();
+    assert_eq!(env["MODEL_REPO"], "HuggingFaceTB/SmolLM2-135M-Instruct");
+    assert_eq!(
+        env["MODEL_DIR"],
+        "/mnt/models/HuggingFaceTB/SmolLM2-135M-Instruct"
+    );
+    // The repository never enters the shell script.
+    let script = init.command.as_ref().expect("command").join(" ");
+    assert!(!script.contains("SmolLM2"), "{script}");
+    assert_eq!(
+        init.security_context
+            .as_ref()
+            .and_then(|s| s.allow_privilege_escalation),
+        Some(false)
+    );
+    assert_eq!(
+        arg(&d, "--model").as_deref(),
+        Some("/mnt/models/HuggingFaceTB/SmolLM2-135M-Instruct")
+    );
+    // Without a cache claim the download lands in an emptyDir.
+    let vol = pod(&d)
+        .volumes
+        .as_ref()
+        .expect("volumes")
+        .iter()
+        .find(|v| v.name == "model")
+        .expect("model volume");
+    assert!(vol.empty_dir.is_some());
+}
+
+#[test]
+fn several_replicas_get_a_disruption_budget() {
+    let d = built(
+        json!({"model": {"source": "/m.gguf"}, "replicas": 3}),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(d.deployment.spec.as_ref().and_then(|s| s.replicas), Some(3));
+    let pdb = d.pdb.expect("PDB with 3 replicas");
+    let spec = pdb.spec.expect("spec");
+    assert_eq!(
+        spec.max_unavailable,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(1))
+    );
+    assert_eq!(
+        spec.selector.and_then(|s| s.match_labels),
+        d.deployment.spec.and_then(|s| s.selector.match_labels)
+    );
+    // Autoscaled without explicit replicas: starts at minReplicas.
+    let d = built(
+        json!({"model": {"source": "/m.gguf"},
+               "autoscaling": {"minReplicas": 2, "maxReplicas": 5, "targets": {"queuePerReplica": 3}}}),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(d.deployment.spec.as_ref().and_then(|s| s.replicas), Some(2));
+    assert!(d.pdb.is_some());
+}
+
+#[test]
+fn service_monitor_only_when_enabled_and_the_crd_exists() {
+    let spec = json!({"model": {"source": "/m.gguf"},
+                      "monitoring": {"serviceMonitor": {"interval": "5s", "labels": {"release": "prom"}}}});
+    let sm = built(spec.clone(), MONITOR_CRD)
+        .service_monitor
+        .expect("monitor when the CRD exists");
+    assert_eq!(
+        sm.metadata.labels.as_ref().expect("labels")["release"],
+        "prom"
+    );
+    let ep = &sm.spec.endpoints[0];
+    assert_eq!(
+        (ep.port.as_str(), ep.path.as_str(), ep.interval.as_str()),
+        ("http", "/metrics", "5s")
+    );
+    let d = built(spec, MONITOR_CRD);
+    let svc_labels = d.service.metadata.labels.clone().expect("service labels");
+    for (k, v) in &sm.spec.selector.match_labels {
+        assert_eq!(svc_labels.get(k), Some(v), "monitor selects the Service");
+    }
+    assert!(
+        built(json!({"model": {"source": "/m.gguf"}}), NO_MONITOR_CRD)
+            .service_monitor
+            .is_none()
+    );
+    let off = json!({"model": {"source": "/m.gguf"}, "monitoring": {"serviceMonitor": {"enabled": false}}});
+    assert!(built(off, MONITOR_CRD).service_monitor.is_none());
+}
+
+#[test]
+fn dashboards_are_personalised_config_maps_for_the_sidecar() {
+    let d = built(
+        json!({"model": {"source": "/m.gguf", "servedName": "assistant"},
+               "monitoring": {"dashboards": {"folder": "LLM"}}}),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(d.dashboards.len(), 1);
+    let cm = &d.dashboards[0];
+    assert_eq!(cm.metadata.name.as_deref(), Some("chat-dashboard-overview"));
+    assert_eq!(
+        cm.metadata.labels.as_ref().expect("labels")["grafana_dashboard"],
+        "1"
+    );
+    assert_eq!(
+        cm.metadata.annotations.as_ref().expect("annotations")["grafana_folder"],
+        "LLM"
+    );
+    let json: Value =
+        serde_json::from_str(&cm.data.as_ref().expect("data")["chat-overview.json"]).expect("json");
+    assert_eq!(json["uid"], dashboard_uid("ml", "chat", "overview"));
+    assert!(json["uid"].as_str().expect("uid").len() <= 40);
+    assert_eq!(json["title"], "Ferrite overview (ml/chat)");
+    assert!(json.get("id").is_none());
+    assert_eq!(
+        json["templating"]["list"][1]["current"]["value"],
+        "assistant"
+    );
+    // Another resource's copy never collides.
+    assert_ne!(
+        dashboard_uid("ml", "chat", "overview"),
+        dashboard_uid("ml", "chat2", "overview")
+    );
+    let off =
+        json!({"model": {"source": "/m.gguf"}, "monitoring": {"dashboards": {"enabled": false}}});
+    assert!(built(off, NO_MONITOR_CRD).dashboards.is_empty());
+}
+
+#[test]
+fn scheduling_passes_through() {
+    let d = built(
+        json!({"model": {"source": "/m.gguf"},
+               "scheduling": {"nodeSelector": {"gpu": "h100"},
+                              "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                              "priorityClassName": "high", "runtimeClassName": "nvidia"}}),
+        NO_MONITOR_CRD,
+    );
+    let p = pod(&d);
+    assert_eq!(p.node_selector.as_ref().expect("selector")["gpu"], "h100");
+    assert_eq!(
+        p.tolerations.as_ref().expect("tolerations")[0]
+            .key
+            .as_deref(),
+        Some("nvidia.com/gpu")
+    );
+    assert_eq!(p.priority_class_name.as_deref(), Some("high"));
+    assert_eq!(p.runtime_class_name.as_deref(), Some("nvidia"));
+}
+
+#[test]
+fn specs_the_schema_accepts_but_cannot_be_built_are_errors_not_panics() {
+    let bad_kv = isvc(
+        json!({"model": {"source": "/m.gguf"}, "runtime": {"engine": {"kvCacheMemory": "0"}}}),
+    );
+    assert!(matches!(
+        build(&bad_kv, &config(), NO_MONITOR_CRD),
+        Err(BuildError::KvCacheMemory(_))
+    ));
+    let bad_source = isvc(json!({"model": {"source": "pvc://claim-only"}}));
+    let e = build(&bad_source, &config(), NO_MONITOR_CRD).expect_err("bad source");
+    assert_eq!(e.reason(), "InvalidModelSource");
+    assert!(e.to_string().contains("pvc://claim-only"), "{e}");
+    let mut no_ns = isvc(json!({"model": {"source": "/m.gguf"}}));
+    no_ns.metadata.namespace = None;
+    assert_eq!(
+        build(&no_ns, &config(), NO_MONITOR_CRD),
+        Err(BuildError::MissingMetadata("namespace"))
+    );
+}
