@@ -2,9 +2,11 @@
 # Cost of observability: the same ferrite-server build twice, taking turns under bench-serve's
 # load. The baseline runs with --disable-log-stats and is never scraped; the other logs the stats
 # line every second and has /metrics scraped every 100 ms (ten times a 1 s Prometheus interval).
-# Prints throughput/latency ratios and the scrape latency under load.
+# The two take turns in alternating order (quiet, observed, observed, quiet, ...; --repeat) and
+# the pooled figures are compared. Prints throughput/latency ratios and the scrape latency under
+# load.
 #
-#   bench/metrics-overhead.sh [extra bench-serve flags, e.g. --concurrency 8,32]
+#   bench/metrics-overhead.sh [bench-serve flags; default: --concurrency 32 --repeat 4]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -29,6 +31,7 @@ serve() { # port, extra flags...
   pids+=($!)
   wait_health "$port"
 }
+[ $# -gt 0 ] || set -- --concurrency 32 --repeat 4
 serve 18190 --disable-log-stats
 serve 18191 --log-stats-interval 1
 

@@ -46,6 +46,10 @@ struct Args {
     /// Names of targets to scrape (repeatable).
     #[arg(long = "scrape")]
     scrape: Vec<String>,
+    /// Run every target this many times, alternating their order (A B, B A, …), and report the
+    /// pooled figures; spreads drift (thermal, page cache, noisy neighbours) over all targets.
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
 }
 
 /// What one request saw.
@@ -72,6 +76,17 @@ struct LevelResult {
 }
 
 impl LevelResult {
+    /// Pools another run of the same level into this one.
+    fn merge(&mut self, o: LevelResult) {
+        self.requests += o.requests;
+        self.wall += o.wall;
+        self.output_tokens += o.output_tokens;
+        self.ttft.extend(o.ttft);
+        self.itl.extend(o.itl);
+        self.e2e.extend(o.e2e);
+        self.scrapes.extend(o.scrapes);
+        self.scrape_bytes = self.scrape_bytes.max(o.scrape_bytes);
+    }
     fn tok_per_s(&self) -> f64 {
         self.output_tokens as f64 / self.wall
     }
@@ -336,21 +351,38 @@ async fn main() -> Result<()> {
         .iter()
         .map(|s| parse_target(s).map(Arc::new))
         .collect::<Result<_>>()?;
-    let mut results: Vec<Vec<LevelResult>> = Vec::new();
-    for t in &targets {
-        // One short warm-up request so lazy initialisation is not measured.
-        let warm = json!({"model": args.model, "prompt": "warm up", "max_tokens": 4,
-                          "temperature": 0, "stream": true});
-        one_request(t, &warm)
-            .await
-            .with_context(|| format!("warm-up request to {}", t.name))?;
-        let mut per = Vec::new();
-        for (k, &c) in args.concurrency.iter().enumerate() {
-            let r = run_level(t.clone(), &args, c, 100_000 * (k + 1)).await?;
-            print_level(&t.name, &r);
-            per.push(r);
+    let mut results: Vec<Vec<LevelResult>> = vec![Vec::new(); targets.len()];
+    for rep in 0..args.repeat.max(1) {
+        let mut order: Vec<usize> = (0..targets.len()).collect();
+        if rep % 2 == 1 {
+            order.reverse();
         }
-        results.push(per);
+        for ti in order {
+            let t = &targets[ti];
+            // One short warm-up request so lazy initialisation is not measured.
+            let warm = json!({"model": args.model, "prompt": "warm up", "max_tokens": 4,
+                              "temperature": 0, "stream": true});
+            one_request(t, &warm)
+                .await
+                .with_context(|| format!("warm-up request to {}", t.name))?;
+            for (k, &c) in args.concurrency.iter().enumerate() {
+                let seed = 100_000 * (k + 1) + 10_000_000 * rep;
+                let r = run_level(t.clone(), &args, c, seed).await?;
+                print_level(&t.name, &r);
+                match results[ti].get_mut(k) {
+                    Some(pooled) => pooled.merge(r),
+                    None => results[ti].push(r),
+                }
+            }
+        }
+    }
+    if args.repeat > 1 {
+        println!("\npooled over {} alternating runs:", args.repeat);
+        for (t, per) in targets.iter().zip(&results) {
+            for r in per {
+                print_level(&t.name, r);
+            }
+        }
     }
     let base = &targets[0].name;
     println!("\nratios against {base} (higher is better for throughput, lower for latency):");

@@ -10,3 +10,4 @@ pub mod engine;
 pub mod kv;
 pub mod metrics;
 pub mod model;
+pub mod priority;

@@ -29,6 +29,9 @@ async fn main() -> Result<()> {
         )
         .init();
     let args = ServerArgs::parse();
+    if let Err(e) = ferrite_server::priority::init_compute_pool() {
+        warn!(error = %e, "compute threads keep the default priority");
+    }
     let served = args.served_model_name.clone().unwrap_or_else(|| {
         args.model
             .file_stem()

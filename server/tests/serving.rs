@@ -41,14 +41,15 @@ fn mixed_requests() -> Vec<serde_json::Value> {
 
 #[test]
 fn sixty_four_concurrent_streams_under_preemption_match_their_solo_runs() {
-    // 24 blocks of 16 tokens cannot hold 64 sequences: the newest are preempted, some to the
-    // small host pool (swap) and the rest by recompute. Quantized weights are bitwise batch
-    // invariant, so "equal to the solo run" is exact.
+    // 16 blocks of 16 tokens hold any one of these sequences (at most 4 blocks) but not 64 at
+    // once: the newest are preempted, some to the small host pool (swap) and the rest by
+    // recompute. Quantized weights are bitwise batch invariant, so "equal to the solo run" is
+    // exact.
     let mut s = start(&[
         "--weights",
         "quantized",
         "--num-gpu-blocks",
-        "24",
+        "16",
         "--max-model-len",
         "128",
         "--swap-space",
@@ -62,27 +63,39 @@ fn sixty_four_concurrent_streams_under_preemption_match_their_solo_runs() {
         .collect();
     assert_eq!(s.metric("vllm:num_preemptions_total{"), 0.0);
 
+    // Whether requests overlap enough to exhaust the pool depends on how the OS schedules 64
+    // client threads; on a loaded CI machine they can trickle in. Every round checks every
+    // output; rounds repeat (at most three) until one has preempted.
     let s = Arc::new(s);
-    let start_line = Arc::new(Barrier::new(reqs.len()));
-    let handles: Vec<_> = reqs
-        .iter()
-        .cloned()
-        .map(|r| {
-            let (s, start_line) = (s.clone(), start_line.clone());
-            thread::spawn(move || {
-                start_line.wait();
-                read_stream(SseReader::new(s.post("/v1/completions", &r)))
+    for round in 1..=3 {
+        let start_line = Arc::new(Barrier::new(reqs.len()));
+        let handles: Vec<_> = reqs
+            .iter()
+            .cloned()
+            .map(|r| {
+                let (s, start_line) = (s.clone(), start_line.clone());
+                thread::spawn(move || {
+                    start_line.wait();
+                    read_stream(SseReader::new(s.post("/v1/completions", &r)))
+                })
             })
-        })
-        .collect();
-    for (i, (h, want)) in handles.into_iter().zip(&solo).enumerate() {
-        let got = h.join().expect("client thread");
-        assert_eq!(&got, want, "request {i} differs from its solo run");
-        assert_eq!(got.1.as_deref(), Some("length"));
+            .collect();
+        for (i, (h, want)) in handles.into_iter().zip(&solo).enumerate() {
+            let got = h.join().expect("client thread");
+            assert_eq!(
+                &got, want,
+                "round {round}: request {i} differs from its solo run"
+            );
+            assert_eq!(got.1.as_deref(), Some("length"));
+        }
+        if s.metric("vllm:num_preemptions_total{") > 0.0 {
+            break;
+        }
+        eprintln!("round {round}: the requests never exhausted the pool; running them again");
     }
     assert!(
         s.metric("vllm:num_preemptions_total{") > 0.0,
-        "the pool was meant to force preemption"
+        "three rounds of 64 concurrent requests never preempted"
     );
     s.wait_metric(RUNNING, 0.0, Duration::from_secs(5));
     s.wait_metric(KV_USAGE, 0.0, Duration::from_secs(5));

@@ -251,6 +251,7 @@ impl Engine {
     }
 
     fn run(mut self) {
+        crate::priority::lower_current_thread();
         loop {
             if self.scheduler.is_idle() {
                 if !self.accepting {
