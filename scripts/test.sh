@@ -6,6 +6,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 export FERRITE_MODEL="${FERRITE_MODEL:-$("$root/scripts/fetch-model.sh")}"
 export FERRITE_TEST_PYTHON="${FERRITE_TEST_PYTHON:-$("$root/scripts/python-env.sh")}"
+export FERRITE_NODE_MODULES="${FERRITE_NODE_MODULES:-$("$root/scripts/node-env.sh")}"
 prom_dir="$("$root/scripts/prometheus.sh")"
 export FERRITE_PROMETHEUS="${FERRITE_PROMETHEUS:-$prom_dir/prometheus}"
 export FERRITE_PROMTOOL="${FERRITE_PROMTOOL:-$prom_dir/promtool}"

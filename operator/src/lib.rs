@@ -2,8 +2,15 @@
 //! Deployments, Services, PodDisruptionBudgets, ServiceMonitors and Grafana dashboard
 //! ConfigMaps.
 //!
-//! Reconcile runs dereference → validate → build → apply → status; `build` is pure.
+//! Reconcile runs dereference → validate → build → apply → status; `build` and `status` are
+//! pure, `controller` does the I/O.
 
 pub mod build;
 pub mod config;
+pub mod controller;
 pub mod crd;
+pub mod fake_api;
+pub mod hash;
+pub mod leader;
+pub mod status;
+pub mod telemetry;

@@ -1,10 +1,266 @@
-//! ferrite-operator: the kube-rs controller for `InferenceService` (group `ferrite.dev`).
-//!
-//! Only the crate exists so far; the CRD, reconciler and autoscaler are tracked as their own
-//! issues. Running it says so instead of pretending to work.
+//! ferrite-operator: serves its own /metrics, /healthz and /readyz, wins the leader Lease,
+//! then reconciles InferenceServices until SIGTERM, and hands the Lease back on the way out.
 
-fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().init();
-    tracing::error!("ferrite-operator has no controller yet");
-    anyhow::bail!("ferrite-operator: the InferenceService controller is not implemented yet")
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use ferrite_operator::config::{OperatorConfig, load_dashboards};
+use ferrite_operator::controller::{self, Context, Timing};
+use ferrite_operator::leader::{LeaderElector, LeaseSettings, Role};
+use ferrite_operator::telemetry::{self, Health, Metrics};
+use tokio::sync::watch;
+
+#[derive(Debug, Parser)]
+#[command(version, about = "Kubernetes operator for ferrite InferenceServices")]
+struct Args {
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "FERRITE_OPERATOR_HTTP", default_value = "0.0.0.0:8080")]
+    http_addr: SocketAddr,
+    /// Directory of Grafana dashboard JSON files shipped with every InferenceService.
+    #[arg(long, env = "FERRITE_DASHBOARDS_DIR")]
+    dashboards_dir: Option<PathBuf>,
+    /// ferrite-server image for CPU pods.
+    #[arg(long, env = "FERRITE_SERVER_IMAGE")]
+    ferrite_image: Option<String>,
+    /// ferrite-server image built with CUDA, for pods with GPUs.
+    #[arg(long, env = "FERRITE_SERVER_CUDA_IMAGE")]
+    ferrite_cuda_image: Option<String>,
+    /// vLLM OpenAI server image.
+    #[arg(long, env = "FERRITE_VLLM_IMAGE")]
+    vllm_image: Option<String>,
+    /// Image with Python for the hf:// download init container.
+    #[arg(long, env = "FERRITE_DOWNLOADER_IMAGE")]
+    downloader_image: Option<String>,
+    /// Run without leader election (a single replica only).
+    #[arg(long)]
+    no_leader_election: bool,
+    /// Lease name for leader election.
+    #[arg(long, default_value = "ferrite-operator-leader")]
+    lease_name: String,
+    /// Lease namespace; defaults to the operator pod's namespace.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+    /// This replica's identity in the Lease.
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Lease duration in seconds; a standby takes over this long after the leader vanishes.
+    #[arg(long, default_value_t = 15)]
+    lease_seconds: u64,
+    /// Log as JSON lines instead of text.
+    #[arg(long, env = "FERRITE_LOG_JSON")]
+    log_json: bool,
+}
+
+fn config(args: &Args) -> anyhow::Result<OperatorConfig> {
+    let mut c = OperatorConfig::default();
+    let set = |slot: &mut String, v: &Option<String>| {
+        if let Some(v) = v {
+            slot.clone_from(v);
+        }
+    };
+    set(&mut c.ferrite_image, &args.ferrite_image);
+    set(&mut c.ferrite_cuda_image, &args.ferrite_cuda_image);
+    set(&mut c.vllm_image, &args.vllm_image);
+    set(&mut c.downloader_image, &args.downloader_image);
+    if let Some(dir) = &args.dashboards_dir {
+        c.dashboards = load_dashboards(dir)?;
+    }
+    Ok(c)
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn terminated() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = ctrl_c => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if args.log_json {
+        tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    let operator_config = config(&args)?;
+    let metrics = Arc::new(Metrics::new()?);
+    let health = Arc::new(Health::default());
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        terminated().await;
+        tracing::info!("shutting down");
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    let listener = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .with_context(|| format!("binding {}", args.http_addr))?;
+    tracing::info!(addr = %args.http_addr, "serving /metrics, /healthz, /readyz");
+    let app = telemetry::router(metrics.clone(), health.clone());
+    let http = tokio::spawn(
+        axum::serve(listener, app)
+            .with_graceful_shutdown(stopped(stop_rx.clone()))
+            .into_future(),
+    );
+
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API")?;
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        operator_config,
+        metrics.clone(),
+        Timing::default(),
+    ));
+
+    let result = if args.no_leader_election {
+        health.ready.store(true, Ordering::Relaxed);
+        metrics.leader.set(1);
+        controller::run(ctx, stopped(stop_rx.clone())).await
+    } else {
+        let identity = match &args.identity {
+            Some(i) => i.clone(),
+            None => hostname(),
+        };
+        let settings = LeaseSettings {
+            name: args.lease_name.clone(),
+            namespace: args.lease_namespace.clone(),
+            identity,
+            lease_duration: Duration::from_secs(args.lease_seconds.max(2)),
+        };
+        lead(client, settings, ctx, &health, &metrics, stop_rx.clone()).await
+    };
+    let _ = http.await;
+    result
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| format!("ferrite-operator-{}", std::process::id()))
+}
+
+/// Waits for the Lease, reconciles while renewing it, and exits with an error if it is lost
+/// (so the pod restarts as a standby rather than acting without it).
+async fn lead(
+    client: kube::Client,
+    settings: LeaseSettings,
+    ctx: Arc<Context>,
+    health: &Health,
+    metrics: &Metrics,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let retry = settings.lease_duration / 3;
+    let mut elector = LeaderElector::new(client, settings.clone());
+    loop {
+        if *stop.borrow() {
+            return Ok(());
+        }
+        match elector.try_acquire().await {
+            Ok(Role::Leader) => break,
+            Ok(Role::Follower(holder)) => {
+                health.ready.store(true, Ordering::Relaxed);
+                tracing::info!(holder = holder.as_deref().unwrap_or("?"), "standing by");
+            }
+            Err(e) => tracing::warn!(error = %e, "leader election"),
+        }
+        let mut s = stop.clone();
+        tokio::select! {
+            _ = tokio::time::sleep(retry) => {}
+            _ = s.wait_for(|v| *v) => return Ok(()),
+        }
+    }
+    health.ready.store(true, Ordering::Relaxed);
+    metrics.leader.set(1);
+    tracing::info!(identity = %settings.identity, "acquired the leader Lease");
+
+    // Renew in the background; losing the Lease stops the controller.
+    let (lost_tx, lost_rx) = watch::channel(false);
+    let (done_tx, mut done_rx) = watch::channel(false);
+    let mut renew_stop = stop.clone();
+    let renewer = tokio::spawn(async move {
+        let mut last_ok = tokio::time::Instant::now();
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(retry) => {}
+                _ = renew_stop.wait_for(|v| *v) => return elector,
+                _ = done_rx.wait_for(|v| *v) => return elector,
+            }
+            match elector.try_acquire().await {
+                Ok(Role::Leader) => last_ok = tokio::time::Instant::now(),
+                Ok(Role::Follower(holder)) => {
+                    tracing::error!(
+                        holder = holder.as_deref().unwrap_or("?"),
+                        "lost the leader Lease"
+                    );
+                    let _ = lost_tx.send(true);
+                    return elector;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "renewing the leader Lease");
+                    if last_ok.elapsed() >= settings.lease_duration * 2 / 3 {
+                        tracing::error!("could not renew the leader Lease in time");
+                        let _ = lost_tx.send(true);
+                        return elector;
+                    }
+                }
+            }
+        }
+    });
+    let shutdown = {
+        let (mut stop, mut lost) = (stop.clone(), lost_rx.clone());
+        async move {
+            tokio::select! {
+                _ = stop.wait_for(|v| *v) => {}
+                _ = lost.wait_for(|v| *v) => {}
+            }
+        }
+    };
+    let result = controller::run(ctx, shutdown).await;
+    metrics.leader.set(0);
+    let _ = done_tx.send(true);
+    let lost = *lost_rx.borrow();
+    match renewer.await {
+        Ok(mut elector) if !lost => {
+            if let Err(e) = elector.release().await {
+                tracing::warn!(error = %e, "releasing the leader Lease");
+            }
+        }
+        _ => {}
+    }
+    result?;
+    if lost {
+        anyhow::bail!("lost the leader Lease");
+    }
+    Ok(())
 }

@@ -1,6 +1,7 @@
 //! Every object the build step makes passes Kubernetes' own schemas (PyPI `kubernetes-validate`,
 //! strict: unknown fields rejected) for 1.29 and 1.32, and the examples pass the generated CRD
-//! schema (jsonschema).
+//! schema (jsonschema), and ServiceMonitors pass the Prometheus Operator's (npm
+//! `@kubernetes-models/prometheus-operator`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -182,5 +183,89 @@ fn examples_pass_the_generated_crd_schema() {
     for field in ["spec.model.source", "spec.replicas", "spec.resources.gpus"] {
         assert!(out.contains(field), "{field} not reported: {out}");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The node_modules of `scripts/node-env.sh`, or FERRITE_NODE_MODULES.
+fn node_modules() -> String {
+    if let Ok(p) = std::env::var("FERRITE_NODE_MODULES") {
+        return p;
+    }
+    let out = Command::new("bash")
+        .arg(root().join("scripts/node-env.sh"))
+        .output()
+        .expect("run scripts/node-env.sh");
+    assert!(
+        out.status.success(),
+        "node-env.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn validate_monitors(files: &[PathBuf]) -> (bool, String) {
+    let out = Command::new("node")
+        .arg(root().join("operator/tests/node/validate-servicemonitor.mjs"))
+        .arg(node_modules())
+        .args(files)
+        .output()
+        .expect("run node");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// Built ServiceMonitors pass `@kubernetes-models/prometheus-operator`'s validation (npm), and
+/// a monitor with a malformed interval does not, so the check can fail.
+#[test]
+fn service_monitors_pass_the_prometheus_operator_schema() {
+    let caps = ClusterCapabilities {
+        service_monitor_crd: true,
+    };
+    let specs = [
+        ("default", json!({"model": {"source": "/models/m.gguf"}})),
+        (
+            "tuned",
+            json!({"model": {"source": "/models/m.gguf"}, "runtime": {"port": 9000},
+                   "monitoring": {"serviceMonitor": {"enabled": true, "interval": "1m30s",
+                                                     "labels": {"release": "kps"}}}}),
+        ),
+        (
+            "vllm",
+            json!({"model": {"source": "hf://org/m"}, "runtime": {"kind": "vllm"}}),
+        ),
+    ];
+    let dir = temp_dir("sm");
+    let mut files = Vec::new();
+    let mut last = Value::Null;
+    for (name, spec) in specs {
+        let isvc: InferenceService = serde_json::from_value(json!({
+            "apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": "ml", "uid": "u-1"}, "spec": spec,
+        }))
+        .expect("isvc");
+        let sm = build(&isvc, &OperatorConfig::default(), caps)
+            .expect("build")
+            .service_monitor
+            .expect("a ServiceMonitor is wanted");
+        last = serde_json::to_value(&sm).expect("json");
+        let p = dir.join(format!("{name}.json"));
+        std::fs::write(&p, last.to_string()).expect("write");
+        files.push(p);
+    }
+    let (ok, out) = validate_monitors(&files);
+    assert!(ok, "{out}");
+    assert_eq!(
+        out.lines().filter(|l| l.starts_with("ok ")).count(),
+        3,
+        "{out}"
+    );
+
+    last["spec"]["endpoints"][0]["interval"] = json!("every minute");
+    let bad = dir.join("bad.json");
+    std::fs::write(&bad, last.to_string()).expect("write");
+    let (ok, out) = validate_monitors(&[bad]);
+    assert!(!ok, "a malformed interval passed: {out}");
+    assert!(out.contains("interval"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }

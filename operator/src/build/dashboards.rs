@@ -7,26 +7,23 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::ConfigMap;
 use serde_json::Value;
 
-use super::{BuildError, Owner, served_name};
+use super::{BuildError, COMPONENT_LABEL, Owner, served_name};
 use crate::config::OperatorConfig;
 use crate::crd::InferenceService;
+use crate::hash::fnv1a;
+
+/// `app.kubernetes.io/component` of the dashboard ConfigMaps, so the operator can list (and
+/// prune) exactly its own.
+pub const DASHBOARD_COMPONENT: &str = "dashboard";
 
 /// Annotation the Grafana sidecar reads to place a dashboard in a folder.
 pub const FOLDER_ANNOTATION: &str = "grafana_folder";
-
-/// FNV-1a: a stable hash, so a dashboard keeps its uid (and its Grafana URL) across operator
-/// versions.
-fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
-}
 
 /// A Grafana uid (at most 40 characters) unique to this resource and dashboard.
 pub fn dashboard_uid(namespace: &str, name: &str, dashboard: &str) -> String {
     format!(
         "ferrite-{dashboard:.14}-{:016x}",
-        fnv1a(&format!("{namespace}/{name}/{dashboard}"))
+        fnv1a(format!("{namespace}/{name}/{dashboard}").as_bytes())
     )
 }
 
@@ -83,7 +80,9 @@ pub(crate) fn config_maps(
         .iter()
         .map(|d| {
             let json = personalise(&d.json, &d.name, &owner.namespace, &owner.name, &served)?;
-            let mut meta = owner.meta(format!("{}-dashboard-{}", owner.name, d.name), &spec.labels);
+            let mut labels = spec.labels.clone();
+            labels.insert(COMPONENT_LABEL.into(), DASHBOARD_COMPONENT.into());
+            let mut meta = owner.meta(format!("{}-dashboard-{}", owner.name, d.name), &labels);
             if let Some(folder) = &spec.folder {
                 meta.annotations = Some(BTreeMap::from([(
                     FOLDER_ANNOTATION.to_string(),

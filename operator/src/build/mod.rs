@@ -21,6 +21,8 @@ use monitor::ServiceMonitor;
 
 /// Label carrying the owning InferenceService's name on everything the operator makes.
 pub const INSTANCE_LABEL: &str = "ferrite.dev/inferenceservice";
+/// The standard component label; pods carry `server`, dashboard ConfigMaps `dashboard`.
+pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
 /// Default HTTP port of both runtimes.
 pub const DEFAULT_PORT: i32 = 8000;
 /// Default drain time, matching ferrite-server's `--shutdown-timeout`.
@@ -130,7 +132,7 @@ impl Owner {
     pub fn selector_labels(&self) -> BTreeMap<String, String> {
         BTreeMap::from([
             (INSTANCE_LABEL.into(), self.name.clone()),
-            ("app.kubernetes.io/component".into(), "server".into()),
+            (COMPONENT_LABEL.into(), "server".into()),
         ])
     }
 }
@@ -158,6 +160,21 @@ pub fn port(isvc: &InferenceService) -> i32 {
     isvc.spec.runtime.port.unwrap_or(DEFAULT_PORT)
 }
 
+/// The pods' label selector as a string (status.selector, and for listing the pods).
+pub fn selector(name: &str) -> String {
+    format!("{COMPONENT_LABEL}=server,{INSTANCE_LABEL}={name}")
+}
+
+/// In-cluster base URL of the API.
+pub fn url(isvc: &InferenceService) -> String {
+    format!(
+        "http://{}.{}.svc.cluster.local:{}",
+        isvc.name_any(),
+        isvc.namespace().unwrap_or_default(),
+        port(isvc)
+    )
+}
+
 /// Builds every desired object.
 pub fn build(
     isvc: &InferenceService,
@@ -176,18 +193,8 @@ pub fn build(
     } else {
         Vec::new()
     };
-    let selector = owner
-        .selector_labels()
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    let url = format!(
-        "http://{}.{}.svc.cluster.local:{}",
-        owner.name,
-        owner.namespace,
-        port(isvc)
-    );
+    let selector = selector(&owner.name);
+    let url = url(isvc);
     Ok(Desired {
         deployment,
         service,

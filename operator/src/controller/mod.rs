@@ -1,0 +1,238 @@
+//! The I/O half of the operator: the kube-rs `Controller`, one reconcile per InferenceService,
+//! and the retry policy. Reconcile runs dereference → validate → build → apply → status.
+
+pub mod apply;
+pub mod discovery;
+mod reconcile;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::Api;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+
+pub use reconcile::reconcile;
+
+use crate::build::monitor::ServiceMonitor;
+use crate::config::{FIELD_MANAGER, OperatorConfig};
+use crate::crd::InferenceService;
+use crate::telemetry::Metrics;
+use discovery::MonitorDiscovery;
+
+/// Reconcile failures. Each is retried with backoff; none stops the controller.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{kind} {name}: {source}")]
+    Kube {
+        kind: String,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("API discovery: {0}")]
+    Discovery(#[source] kube::Error),
+    #[error("serializing an object: {0}")]
+    Serialize(#[source] serde_json::Error),
+    #[error("a built object has no name")]
+    Unnamed,
+    #[error("the InferenceService has no {0}")]
+    Metadata(&'static str),
+}
+
+impl Error {
+    /// Wraps a kube error with the object it concerns.
+    pub fn kube(kind: impl Into<String>, name: &str) -> impl FnOnce(kube::Error) -> Error {
+        let (kind, name) = (kind.into(), name.to_string());
+        move |source| Error::Kube { kind, name, source }
+    }
+
+    /// Low-cardinality label for the errors metric.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube {
+                source: kube::Error::Api(s),
+                ..
+            } if s.code == 409 => "conflict",
+            Error::Kube {
+                source: kube::Error::Api(_),
+                ..
+            } => "api",
+            Error::Kube { .. } => "transport",
+            Error::Discovery(_) => "discovery",
+            Error::Serialize(_) => "serialize",
+            Error::Unnamed | Error::Metadata(_) => "invalid_object",
+        }
+    }
+}
+
+/// Timing knobs, shortened in tests.
+#[derive(Debug, Clone)]
+pub struct Timing {
+    /// Requeue while a rollout is under way (pod failures are not watched; this finds them).
+    pub progressing: Duration,
+    /// Requeue when settled: a periodic resync.
+    pub settled: Duration,
+    /// Requeue when the spec cannot be applied (a missing claim may appear).
+    pub blocked: Duration,
+    /// First retry after an error; doubles per consecutive failure up to `max_backoff`.
+    pub min_backoff: Duration,
+    pub max_backoff: Duration,
+    /// How long the ServiceMonitor CRD check is cached.
+    pub discovery_ttl: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self {
+            progressing: Duration::from_secs(15),
+            settled: Duration::from_secs(300),
+            blocked: Duration::from_secs(60),
+            min_backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(300),
+            discovery_ttl: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Shared state of every reconcile.
+pub struct Context {
+    pub client: Client,
+    pub config: OperatorConfig,
+    pub metrics: Arc<Metrics>,
+    pub recorder: Recorder,
+    pub discovery: MonitorDiscovery,
+    pub timing: Timing,
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("config", &self.config)
+            .field("timing", &self.timing)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Context {
+    pub fn new(
+        client: Client,
+        config: OperatorConfig,
+        metrics: Arc<Metrics>,
+        timing: Timing,
+    ) -> Self {
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: std::env::var("POD_NAME").ok(),
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            discovery: MonitorDiscovery::new(timing.discovery_ttl),
+            client,
+            config,
+            metrics,
+            timing,
+            failures: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn key(isvc: &InferenceService) -> String {
+        format!(
+            "{}/{}",
+            isvc.namespace().unwrap_or_default(),
+            isvc.name_any()
+        )
+    }
+
+    /// Clears the backoff of an object that reconciled.
+    fn succeeded(&self, isvc: &InferenceService) {
+        if let Ok(mut f) = self.failures.lock() {
+            f.remove(&Self::key(isvc));
+        }
+    }
+
+    /// The next retry delay for an object that failed: exponential, capped.
+    fn backoff(&self, isvc: &InferenceService) -> Duration {
+        let n = self.failures.lock().map_or(0, |mut f| {
+            let n = f.entry(Self::key(isvc)).or_insert(0);
+            *n = n.saturating_add(1);
+            *n
+        });
+        let factor = 2u32.saturating_pow(n.saturating_sub(1).min(16));
+        self.timing
+            .min_backoff
+            .saturating_mul(factor)
+            .min(self.timing.max_backoff)
+    }
+}
+
+/// Retry with per-object exponential backoff, so a failing object neither hot-loops nor
+/// delays the others.
+pub fn error_policy(isvc: Arc<InferenceService>, error: &Error, ctx: Arc<Context>) -> Action {
+    let delay = ctx.backoff(&isvc);
+    tracing::warn!(
+        namespace = isvc.namespace().unwrap_or_default(),
+        name = isvc.name_any(),
+        error = %error,
+        retry_in_ms = delay.as_millis() as u64,
+        "reconcile failed"
+    );
+    Action::requeue(delay)
+}
+
+/// Labels every owned object carries, used to watch only the operator's own.
+const MANAGED_SELECTOR: &str = "app.kubernetes.io/managed-by=ferrite-operator";
+
+/// Runs the controller until `shutdown` resolves, then lets in-flight reconciles finish.
+pub async fn run(
+    ctx: Arc<Context>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) -> anyhow::Result<()> {
+    let client = ctx.client.clone();
+    let isvcs: Api<InferenceService> = Api::all(client.clone());
+    // Fail fast with a clear message when the CRD is missing instead of retrying forever.
+    isvcs
+        .list(&kube::api::ListParams::default().limit(1))
+        .await
+        .map_err(|e| anyhow::anyhow!("listing InferenceServices (is the CRD installed?): {e}"))?;
+    let owned = watcher::Config::default().labels(MANAGED_SELECTOR);
+    let mut controller = Controller::new(isvcs, watcher::Config::default().any_semantic())
+        .owns(Api::<Deployment>::all(client.clone()), owned.clone())
+        .owns(Api::<Service>::all(client.clone()), owned.clone())
+        .owns(
+            Api::<PodDisruptionBudget>::all(client.clone()),
+            owned.clone(),
+        )
+        .owns(Api::<ConfigMap>::all(client.clone()), owned.clone());
+    if ctx
+        .discovery
+        .service_monitor_crd(&client)
+        .await
+        .unwrap_or(false)
+    {
+        controller = controller.owns(Api::<ServiceMonitor>::all(client.clone()), owned);
+    } else {
+        tracing::info!(
+            "the ServiceMonitor CRD is not installed; not watching ServiceMonitors (restart the operator after installing it)"
+        );
+    }
+    controller
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|res| async move {
+            match res {
+                Ok((obj, _)) => tracing::debug!(object = %obj, "reconciled"),
+                Err(e) => tracing::debug!(error = %e, "reconcile attempt failed"),
+            }
+        })
+        .await;
+    Ok(())
+}

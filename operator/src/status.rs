@@ -1,0 +1,269 @@
+//! The status step, pure: what was applied and observed in, `InferenceServiceStatus` out.
+//! Conditions keep their `lastTransitionTime` while their status holds, so an unchanged world
+//! yields an identical status and the reconciler writes nothing.
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+use crate::crd::InferenceServiceStatus;
+
+pub const READY: &str = "Ready";
+pub const PROGRESSING: &str = "Progressing";
+pub const DEGRADED: &str = "Degraded";
+/// Whether the ServiceMonitor exists as asked (or why not).
+pub const MONITORING: &str = "MonitoringReady";
+
+/// A reason and a human-readable message for a condition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finding {
+    pub reason: String,
+    pub message: String,
+}
+
+impl Finding {
+    pub fn new(reason: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Where the ServiceMonitor stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MonitorState {
+    Applied,
+    Disabled,
+    CrdMissing,
+}
+
+/// Everything the status is computed from.
+#[derive(Debug, Clone)]
+pub struct Observation<'a> {
+    pub generation: Option<i64>,
+    /// Why the spec could not be applied (a build error, a missing claim); the workload, if
+    /// any, keeps running as it was.
+    pub blocked: Option<Finding>,
+    pub desired_replicas: i32,
+    /// The Deployment as applied or last seen.
+    pub deployment: Option<&'a Deployment>,
+    /// A failure seen on the pods (image pull, crash loop), from [`pod_failure`].
+    pub pod_failure: Option<Finding>,
+    pub monitor: MonitorState,
+    pub selector: Option<String>,
+    pub url: Option<String>,
+}
+
+/// Waiting reasons that will not fix themselves without a change to the spec or the cluster.
+const FAILING_WAIT_REASONS: &[&str] = &[
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "CrashLoopBackOff",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+];
+
+/// The first hard failure among the pods' containers, or an unschedulable pod.
+pub fn pod_failure(pods: &[Pod]) -> Option<Finding> {
+    for pod in pods {
+        let name = pod.metadata.name.as_deref().unwrap_or("?");
+        let Some(status) = &pod.status else { continue };
+        let containers = status
+            .init_container_statuses
+            .iter()
+            .flatten()
+            .chain(status.container_statuses.iter().flatten());
+        for c in containers {
+            let waiting = c.state.as_ref().and_then(|s| s.waiting.as_ref());
+            if let Some(w) = waiting {
+                let reason = w.reason.as_deref().unwrap_or_default();
+                if FAILING_WAIT_REASONS.contains(&reason) {
+                    let detail = w.message.as_deref().unwrap_or("no message");
+                    return Some(Finding::new(
+                        reason,
+                        format!("pod {name}, container {}: {reason}: {detail}", c.name),
+                    ));
+                }
+            }
+        }
+        let unschedulable = status.conditions.iter().flatten().find(|c| {
+            c.type_ == "PodScheduled"
+                && c.status == "False"
+                && c.reason.as_deref() == Some("Unschedulable")
+        });
+        if let Some(c) = unschedulable {
+            let detail = c.message.as_deref().unwrap_or("no message");
+            return Some(Finding::new(
+                "Unschedulable",
+                format!("pod {name} cannot be scheduled: {detail}"),
+            ));
+        }
+    }
+    None
+}
+
+/// Replica counts of a Deployment and whether its rollout is complete, with the rules
+/// `kubectl rollout status` uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Rollout {
+    pub replicas: i32,
+    pub ready: i32,
+    pub complete: bool,
+    /// The Deployment controller gave up (ProgressDeadlineExceeded).
+    pub stalled: bool,
+}
+
+pub fn rollout(d: &Deployment) -> Rollout {
+    let want = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    let generation = d.metadata.generation.unwrap_or(0);
+    let Some(s) = &d.status else {
+        return Rollout::default();
+    };
+    let updated = s.updated_replicas.unwrap_or(0);
+    let replicas = s.replicas.unwrap_or(0);
+    let available = s.available_replicas.unwrap_or(0);
+    let complete = s.observed_generation.unwrap_or(0) >= generation
+        && updated == want
+        && replicas == updated
+        && available == updated;
+    let stalled = s.conditions.iter().flatten().any(|c| {
+        c.type_ == "Progressing" && c.reason.as_deref() == Some("ProgressDeadlineExceeded")
+    });
+    Rollout {
+        replicas,
+        ready: s.ready_replicas.unwrap_or(0),
+        complete,
+        stalled,
+    }
+}
+
+/// Computes the status. `previous` supplies the transition times of unchanged conditions.
+pub fn compute(
+    obs: &Observation<'_>,
+    previous: Option<&InferenceServiceStatus>,
+    now: &Time,
+) -> InferenceServiceStatus {
+    let r = obs.deployment.map(rollout).unwrap_or_default();
+    let degraded = obs
+        .blocked
+        .clone()
+        .or_else(|| obs.pod_failure.clone())
+        .or_else(|| {
+            r.stalled.then(|| {
+                Finding::new(
+                    "ProgressDeadlineExceeded",
+                    "the Deployment's rollout exceeded its progress deadline",
+                )
+            })
+        });
+    let ready = if obs.deployment.is_none() {
+        let f = obs
+            .blocked
+            .clone()
+            .unwrap_or_else(|| Finding::new("Pending", "the Deployment does not exist yet"));
+        (false, f)
+    } else if obs.desired_replicas == 0 {
+        (
+            false,
+            Finding::new("ScaledToZero", "no replicas are wanted"),
+        )
+    } else if r.ready >= 1 && r.complete {
+        let mut message = format!(
+            "{}/{} replicas ready, serving at {}",
+            r.ready,
+            obs.desired_replicas,
+            obs.url.as_deref().unwrap_or("?")
+        );
+        if let Some(b) = &obs.blocked {
+            message = format!("{message}; still on the previous spec: {}", b.message);
+        }
+        (true, Finding::new("Available", message))
+    } else {
+        (
+            false,
+            Finding::new(
+                "RolloutInProgress",
+                format!("{}/{} replicas ready", r.ready, obs.desired_replicas),
+            ),
+        )
+    };
+    let progressing = if let Some(b) = &obs.blocked {
+        (false, b.clone())
+    } else if r.stalled {
+        (
+            false,
+            Finding::new("ProgressDeadlineExceeded", "the rollout is stuck"),
+        )
+    } else if obs.deployment.is_some() && r.complete {
+        (
+            false,
+            Finding::new("RolloutComplete", "the rollout is complete"),
+        )
+    } else {
+        let why = obs.pod_failure.as_ref().map_or_else(
+            || format!("{}/{} replicas ready", r.ready, obs.desired_replicas),
+            |f| f.message.clone(),
+        );
+        (true, Finding::new("RollingOut", why))
+    };
+    let monitor = match obs.monitor {
+        MonitorState::Applied => (
+            true,
+            Finding::new("ServiceMonitorApplied", "the ServiceMonitor is in place"),
+        ),
+        MonitorState::Disabled => (
+            true,
+            Finding::new(
+                "ServiceMonitorDisabled",
+                "spec.monitoring.serviceMonitor.enabled is false",
+            ),
+        ),
+        MonitorState::CrdMissing => (
+            false,
+            Finding::new(
+                "ServiceMonitorCRDNotInstalled",
+                "the monitoring.coreos.com/v1 ServiceMonitor CRD is not installed; install the Prometheus Operator or scrape the pods' prometheus.io annotations",
+            ),
+        ),
+    };
+    let degraded = match degraded {
+        Some(f) => (true, f),
+        None => (false, Finding::new("AsExpected", "no problems found")),
+    };
+    let make = |type_: &str, (ok, f): (bool, Finding)| {
+        let status = if ok { "True" } else { "False" };
+        let last = previous
+            .and_then(|p| p.conditions.iter().find(|c| c.type_ == type_))
+            .filter(|c| c.status == status)
+            .map_or_else(|| now.clone(), |c| c.last_transition_time.clone());
+        Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: f.reason,
+            message: f.message,
+            observed_generation: obs.generation,
+            last_transition_time: last,
+        }
+    };
+    InferenceServiceStatus {
+        conditions: vec![
+            make(READY, ready),
+            make(PROGRESSING, progressing),
+            make(DEGRADED, degraded),
+            make(MONITORING, monitor),
+        ],
+        observed_generation: obs.generation,
+        replicas: r.replicas,
+        ready_replicas: r.ready,
+        selector: obs.selector.clone(),
+        url: obs.url.clone(),
+    }
+}
+
+/// The `status` of condition `type_`, if present.
+pub fn condition<'a>(status: &'a InferenceServiceStatus, type_: &str) -> Option<&'a Condition> {
+    status.conditions.iter().find(|c| c.type_ == type_)
+}

@@ -1,0 +1,139 @@
+//! The operator's own observability: Prometheus metrics on `/metrics`, and `/healthz` and
+//! `/readyz` for the kubelet.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+use crate::controller::Error;
+
+/// Reconcile duration buckets (seconds): fine below 100 ms, where a healthy reconcile sits.
+const DURATION_BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+];
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub reconciles: IntCounter,
+    pub errors: IntCounterVec,
+    pub duration: Histogram,
+    /// 1 while this replica holds the leader Lease.
+    pub leader: IntGauge,
+}
+
+impl Metrics {
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let reconciles = IntCounter::with_opts(Opts::new(
+            "ferrite_operator_reconciliations_total",
+            "Reconciles of InferenceServices, successful or not.",
+        ))?;
+        let errors = IntCounterVec::new(
+            Opts::new(
+                "ferrite_operator_reconcile_errors_total",
+                "Failed reconciles, by kind of error.",
+            ),
+            &["error"],
+        )?;
+        let duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "ferrite_operator_reconcile_duration_seconds",
+                "Wall time of one reconcile, API calls included.",
+            )
+            .buckets(DURATION_BUCKETS.to_vec()),
+        )?;
+        let leader = IntGauge::with_opts(Opts::new(
+            "ferrite_operator_leader",
+            "1 while this replica holds the leader Lease.",
+        ))?;
+        registry.register(Box::new(reconciles.clone()))?;
+        registry.register(Box::new(errors.clone()))?;
+        registry.register(Box::new(duration.clone()))?;
+        registry.register(Box::new(leader.clone()))?;
+        #[cfg(target_os = "linux")]
+        registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))?;
+        Ok(Self {
+            registry,
+            reconciles,
+            errors,
+            duration,
+            leader,
+        })
+    }
+
+    pub fn observe_reconcile(&self, took: Duration, error: Option<&Error>) {
+        self.reconciles.inc();
+        self.duration.observe(took.as_secs_f64());
+        if let Some(e) = error {
+            self.errors.with_label_values(&[e.metric_label()]).inc();
+        }
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> Result<String, prometheus::Error> {
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
+        String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
+    }
+}
+
+/// Liveness and readiness as the probes see them.
+#[derive(Debug, Default)]
+pub struct Health {
+    /// Set once the operator has reached the API server (as leader or standby).
+    pub ready: AtomicBool,
+}
+
+#[derive(Debug, Clone)]
+struct HttpState {
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+}
+
+/// `/metrics`, `/healthz` and `/readyz`.
+pub fn router(metrics: Arc<Metrics>, health: Arc<Health>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .with_state(HttpState { metrics, health })
+}
+
+async fn metrics_handler(State(s): State<HttpState>) -> impl IntoResponse {
+    match s.metrics.encode() {
+        Ok(text) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            text,
+        ),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, "text/plain")],
+            format!("encoding metrics: {e}"),
+        ),
+    }
+}
+
+async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
+    if s.health.ready.load(Ordering::Relaxed) {
+        (StatusCode::OK, "ready")
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not connected to the API server yet",
+        )
+    }
+}

@@ -1,0 +1,305 @@
+//! The real `ferrite-operator` binary against the in-memory API server (`fake_api`) over HTTP:
+//! it reconciles InferenceServices to `Ready`, shows a missing claim as `Degraded`, recreates a
+//! deleted Deployment through its watch, goes quiet in steady state, serves its own probes and
+//! metrics, hands the leader Lease over on SIGTERM, and exits 0.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferrite_operator::fake_api::FakeApi;
+use serde_json::{Value, json};
+
+const ISVCS: &str = "/apis/ferrite.dev/v1alpha1/namespaces/ml/inferenceservices";
+const DEPLOYMENTS: &str = "/apis/apps/v1/namespaces/ml/deployments";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+struct Operator {
+    child: Child,
+    port: u16,
+    _dir: TempDir,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Operator {
+    fn start(api: &FakeApi, identity: &str, extra: &[&str]) -> Operator {
+        let dir = std::env::temp_dir().join(format!(
+            "ferrite-operator-test-{}-{identity}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let kubeconfig = dir.join("kubeconfig");
+        std::fs::File::create(&kubeconfig)
+            .and_then(|mut f| f.write_all(api.kubeconfig("ml").as_bytes()))
+            .expect("kubeconfig written");
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_ferrite-operator"))
+            .args(["--http-addr", &format!("127.0.0.1:{port}")])
+            .args(["--identity", identity, "--lease-namespace", "ml"])
+            .args(extra)
+            .env("KUBECONFIG", &kubeconfig)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("ferrite-operator starts");
+        Operator {
+            child,
+            port,
+            _dir: TempDir(dir),
+        }
+    }
+
+    fn get(&self, path: &str) -> Result<(u16, String), String> {
+        let url = format!("http://127.0.0.1:{}{path}", self.port);
+        match ureq::get(&url).timeout(Duration::from_secs(5)).call() {
+            Ok(r) => Ok((r.status(), r.into_string().map_err(|e| e.to_string())?)),
+            Err(ureq::Error::Status(code, r)) => Ok((code, r.into_string().unwrap_or_default())),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// A sample of the operator's own exposition (without labels), once it answers.
+    fn metric(&self, name: &str) -> Option<f64> {
+        let (_, body) = self.get("/metrics").ok()?;
+        body.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+    }
+
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status();
+        assert!(sent.is_ok_and(|s| s.success()), "SIGTERM sent");
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("waitable") {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the operator did not exit after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Polls `f` until it returns `Some`, for at most `secs`.
+async fn eventually<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn isvc(name: &str, source: &str) -> Value {
+    json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
+           "metadata": {"name": name, "namespace": "ml"},
+           "spec": {"model": {"source": source}}})
+}
+
+fn condition(api: &FakeApi, name: &str, type_: &str) -> Option<(String, String)> {
+    let obj = api.get(&format!("{ISVCS}/{name}"))?;
+    let c = obj["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)?
+        .clone();
+    Some((
+        c["status"].as_str()?.to_string(),
+        c["reason"].as_str()?.to_string(),
+    ))
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.expect("blocking task")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_reconciles_heals_settles_and_exits_cleanly() {
+    let api = FakeApi::start().await.expect("fake API server");
+    api.set_simulate_rollouts(true);
+    api.put(ISVCS, isvc("chat", "/models/smol.gguf"))
+        .expect("created");
+    api.put(ISVCS, isvc("broken", "pvc://missing/smol.gguf"))
+        .expect("created");
+    let mut op = Operator::start(&api, "solo", &["--no-leader-election"]);
+
+    eventually(30, "chat to be Ready", || {
+        condition(&api, "chat", "Ready").filter(|(s, _)| s == "True")
+    })
+    .await;
+    let (status, reason) = eventually(30, "broken to be Degraded", || {
+        condition(&api, "broken", "Degraded").filter(|(s, _)| s == "True")
+    })
+    .await;
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "PersistentVolumeClaimNotFound")
+    );
+    assert!(
+        api.get(&format!("{DEPLOYMENTS}/broken")).is_none(),
+        "nothing is applied for a spec that points at a missing claim"
+    );
+    let chat = api.get(&format!("{ISVCS}/chat")).expect("chat");
+    assert_eq!(
+        chat["status"]["observedGeneration"],
+        chat["metadata"]["generation"]
+    );
+    assert_eq!(chat["status"]["readyReplicas"], 1);
+
+    // The Deployment's owner reference ties it to the InferenceService, so deleting it wakes
+    // the owner's reconcile through the Deployment watch.
+    let before = api.get(&format!("{DEPLOYMENTS}/chat")).expect("deployment");
+    assert_eq!(before["metadata"]["ownerReferences"][0]["name"], "chat");
+    assert!(api.delete(&format!("{DEPLOYMENTS}/chat")));
+    let after = eventually(20, "the Deployment to be recreated", || {
+        api.get(&format!("{DEPLOYMENTS}/chat"))
+    })
+    .await;
+    assert_ne!(after["metadata"]["uid"], before["metadata"]["uid"]);
+
+    // A spec change reaches the Deployment and moves observedGeneration.
+    let mut changed = isvc("chat", "/models/smol.gguf");
+    changed["spec"]["replicas"] = json!(2);
+    api.put(ISVCS, changed).expect("updated");
+    eventually(20, "replicas 2 and observedGeneration 2", || {
+        let d = api.get(&format!("{DEPLOYMENTS}/chat"))?;
+        let i = api.get(&format!("{ISVCS}/chat"))?;
+        (d["spec"]["replicas"] == 2 && i["status"]["observedGeneration"] == 2).then_some(())
+    })
+    .await;
+    assert!(
+        api.get("/apis/policy/v1/namespaces/ml/poddisruptionbudgets/chat")
+            .is_some(),
+        "two replicas get a PodDisruptionBudget"
+    );
+
+    // Settled: a quiet second in which the operator writes nothing.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (_, writes_before) = api.request_counts();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (_, writes_after) = api.request_counts();
+    assert_eq!(
+        writes_before, writes_after,
+        "the operator kept writing in steady state"
+    );
+
+    let (op_ref, metrics) = blocking(move || {
+        let m = (
+            op.get("/healthz"),
+            op.get("/readyz"),
+            op.metric("ferrite_operator_reconciliations_total"),
+            op.metric("ferrite_operator_leader"),
+            op.metric("ferrite_operator_reconcile_duration_seconds_count"),
+        );
+        (op, m)
+    })
+    .await;
+    op = op_ref;
+    let (healthz, readyz, reconciles, leader, observed) = metrics;
+    assert_eq!(healthz.expect("healthz").0, 200);
+    assert_eq!(readyz.expect("readyz").0, 200);
+    let reconciles = reconciles.expect("reconcile counter");
+    assert!(reconciles >= 4.0, "reconciles: {reconciles}");
+    assert_eq!(observed, Some(reconciles), "every reconcile is timed");
+    assert_eq!(leader, Some(1.0));
+
+    let status = blocking(move || op.terminate()).await;
+    assert!(status.success(), "exit status after SIGTERM: {status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_two_replicas_one_leads_and_the_other_takes_over_after_sigterm() {
+    let api = FakeApi::start().await.expect("fake API server");
+    api.set_simulate_rollouts(true);
+    let lease_args = ["--lease-seconds", "3"];
+    let a = Operator::start(&api, "a", &lease_args);
+    let holder = eventually(20, "a Lease holder", || {
+        api.get("/apis/coordination.k8s.io/v1/namespaces/ml/leases/ferrite-operator-leader")
+            .and_then(|l| l["spec"]["holderIdentity"].as_str().map(String::from))
+    })
+    .await;
+    assert_eq!(holder, "a");
+    let b = Operator::start(&api, "b", &lease_args);
+
+    // b stands by: ready, not leading, reconciling nothing.
+    let (a, b, (a_leads, b_leads, b_ready)) = blocking(move || {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while b.get("/readyz").map(|r| r.0) != Ok(200) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let m = (
+            a.metric("ferrite_operator_leader"),
+            b.metric("ferrite_operator_leader"),
+            b.get("/readyz").map(|r| r.0),
+        );
+        (a, b, m)
+    })
+    .await;
+    assert_eq!((a_leads, b_leads, b_ready), (Some(1.0), Some(0.0), Ok(200)));
+
+    api.put(ISVCS, isvc("first", "/models/smol.gguf"))
+        .expect("created");
+    eventually(30, "first to be Ready (reconciled by a)", || {
+        condition(&api, "first", "Ready").filter(|(s, _)| s == "True")
+    })
+    .await;
+
+    // a leaves and hands the Lease back; b takes over well before the Lease would expire.
+    let (mut a, b) = (a, b);
+    let left = Instant::now();
+    let (status, b) = blocking(move || (a.terminate(), b)).await;
+    assert!(status.success(), "a's exit status: {status}");
+    eventually(10, "b to hold the Lease", || {
+        api.get("/apis/coordination.k8s.io/v1/namespaces/ml/leases/ferrite-operator-leader")
+            .filter(|l| l["spec"]["holderIdentity"] == "b")
+    })
+    .await;
+    assert!(
+        left.elapsed() < Duration::from_secs(3),
+        "took over in {:?}",
+        left.elapsed()
+    );
+    api.put(ISVCS, isvc("second", "/models/smol.gguf"))
+        .expect("created");
+    eventually(30, "second to be Ready (reconciled by b)", || {
+        condition(&api, "second", "Ready").filter(|(s, _)| s == "True")
+    })
+    .await;
+    let lease = api
+        .get("/apis/coordination.k8s.io/v1/namespaces/ml/leases/ferrite-operator-leader")
+        .expect("lease");
+    assert_eq!(lease["spec"]["leaseTransitions"], 1, "{lease}");
+    let mut b = b;
+    let status = blocking(move || b.terminate()).await;
+    assert!(status.success());
+}

@@ -1,0 +1,175 @@
+//! The pure status step: rollout completeness as `kubectl rollout status` judges it, failures
+//! read from pods, and the conditions computed from them.
+
+use ferrite_operator::status::{
+    self, DEGRADED, Finding, MonitorState, Observation, PROGRESSING, READY, pod_failure, rollout,
+};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use serde_json::{Value, json};
+
+fn deployment(generation: i64, replicas: i64, status: Value) -> Deployment {
+    serde_json::from_value(json!({"metadata": {"name": "d", "generation": generation},
+        "spec": {"replicas": replicas, "selector": {}, "template": {}}, "status": status}))
+    .expect("deployment")
+}
+
+#[test]
+fn rollout_completeness_follows_kubectl() {
+    let full = json!({"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2,
+                      "readyReplicas": 2, "availableReplicas": 2});
+    let cases = [
+        ("finished", 2, full.clone(), true),
+        (
+            "controller has not seen the new generation",
+            3,
+            full.clone(),
+            false,
+        ),
+        (
+            "old pods still running",
+            2,
+            json!({"observedGeneration": 2, "replicas": 3, "updatedReplicas": 2, "readyReplicas": 3, "availableReplicas": 3}),
+            false,
+        ),
+        (
+            "new pods not available",
+            2,
+            json!({"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 1, "availableReplicas": 1}),
+            false,
+        ),
+        ("no status yet", 2, json!(null), false),
+    ];
+    for (what, generation, st, complete) in cases {
+        let r = rollout(&deployment(generation, 2, st));
+        assert_eq!(r.complete, complete, "{what}");
+    }
+    let stalled = json!({"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1,
+        "conditions": [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}]});
+    assert!(rollout(&deployment(1, 1, stalled)).stalled);
+}
+
+fn pod(status: Value) -> Pod {
+    serde_json::from_value(json!({"metadata": {"name": "p-1"}, "status": status})).expect("pod")
+}
+
+#[test]
+fn pod_failures_name_the_pod_container_and_reason() {
+    let crash = pod(
+        json!({"containerStatuses": [{"name": "server", "image": "i", "imageID": "",
+        "ready": false, "restartCount": 5,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}}}]}),
+    );
+    let f = pod_failure(&[crash]).expect("a failure");
+    assert_eq!(f.reason, "CrashLoopBackOff");
+    assert!(
+        f.message.contains("p-1") && f.message.contains("server"),
+        "{}",
+        f.message
+    );
+
+    let init = pod(
+        json!({"initContainerStatuses": [{"name": "download", "image": "i", "imageID": "",
+        "ready": false, "restartCount": 0,
+        "state": {"waiting": {"reason": "ImagePullBackOff"}}}]}),
+    );
+    assert_eq!(
+        pod_failure(&[init]).expect("a failure").reason,
+        "ImagePullBackOff"
+    );
+
+    let unschedulable = pod(
+        json!({"conditions": [{"type": "PodScheduled", "status": "False",
+        "reason": "Unschedulable", "message": "0/3 nodes have nvidia.com/gpu"}]}),
+    );
+    let f = pod_failure(&[unschedulable]).expect("a failure");
+    assert_eq!(f.reason, "Unschedulable");
+    assert!(f.message.contains("nvidia.com/gpu"));
+
+    // Starting up is not a failure.
+    let starting = pod(
+        json!({"containerStatuses": [{"name": "server", "image": "i", "imageID": "",
+        "ready": false, "restartCount": 0,
+        "state": {"waiting": {"reason": "ContainerCreating"}}}]}),
+    );
+    assert_eq!(pod_failure(&[starting]), None);
+}
+
+fn obs<'a>(d: Option<&'a Deployment>, desired: i32) -> Observation<'a> {
+    Observation {
+        generation: Some(4),
+        blocked: None,
+        desired_replicas: desired,
+        deployment: d,
+        pod_failure: None,
+        monitor: MonitorState::Disabled,
+        selector: Some("s".into()),
+        url: Some("http://x".into()),
+    }
+}
+
+fn cond(s: &ferrite_operator::crd::InferenceServiceStatus, t: &str) -> (String, String) {
+    let c = status::condition(s, t).expect("condition");
+    (c.status.clone(), c.reason.clone())
+}
+
+fn pair(a: &str, b: &str) -> (String, String) {
+    (a.into(), b.into())
+}
+
+#[test]
+fn conditions_for_each_situation() {
+    let now = Time(Timestamp::UNIX_EPOCH);
+    let done = deployment(
+        1,
+        1,
+        json!({"observedGeneration": 1, "replicas": 1,
+        "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}),
+    );
+    let s = status::compute(&obs(Some(&done), 1), None, &now);
+    assert_eq!(cond(&s, READY), pair("True", "Available"));
+    assert_eq!(cond(&s, PROGRESSING), pair("False", "RolloutComplete"));
+    assert_eq!(cond(&s, DEGRADED), pair("False", "AsExpected"));
+    assert_eq!((s.observed_generation, s.ready_replicas), (Some(4), 1));
+
+    let zero = deployment(1, 0, json!({"observedGeneration": 1}));
+    let s = status::compute(&obs(Some(&zero), 0), None, &now);
+    assert_eq!(cond(&s, READY), pair("False", "ScaledToZero"));
+
+    // A blocked new spec while the old one still serves: Ready stays true and says so.
+    let mut o = obs(Some(&done), 1);
+    o.blocked = Some(Finding::new(
+        "PersistentVolumeClaimNotFound",
+        "claim x is missing",
+    ));
+    let s = status::compute(&o, None, &now);
+    let ready = status::condition(&s, READY).expect("ready");
+    assert_eq!(ready.status, "True");
+    assert!(
+        ready.message.contains("claim x is missing"),
+        "{}",
+        ready.message
+    );
+    assert_eq!(
+        cond(&s, DEGRADED),
+        pair("True", "PersistentVolumeClaimNotFound")
+    );
+    assert_eq!(
+        cond(&s, PROGRESSING),
+        pair("False", "PersistentVolumeClaimNotFound")
+    );
+
+    // Transition times survive an unchanged status and move on a change.
+    let later = Time(Timestamp::from_second(1_000).expect("time"));
+    let again = status::compute(&obs(Some(&done), 1), Some(&s), &later);
+    let t = |st: &ferrite_operator::crd::InferenceServiceStatus, c: &str| {
+        status::condition(st, c)
+            .expect("c")
+            .last_transition_time
+            .clone()
+    };
+    assert_eq!(t(&again, READY), t(&s, READY), "Ready stayed True");
+    assert_eq!(t(&again, DEGRADED), later, "Degraded went False");
+}
