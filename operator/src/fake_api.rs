@@ -69,6 +69,15 @@ impl Target {
         })
     }
 
+    /// The store key of object `name` in this target's collection and namespace.
+    fn key(&self, name: &str) -> Key {
+        (
+            self.collection.clone(),
+            self.namespace.clone().unwrap_or_default(),
+            name.to_string(),
+        )
+    }
+
     fn api_version(&self) -> String {
         let p = &self.collection.prefix;
         p.strip_prefix("/apis/")
@@ -505,11 +514,7 @@ async fn handle(
         }
         (Method::GET, None) => list(&inner, &target, &q),
         (Method::GET, Some(name)) => {
-            let key = (
-                target.collection.clone(),
-                target.namespace.clone().unwrap_or_default(),
-                name.clone(),
-            );
+            let key = target.key(&name);
             match inner.lock().objects.get(&key) {
                 Some(v) => axum::Json(v.clone()).into_response(),
                 None => status_body(
@@ -535,11 +540,7 @@ async fn handle(
                 },
             };
             obj["metadata"]["name"] = json!(name);
-            let key = (
-                target.collection.clone(),
-                target.namespace.clone().unwrap_or_default(),
-                name.clone(),
-            );
+            let key = target.key(&name);
             let mut store = inner.lock();
             if store.objects.contains_key(&key) {
                 return status_body(
@@ -552,11 +553,7 @@ async fn handle(
             (StatusCode::CREATED, axum::Json(v)).into_response()
         }
         (Method::PUT, Some(name)) => {
-            let key = (
-                target.collection.clone(),
-                target.namespace.clone().unwrap_or_default(),
-                name.clone(),
-            );
+            let key = target.key(&name);
             let mut store = inner.lock();
             let Some(old) = store.objects.get(&key).cloned() else {
                 return status_body(
@@ -579,11 +576,7 @@ async fn handle(
             axum::Json(v).into_response()
         }
         (Method::PATCH, Some(name)) => {
-            let key = (
-                target.collection.clone(),
-                target.namespace.clone().unwrap_or_default(),
-                name.clone(),
-            );
+            let key = target.key(&name);
             let mut store = inner.lock();
             let old = store.objects.get(&key).cloned();
             let apply = content_type.starts_with("application/apply-patch");
@@ -605,11 +598,7 @@ async fn handle(
             axum::Json(v).into_response()
         }
         (Method::DELETE, Some(name)) => {
-            let key = (
-                target.collection.clone(),
-                target.namespace.clone().unwrap_or_default(),
-                name.clone(),
-            );
+            let key = target.key(&name);
             let mut store = inner.lock();
             match inner.remove(&mut store, key) {
                 Some(_) => axum::Json(json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})).into_response(),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::apiserver::{
-    self, Reply, Step, Transcript, echo, list, not_found, ok, status_reply, step,
+    self, Reply, Step, Transcript, deleted, echo, list, not_found, ok, status_reply, step,
 };
 use ferrite_operator::config::{Dashboard, OperatorConfig};
 use ferrite_operator::controller::{Context, Error, Timing, error_policy, reconcile};
@@ -125,20 +125,49 @@ fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
 
 /// The script of a first reconcile with the ServiceMonitor CRD absent.
 fn create_script(isvc: &InferenceService) -> Vec<Step> {
+    create_script_with(isvc, None)
+}
+
+/// The script of a first reconcile; `discovery` is the monitoring group's resource list when
+/// the ServiceMonitor CRD is installed.
+fn create_script_with(isvc: &InferenceService, discovery: Option<Value>) -> Vec<Step> {
+    let monitor = discovery.is_some();
     let mut s = vec![
-        step(Method::GET, DISCOVERY, not_found()),
+        step(Method::GET, DISCOVERY, discovery.map_or_else(not_found, ok)),
         step(Method::GET, DEPLOYMENT, not_found()),
         step(Method::PATCH, DEPLOYMENT, echo()),
         step(Method::GET, SERVICE, not_found()),
         step(Method::PATCH, SERVICE, echo()),
         step(Method::GET, PDB, not_found()),
+    ];
+    if monitor {
+        s.push(step(Method::GET, MONITOR, not_found()));
+        s.push(step(Method::PATCH, MONITOR, echo()));
+    }
+    s.extend([
         step(Method::GET, CONFIGMAPS, list("ConfigMap", vec![])),
         step(Method::PATCH, DASHBOARD, echo()),
         step(Method::GET, PODS, list("Pod", vec![])),
-    ];
-    s.extend(event_steps(3));
+    ]);
+    s.extend(event_steps(if monitor { 4 } else { 3 }));
     s.push(step(Method::PATCH, STATUS, status_echo(isvc)));
     s
+}
+
+/// The reads of a reconcile that finds every child as it was applied (no ServiceMonitor CRD,
+/// one replica, one dashboard).
+fn settled_reads(deployment: &Value, service: &Value, dashboard: &Value) -> Vec<Step> {
+    vec![
+        step(Method::GET, DISCOVERY, not_found()),
+        step(Method::GET, DEPLOYMENT, ok(deployment.clone())),
+        step(Method::GET, SERVICE, ok(service.clone())),
+        step(Method::GET, PDB, not_found()),
+        step(
+            Method::GET,
+            CONFIGMAPS,
+            list("ConfigMap", vec![dashboard.clone()]),
+        ),
+    ]
 }
 
 /// Creation, then the rollout finishing, then a steady state with no writes at all.
@@ -186,19 +215,7 @@ async fn create_then_ready_then_steady_state_without_writes() {
     let service = live(o.t.bodies(Method::PATCH, SERVICE)[0], json!({}));
     let dashboard = live(o.t.bodies(Method::PATCH, DASHBOARD)[0], Value::Null);
     let second = isvc(1, spec(), Some(status));
-    let reads = |d: &Value| {
-        vec![
-            step(Method::GET, DISCOVERY, not_found()),
-            step(Method::GET, DEPLOYMENT, ok(d.clone())),
-            step(Method::GET, SERVICE, ok(service.clone())),
-            step(Method::GET, PDB, not_found()),
-            step(
-                Method::GET,
-                CONFIGMAPS,
-                list("ConfigMap", vec![dashboard.clone()]),
-            ),
-        ]
-    };
+    let reads = |d: &Value| settled_reads(d, &service, &dashboard);
     let mut script = reads(&deployment);
     script.push(step(Method::POST, EVENTS, echo()));
     script.push(step(Method::PATCH, STATUS, status_echo(&second)));
@@ -324,15 +341,11 @@ async fn observed_generation_follows_generation_even_when_no_child_changes() {
     let service = live(o.t.bodies(Method::PATCH, SERVICE)[0], json!({}));
     let dashboard = live(o.t.bodies(Method::PATCH, DASHBOARD)[0], Value::Null);
     let bumped = isvc(5, spec(), Some(&status));
-    let script = vec![
-        step(Method::GET, DISCOVERY, not_found()),
-        step(Method::GET, DEPLOYMENT, ok(deployment)),
-        step(Method::GET, SERVICE, ok(service)),
-        step(Method::GET, PDB, not_found()),
-        step(Method::GET, CONFIGMAPS, list("ConfigMap", vec![dashboard])),
+    let mut script = settled_reads(&deployment, &service, &dashboard);
+    script.extend([
         step(Method::GET, PODS, list("Pod", vec![])),
         step(Method::PATCH, STATUS, status_echo(&bumped)),
-    ];
+    ]);
     let o = run(&bumped, script).await;
     o.t.assert_clean();
     assert!(o.result.is_ok());
@@ -369,21 +382,13 @@ async fn objects_no_longer_wanted_are_deleted() {
             PDB,
             ok(owned("PodDisruptionBudget", "chat", "policy/v1")),
         ),
-        step(
-            Method::DELETE,
-            PDB,
-            ok(json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}})),
-        ),
+        step(Method::DELETE, PDB, deleted()),
         step(
             Method::GET,
             MONITOR,
             ok(owned("ServiceMonitor", "chat", "monitoring.coreos.com/v1")),
         ),
-        step(
-            Method::DELETE,
-            MONITOR,
-            ok(json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}})),
-        ),
+        step(Method::DELETE, MONITOR, deleted()),
         step(
             Method::GET,
             CONFIGMAPS,
@@ -395,11 +400,7 @@ async fn objects_no_longer_wanted_are_deleted() {
                 ],
             ),
         ),
-        step(
-            Method::DELETE,
-            DASHBOARD,
-            ok(json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}})),
-        ),
+        step(Method::DELETE, DASHBOARD, deleted()),
         step(Method::GET, PODS, list("Pod", vec![])),
     ];
     script.extend(event_steps(5));
@@ -444,21 +445,7 @@ async fn with_the_service_monitor_crd_present_a_monitor_is_applied() {
         "resources": [{"name": "servicemonitors", "singularName": "servicemonitor",
                        "namespaced": true, "kind": "ServiceMonitor", "verbs": ["get", "list"]}]});
     let i = isvc(1, spec(), None);
-    let mut script = vec![
-        step(Method::GET, DISCOVERY, ok(resources)),
-        step(Method::GET, DEPLOYMENT, not_found()),
-        step(Method::PATCH, DEPLOYMENT, echo()),
-        step(Method::GET, SERVICE, not_found()),
-        step(Method::PATCH, SERVICE, echo()),
-        step(Method::GET, PDB, not_found()),
-        step(Method::GET, MONITOR, not_found()),
-        step(Method::PATCH, MONITOR, echo()),
-        step(Method::GET, CONFIGMAPS, list("ConfigMap", vec![])),
-        step(Method::PATCH, DASHBOARD, echo()),
-        step(Method::GET, PODS, list("Pod", vec![])),
-    ];
-    script.extend(event_steps(4));
-    script.push(step(Method::PATCH, STATUS, status_echo(&i)));
+    let script = create_script_with(&i, Some(resources));
     let o = run(&i, script).await;
     o.t.assert_clean();
     assert!(o.result.is_ok());
@@ -628,16 +615,12 @@ async fn an_image_pull_failure_shows_as_degraded() {
             "state": {"waiting": {"reason": "ImagePullBackOff",
                                   "message": "Back-off pulling image \"nope:1\""}}}]}});
     let i = isvc(1, spec(), Some(&status));
-    let script = vec![
-        step(Method::GET, DISCOVERY, not_found()),
-        step(Method::GET, DEPLOYMENT, ok(deployment)),
-        step(Method::GET, SERVICE, ok(service)),
-        step(Method::GET, PDB, not_found()),
-        step(Method::GET, CONFIGMAPS, list("ConfigMap", vec![dashboard])),
+    let mut script = settled_reads(&deployment, &service, &dashboard);
+    script.extend([
         step(Method::GET, PODS, list("Pod", vec![pod])),
         step(Method::POST, EVENTS, echo()),
         step(Method::PATCH, STATUS, status_echo(&i)),
-    ];
+    ]);
     let o = run(&i, script).await;
     o.t.assert_clean();
     assert_eq!(

@@ -15,21 +15,26 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The venv python from `scripts/python-env.sh`, or FERRITE_TEST_PYTHON.
-fn python() -> String {
-    if let Ok(p) = std::env::var("FERRITE_TEST_PYTHON") {
+/// `env` if set, else the path a setup script prints (`scripts/python-env.sh` prints the venv
+/// python, `scripts/node-env.sh` the node_modules with the validators).
+fn tool_path(env: &str, script: &str) -> String {
+    if let Ok(p) = std::env::var(env) {
         return p;
     }
     let out = Command::new("bash")
-        .arg(root().join("scripts/python-env.sh"))
+        .arg(root().join("scripts").join(script))
         .output()
-        .expect("run scripts/python-env.sh");
+        .unwrap_or_else(|e| panic!("run scripts/{script}: {e}"));
     assert!(
         out.status.success(),
-        "python-env.sh failed: {}",
+        "{script} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn python() -> String {
+    tool_path("FERRITE_TEST_PYTHON", "python-env.sh")
 }
 
 /// Runs validate.py; returns (success, output).
@@ -186,27 +191,10 @@ fn examples_pass_the_generated_crd_schema() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The node_modules of `scripts/node-env.sh`, or FERRITE_NODE_MODULES.
-fn node_modules() -> String {
-    if let Ok(p) = std::env::var("FERRITE_NODE_MODULES") {
-        return p;
-    }
-    let out = Command::new("bash")
-        .arg(root().join("scripts/node-env.sh"))
-        .output()
-        .expect("run scripts/node-env.sh");
-    assert!(
-        out.status.success(),
-        "node-env.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 fn validate_monitors(files: &[PathBuf]) -> (bool, String) {
     let out = Command::new("node")
         .arg(root().join("operator/tests/node/validate-servicemonitor.mjs"))
-        .arg(node_modules())
+        .arg(tool_path("FERRITE_NODE_MODULES", "node-env.sh"))
         .args(files)
         .output()
         .expect("run node");

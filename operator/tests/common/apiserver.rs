@@ -95,6 +95,11 @@ pub fn status_reply(code: StatusCode, reason: &'static str) -> Reply {
     })
 }
 
+/// The `Status` a successful DELETE answers with.
+pub fn deleted() -> Reply {
+    ok(json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}))
+}
+
 pub fn ok(value: Value) -> Reply {
     Box::new(move |_| (StatusCode::OK, value))
 }
