@@ -6,7 +6,7 @@
 # the pooled figures are compared. Prints throughput/latency ratios and the scrape latency under
 # load.
 #
-#   bench/metrics-overhead.sh [bench-serve flags; default: --concurrency 32 --repeat 4]
+#   [SCRAPE_MS=100] bench/metrics-overhead.sh [bench-serve flags; default: --concurrency 32 --repeat 4]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -37,5 +37,5 @@ serve 18191 --log-stats-interval 1
 
 target/release/bench-serve --model default \
   --target "quiet=http://127.0.0.1:18190" --target "observed=http://127.0.0.1:18191" \
-  --scrape observed --scrape-ms 100 "$@"
+  --scrape observed --scrape-ms "${SCRAPE_MS:-100}" "$@"
 echo "stats lines logged by the observed server: $(grep -c 'Avg prompt throughput' /tmp/bench-metrics-18191.log)"

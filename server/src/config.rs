@@ -72,6 +72,10 @@ pub struct ServerArgs {
     /// Turn off the stats log line and the average-throughput gauges.
     #[arg(long)]
     pub disable_log_stats: bool,
+    /// How many nice levels the engine and compute threads run below the HTTP threads, so
+    /// probes, scrapes and token streams get a core promptly under load (0 turns it off).
+    #[arg(long, default_value_t = crate::priority::COMPUTE_NICE, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub compute_nice: i32,
 }
 
 /// A positive, finite number of seconds.

@@ -29,7 +29,7 @@ async fn main() -> Result<()> {
         )
         .init();
     let args = ServerArgs::parse();
-    if let Err(e) = ferrite_server::priority::init_compute_pool() {
+    if let Err(e) = ferrite_server::priority::init_compute_pool(args.compute_nice) {
         warn!(error = %e, "compute threads keep the default priority");
     }
     let served = args.served_model_name.clone().unwrap_or_else(|| {

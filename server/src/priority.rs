@@ -3,24 +3,34 @@
 //! and token streaming get a core promptly even when the model saturates all of them. Compute
 //! throughput does not change: the HTTP threads sleep most of the time.
 
-/// Nice increment for compute threads (0 is the process's own level).
+use std::sync::atomic::{AtomicI32, Ordering};
+
+/// Default nice increment for compute threads (`--compute-nice`).
 pub const COMPUTE_NICE: i32 = 5;
 
-/// Lowers the calling thread's priority by `COMPUTE_NICE`. On Linux the nice value is per
-/// thread. Best effort: failing to renice only costs latency, so errors are ignored.
+static NICE: AtomicI32 = AtomicI32::new(COMPUTE_NICE);
+
+/// Lowers the calling thread's priority by the configured increment (0 leaves it). On Linux
+/// the nice value is per thread. Best effort: failing to renice only costs latency, so errors
+/// are ignored.
 pub fn lower_current_thread() {
+    let nice = NICE.load(Ordering::Relaxed);
     #[cfg(target_os = "linux")]
-    {
+    if nice > 0 {
         // SAFETY: plain syscalls on the calling thread (who = 0) with no pointers involved.
         unsafe {
             let current = libc::getpriority(libc::PRIO_PROCESS, 0);
-            libc::setpriority(libc::PRIO_PROCESS, 0, current + COMPUTE_NICE);
+            libc::setpriority(libc::PRIO_PROCESS, 0, current + nice);
         }
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = nice;
 }
 
-/// Builds rayon's global pool with lowered priority; call before any rayon work.
-pub fn init_compute_pool() -> Result<(), rayon::ThreadPoolBuildError> {
+/// Sets the increment (clamped to 0..=19), then builds rayon's global pool with it; call
+/// before any rayon work and before the engine thread starts.
+pub fn init_compute_pool(nice: i32) -> Result<(), rayon::ThreadPoolBuildError> {
+    NICE.store(nice.clamp(0, 19), Ordering::Relaxed);
     rayon::ThreadPoolBuilder::new()
         .thread_name(|i| format!("ferrite-compute-{i}"))
         .start_handler(|_| lower_current_thread())
