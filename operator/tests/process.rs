@@ -203,15 +203,22 @@ async fn the_binary_reconciles_heals_settles_and_exits_cleanly() {
         "two replicas get a PodDisruptionBudget"
     );
 
-    // Settled: a quiet second in which the operator writes nothing.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let (_, writes_before) = api.request_counts();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let (_, writes_after) = api.request_counts();
-    assert_eq!(
-        writes_before, writes_after,
-        "the operator kept writing in steady state"
-    );
+    // Settled: within 20 s comes a 2 s window in which the operator writes nothing (a hot loop
+    // never goes quiet; a loaded machine may need a moment for the last echoes).
+    let settle = Instant::now();
+    loop {
+        let (_, before) = api.request_counts();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (_, after) = api.request_counts();
+        if before == after {
+            break;
+        }
+        assert!(
+            settle.elapsed() < Duration::from_secs(20),
+            "the operator kept writing in steady state ({} writes in the last 2 s)",
+            after - before
+        );
+    }
 
     let (op_ref, metrics) = blocking(move || {
         let m = (
