@@ -8,32 +8,12 @@
 #
 #   [SCRAPE_MS=100] bench/metrics-overhead.sh [bench-serve flags; default: --concurrency 32 --repeat 4]
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-model="${FERRITE_MODEL:-$(scripts/fetch-model.sh)}"
-cargo build --release -q -p ferrite-server -p ferrite-bench
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
-trap cleanup EXIT
-
-wait_health() {
-  for _ in $(seq 1 600); do
-    curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
-    sleep 0.2
-  done
-  echo "server on port $1 did not become healthy" >&2; exit 1
-}
-
-serve() { # port, extra flags...
-  local port=$1; shift
-  target/release/ferrite-server --model "$model" --host 127.0.0.1 --port "$port" \
-    --served-model-name default ${FERRITE_ARGS:-} "$@" >"/tmp/bench-metrics-$port.log" 2>&1 &
-  pids+=($!)
-  wait_health "$port"
-}
+source "$(dirname "$0")/common.sh"
 [ $# -gt 0 ] || set -- --concurrency 32 --repeat 4
-serve 18190 --disable-log-stats
-serve 18191 --log-stats-interval 1
+serve 18190 /tmp/bench-metrics-18190.log --disable-log-stats
+wait_health 18190
+serve 18191 /tmp/bench-metrics-18191.log --log-stats-interval 1
+wait_health 18191
 
 target/release/bench-serve --model default \
   --target "quiet=http://127.0.0.1:18190" --target "observed=http://127.0.0.1:18191" \
