@@ -7,6 +7,8 @@
 //!   cargo build --release -p ferrite-operator -p ferrite-bench
 //!   target/release/bench-operator --count 100
 
+mod stats;
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,6 +17,7 @@ use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use ferrite_operator::fake_api::FakeApi;
 use serde_json::{Value, json};
+use stats::percentile;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -131,11 +134,6 @@ impl Drop for Killed {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted.get(i).copied().unwrap_or(f64::NAN)
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -265,7 +263,7 @@ async fn main() -> Result<()> {
         "{}/apis/apps/v1/namespaces/bench/deployments/svc-000",
         api.url
     );
-    let mut rtt = tokio::task::spawn_blocking(move || -> Result<Vec<f64>> {
+    let rtt = tokio::task::spawn_blocking(move || -> Result<Vec<f64>> {
         let agent = ureq::AgentBuilder::new().build();
         (0..200)
             .map(|_| {
@@ -276,8 +274,7 @@ async fn main() -> Result<()> {
             .collect()
     })
     .await??;
-    rtt.sort_by(f64::total_cmp);
-    let get_p50 = percentile(&rtt, 0.5);
+    let get_p50 = percentile(&rtt, 50.0);
     let objects: usize = [
         "/apis/apps/v1/deployments",
         "/api/v1/services",

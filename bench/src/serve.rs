@@ -6,6 +6,9 @@
 //! Every request opens its own connection (llama.cpp's server closes it after a stream anyway).
 //! The first target is the baseline; the others are printed as ratios against it.
 
+mod stats;
+
+use stats::percentile;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -93,16 +96,6 @@ impl LevelResult {
     fn req_per_s(&self) -> f64 {
         self.requests as f64 / self.wall
     }
-}
-
-fn percentile(v: &[f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let rank = (p / 100.0 * (s.len() - 1) as f64).round() as usize;
-    s[rank.min(s.len() - 1)]
 }
 
 /// A prompt of roughly `tokens` tokens whose first token differs per request.

@@ -314,9 +314,7 @@ impl FakeApi {
             .lock()
             .objects
             .iter()
-            .filter(|((c, ns, _), _)| {
-                *c == t.collection && t.namespace.as_ref().is_none_or(|n| n == ns)
-            })
+            .filter(|((c, ns, _), _)| in_scope(&t, c, ns))
             .map(|(_, v)| v.clone())
             .collect()
     }

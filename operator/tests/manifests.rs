@@ -37,17 +37,22 @@ fn python() -> String {
     tool_path("FERRITE_TEST_PYTHON", "python-env.sh")
 }
 
-/// Runs validate.py; returns (success, output).
-fn validate(mode: &str, target: &str, files: &[PathBuf]) -> (bool, String) {
-    let out = Command::new(python())
-        .arg(root().join("operator/tests/python/validate.py"))
-        .args([mode, target])
-        .args(files)
-        .output()
-        .expect("run validate.py");
+/// Runs a validator; returns (success, stdout and stderr).
+fn run_validator(cmd: &mut Command) -> (bool, String) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.success(), text)
+}
+
+/// Runs validate.py.
+fn validate(mode: &str, target: &str, files: &[PathBuf]) -> (bool, String) {
+    run_validator(
+        Command::new(python())
+            .arg(root().join("operator/tests/python/validate.py"))
+            .args([mode, target])
+            .args(files),
+    )
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
@@ -192,15 +197,12 @@ fn examples_pass_the_generated_crd_schema() {
 }
 
 fn validate_monitors(files: &[PathBuf]) -> (bool, String) {
-    let out = Command::new("node")
-        .arg(root().join("operator/tests/node/validate-servicemonitor.mjs"))
-        .arg(tool_path("FERRITE_NODE_MODULES", "node-env.sh"))
-        .args(files)
-        .output()
-        .expect("run node");
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.success(), text)
+    run_validator(
+        Command::new("node")
+            .arg(root().join("operator/tests/node/validate-servicemonitor.mjs"))
+            .arg(tool_path("FERRITE_NODE_MODULES", "node-env.sh"))
+            .args(files),
+    )
 }
 
 /// Built ServiceMonitors pass `@kubernetes-models/prometheus-operator`'s validation (npm), and
