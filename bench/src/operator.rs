@@ -161,6 +161,8 @@ async fn main() -> Result<()> {
         "--http-addr",
         &format!("127.0.0.1:{port}"),
         "--no-leader-election",
+        "--external-metrics-addr",
+        "off",
     ])
     .env("KUBECONFIG", &kubeconfig)
     .env("RUST_LOG", "warn")

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Affinity, EnvVar, Toleration};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -391,7 +391,9 @@ fn default_dashboard_labels() -> BTreeMap<String, String> {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct InferenceServiceStatus {
-    /// `Ready`, `Progressing` and `Degraded` (plus `ScalingActive` with autoscaling).
+    /// `Ready`, `Progressing`, `Degraded` and `MonitoringReady`; with autoscaling also
+    /// `ScalingActive`, and in Builtin mode `ScalingLimited` (and `ScaledToZero` with
+    /// minReplicas 0).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// The metadata.generation this status describes.
@@ -409,6 +411,33 @@ pub struct InferenceServiceStatus {
     /// In-cluster base URL of the OpenAI-compatible API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    /// The replica count the built-in autoscaler last decided on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_replicas: Option<i32>,
+    /// When the built-in autoscaler last changed spec.replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale_time: Option<Time>,
+    /// The signals the autoscaler last read from the pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_metrics: Option<CurrentMetrics>,
+}
+
+/// Load signals read from the pods' /metrics, as the autoscaler uses them.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CurrentMetrics {
+    /// Waiting requests per reporting replica (`vllm:num_requests_waiting`, averaged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_per_replica: Option<f64>,
+    /// KV-cache usage fraction averaged over reporting replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_usage: Option<f64>,
+    /// Waiting requests, summed over reporting replicas.
+    pub requests_waiting: f64,
+    /// Running requests, summed over reporting replicas.
+    pub requests_running: f64,
+    /// Replicas whose /metrics was read.
+    pub reporting_replicas: i32,
 }
 
 /// The CRD as YAML, exactly as committed under `crds/`.

@@ -37,6 +37,8 @@ struct Target {
     namespace: Option<String>,
     name: Option<String>,
     status: bool,
+    /// The `scale` subresource (autoscaling/v1 Scale over spec.replicas).
+    scale: bool,
 }
 
 impl Target {
@@ -52,10 +54,11 @@ impl Target {
             ["namespaces", ns, rest @ ..] if !rest.is_empty() => (Some(ns.to_string()), rest),
             _ => (None, rest),
         };
-        let (plural, name, status) = match rest {
-            [plural] => (plural, None, false),
-            [plural, name] => (plural, Some(name.to_string()), false),
-            [plural, name, "status"] => (plural, Some(name.to_string()), true),
+        let (plural, name, status, scale) = match rest {
+            [plural] => (plural, None, false, false),
+            [plural, name] => (plural, Some(name.to_string()), false, false),
+            [plural, name, "status"] => (plural, Some(name.to_string()), true, false),
+            [plural, name, "scale"] => (plural, Some(name.to_string()), false, true),
             _ => return None,
         };
         Some(Target {
@@ -66,6 +69,7 @@ impl Target {
             namespace,
             name,
             status,
+            scale,
         })
     }
 
@@ -506,6 +510,9 @@ async fn handle(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
+    if target.scale {
+        return scale(&inner, &target, method, &body);
+    }
     match (method, target.name.clone()) {
         (Method::GET, None) if q.get("watch").is_some_and(|w| w == "true" || w == "1") => {
             watch(&inner, target, &q)
@@ -609,6 +616,49 @@ async fn handle(
             format!("{m} is not supported on {}", uri.path()),
         ),
     }
+}
+
+/// The scale subresource: GET reads, a merge PATCH of `spec.replicas` writes the object.
+fn scale(inner: &Inner, target: &Target, method: Method, body: &Value) -> Response {
+    let name = target.name.clone().unwrap_or_default();
+    let key = target.key(&name);
+    let mut store = inner.lock();
+    let Some(old) = store.objects.get(&key).cloned() else {
+        return status_body(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            format!("{} {name} not found", target.collection.plural),
+        );
+    };
+    let obj = match method {
+        Method::GET => old,
+        Method::PATCH | Method::PUT => {
+            let Some(replicas) = body["spec"]["replicas"].as_i64() else {
+                return status_body(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "Invalid",
+                    "spec.replicas is required".into(),
+                );
+            };
+            let mut new = old.clone();
+            new["spec"]["replicas"] = json!(replicas);
+            inner.write(&mut store, target, key, Some(old), new, false)
+        }
+        m => {
+            return status_body(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                format!("{m} is not supported on the scale subresource"),
+            );
+        }
+    };
+    axum::Json(json!({"kind": "Scale", "apiVersion": "autoscaling/v1",
+        "metadata": {"name": name, "namespace": obj["metadata"]["namespace"],
+            "resourceVersion": obj["metadata"]["resourceVersion"]},
+        "spec": {"replicas": obj["spec"]["replicas"]},
+        "status": {"replicas": obj["status"]["replicas"].as_i64().unwrap_or(0),
+            "selector": obj["status"]["selector"]}}))
+    .into_response()
 }
 
 fn in_scope(target: &Target, collection: &Collection, namespace: &str) -> bool {

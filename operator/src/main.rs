@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
+use ferrite_operator::autoscale::external::{ServerTls, TlsSettings, serve_tls, service_names};
 use ferrite_operator::config::{OperatorConfig, load_dashboards};
 use ferrite_operator::controller::{self, Context, Timing};
 use ferrite_operator::leader::{LeaderElector, LeaseSettings, Role};
@@ -54,6 +55,28 @@ struct Args {
     /// Log as JSON lines instead of text.
     #[arg(long, env = "FERRITE_LOG_JSON")]
     log_json: bool,
+    /// HTTPS address of the External Metrics API (external.metrics.k8s.io/v1beta1) that HPAs
+    /// read the InferenceServices' signals from; "off" disables it.
+    #[arg(
+        long,
+        env = "FERRITE_EXTERNAL_METRICS_ADDR",
+        default_value = "0.0.0.0:6443"
+    )]
+    external_metrics_addr: String,
+    /// PEM certificate for the External Metrics API; without it a self-signed one is made for
+    /// the Service's DNS names (register the APIService with its caBundle or insecureSkipTLSVerify).
+    #[arg(long, env = "FERRITE_TLS_CERT_FILE", requires = "tls_key_file")]
+    tls_cert_file: Option<PathBuf>,
+    /// PEM private key matching --tls-cert-file.
+    #[arg(long, env = "FERRITE_TLS_KEY_FILE", requires = "tls_cert_file")]
+    tls_key_file: Option<PathBuf>,
+    /// CA of the API server's front proxy (requestheader-client-ca-file): when set, metric
+    /// requests must present a client certificate it signed.
+    #[arg(long, env = "FERRITE_CLIENT_CA_FILE")]
+    client_ca_file: Option<PathBuf>,
+    /// The operator's Service name, for the self-signed certificate's DNS names.
+    #[arg(long, env = "FERRITE_SERVICE_NAME", default_value = "ferrite-operator")]
+    service_name: String,
 }
 
 fn config(args: &Args) -> anyhow::Result<OperatorConfig> {
@@ -142,6 +165,7 @@ async fn main() -> anyhow::Result<()> {
         metrics.clone(),
         Timing::default(),
     ));
+    let external = external_metrics(&args, &ctx, stopped(stop_rx.clone())).await?;
 
     let result = if args.no_leader_election {
         health.ready.store(true, Ordering::Relaxed);
@@ -161,7 +185,42 @@ async fn main() -> anyhow::Result<()> {
         lead(client, settings, ctx, &health, &metrics, stop_rx.clone()).await
     };
     let _ = http.await;
+    if let Some(e) = external {
+        let _ = e.await;
+    }
     result
+}
+
+/// Starts the External Metrics API over TLS, unless turned off.
+async fn external_metrics(
+    args: &Args,
+    ctx: &Context,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+    if args.external_metrics_addr == "off" {
+        return Ok(None);
+    }
+    let addr: SocketAddr = args
+        .external_metrics_addr
+        .parse()
+        .with_context(|| format!("--external-metrics-addr {:?}", args.external_metrics_addr))?;
+    let settings = TlsSettings::from_flags(
+        args.tls_cert_file.clone(),
+        args.tls_key_file.clone(),
+        service_names(&args.service_name, &args.lease_namespace),
+        args.client_ca_file.clone(),
+    )?;
+    let tls = ServerTls::new(&settings)?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    tracing::info!(%addr, "serving the External Metrics API (external.metrics.k8s.io/v1beta1)");
+    let store = ctx.autoscaler.store().clone();
+    Ok(Some(tokio::spawn(async move {
+        if let Err(e) = serve_tls(listener, tls, store, shutdown).await {
+            tracing::error!(error = %e, "External Metrics API server failed");
+        }
+    })))
 }
 
 fn hostname() -> String {

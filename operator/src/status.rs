@@ -6,13 +6,51 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
-use crate::crd::InferenceServiceStatus;
+use crate::crd::{CurrentMetrics, InferenceServiceStatus};
 
 pub const READY: &str = "Ready";
 pub const PROGRESSING: &str = "Progressing";
 pub const DEGRADED: &str = "Degraded";
 /// Whether the ServiceMonitor exists as asked (or why not).
 pub const MONITORING: &str = "MonitoringReady";
+/// Whether the autoscaler can read its signals.
+pub const SCALING_ACTIVE: &str = "ScalingActive";
+/// Whether the autoscaler's wish is being held back (bounds, windows, rates, panic).
+pub const SCALING_LIMITED: &str = "ScalingLimited";
+/// Whether the workload was scaled to zero for being idle.
+pub const SCALED_TO_ZERO: &str = "ScaledToZero";
+
+/// What the autoscaler last concluded for one InferenceService, for the status step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AutoscaleView {
+    /// Builtin mode: the autoscaler's decision (HPA mode leaves this to the HPA's status).
+    pub desired_replicas: Option<i32>,
+    pub last_scale_time: Option<Time>,
+    pub metrics: Option<CurrentMetrics>,
+    /// `ScalingActive`.
+    pub active: (bool, Finding),
+    /// `ScalingLimited` (Builtin mode only).
+    pub limited: Option<(bool, Finding)>,
+    /// `ScaledToZero` (only with minReplicas 0).
+    pub scaled_to_zero: Option<(bool, Finding)>,
+}
+
+impl AutoscaleView {
+    /// Before the first evaluation.
+    pub fn pending() -> Self {
+        Self {
+            desired_replicas: None,
+            last_scale_time: None,
+            metrics: None,
+            active: (
+                false,
+                Finding::new("Pending", "the autoscaler has not read the pods yet"),
+            ),
+            limited: None,
+            scaled_to_zero: None,
+        }
+    }
+}
 
 /// A reason and a human-readable message for a condition.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +91,8 @@ pub struct Observation<'a> {
     pub monitor: MonitorState,
     pub selector: Option<String>,
     pub url: Option<String>,
+    /// Present when spec.autoscaling is set.
+    pub autoscaling: Option<AutoscaleView>,
 }
 
 /// Waiting reasons that will not fix themselves without a change to the spec or the cluster.
@@ -248,18 +288,32 @@ pub fn compute(
             last_transition_time: last,
         }
     };
+    let mut conditions = vec![
+        make(READY, ready),
+        make(PROGRESSING, progressing),
+        make(DEGRADED, degraded),
+        make(MONITORING, monitor),
+    ];
+    let scaling = obs.autoscaling.as_ref();
+    if let Some(a) = scaling {
+        conditions.push(make(SCALING_ACTIVE, a.active.clone()));
+        if let Some(l) = &a.limited {
+            conditions.push(make(SCALING_LIMITED, l.clone()));
+        }
+        if let Some(z) = &a.scaled_to_zero {
+            conditions.push(make(SCALED_TO_ZERO, z.clone()));
+        }
+    }
     InferenceServiceStatus {
-        conditions: vec![
-            make(READY, ready),
-            make(PROGRESSING, progressing),
-            make(DEGRADED, degraded),
-            make(MONITORING, monitor),
-        ],
+        conditions,
         observed_generation: obs.generation,
         replicas: r.replicas,
         ready_replicas: r.ready,
         selector: obs.selector.clone(),
         url: obs.url.clone(),
+        desired_replicas: scaling.and_then(|a| a.desired_replicas),
+        last_scale_time: scaling.and_then(|a| a.last_scale_time.clone()),
+        current_metrics: scaling.and_then(|a| a.metrics.clone()),
     }
 }
 

@@ -11,8 +11,8 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 
 use crate::controller::Error;
@@ -30,7 +30,120 @@ pub struct Metrics {
     pub duration: Histogram,
     /// 1 while this replica holds the leader Lease.
     pub leader: IntGauge,
+    pub autoscaler: AutoscalerMetrics,
 }
+
+/// Per-InferenceService autoscaler series, labelled `namespace` and `inferenceservice`.
+#[derive(Debug, Clone)]
+pub struct AutoscalerMetrics {
+    /// The signals last read, by `signal` (queue_per_replica, kv_cache_usage, requests_waiting,
+    /// requests_running).
+    pub signal: GaugeVec,
+    /// The raw recommendation and the decided replica count.
+    pub recommended: IntGaugeVec,
+    pub desired: IntGaugeVec,
+    /// Scale actions written, by `direction` (up, down).
+    pub scale_actions: IntCounterVec,
+    /// Failed pod scrapes, by `error` kind.
+    pub scrape_errors: IntCounterVec,
+    /// 1 while in panic mode.
+    pub panic: IntGaugeVec,
+}
+
+const ISVC_LABELS: [&str; 2] = ["namespace", "inferenceservice"];
+
+impl AutoscalerMetrics {
+    fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let with = |extra: &'static str| {
+            let mut l = ISVC_LABELS.to_vec();
+            l.push(extra);
+            l
+        };
+        let m = Self {
+            signal: GaugeVec::new(
+                Opts::new(
+                    "ferrite_operator_autoscaler_signal",
+                    "Load signals last scraped from an InferenceService's ready pods.",
+                ),
+                &with("signal"),
+            )?,
+            recommended: IntGaugeVec::new(
+                Opts::new(
+                    "ferrite_operator_autoscaler_recommended_replicas",
+                    "Replicas the signals ask for, clamped to min/max, before windows and rate limits.",
+                ),
+                &ISVC_LABELS,
+            )?,
+            desired: IntGaugeVec::new(
+                Opts::new(
+                    "ferrite_operator_autoscaler_desired_replicas",
+                    "Replicas the autoscaler decided on.",
+                ),
+                &ISVC_LABELS,
+            )?,
+            scale_actions: IntCounterVec::new(
+                Opts::new(
+                    "ferrite_operator_autoscaler_scale_actions_total",
+                    "Writes of spec.replicas by the autoscaler, by direction.",
+                ),
+                &with("direction"),
+            )?,
+            scrape_errors: IntCounterVec::new(
+                Opts::new(
+                    "ferrite_operator_autoscaler_scrape_errors_total",
+                    "Failed scrapes of ready pods, by kind of error.",
+                ),
+                &with("error"),
+            )?,
+            panic: IntGaugeVec::new(
+                Opts::new(
+                    "ferrite_operator_autoscaler_panic_mode",
+                    "1 while the autoscaler is in panic mode for the InferenceService.",
+                ),
+                &ISVC_LABELS,
+            )?,
+        };
+        registry.register(Box::new(m.signal.clone()))?;
+        registry.register(Box::new(m.recommended.clone()))?;
+        registry.register(Box::new(m.desired.clone()))?;
+        registry.register(Box::new(m.scale_actions.clone()))?;
+        registry.register(Box::new(m.scrape_errors.clone()))?;
+        registry.register(Box::new(m.panic.clone()))?;
+        Ok(m)
+    }
+
+    /// Drops every series of an InferenceService that is no longer autoscaled. Errors mean
+    /// the series never existed, which is fine.
+    pub fn forget(&self, namespace: &str, name: &str) {
+        for v in [&self.recommended, &self.desired, &self.panic] {
+            let _ = v.remove_label_values(&[namespace, name]);
+        }
+        for signal in SIGNALS {
+            let _ = self.signal.remove_label_values(&[namespace, name, signal]);
+        }
+        for direction in ["up", "down"] {
+            let _ = self
+                .scale_actions
+                .remove_label_values(&[namespace, name, direction]);
+        }
+        for kind in SCRAPE_ERROR_KINDS {
+            let _ = self
+                .scrape_errors
+                .remove_label_values(&[namespace, name, kind]);
+        }
+    }
+}
+
+/// Values of the `signal` label.
+pub const SIGNALS: [&str; 4] = [
+    "queue_per_replica",
+    "kv_cache_usage",
+    "requests_waiting",
+    "requests_running",
+];
+/// Values of the scrape errors' `error` label (`ScrapeError::kind`).
+pub const SCRAPE_ERROR_KINDS: [&str; 5] =
+    ["connect", "status", "timeout", "parse", "missing_metric"];
 
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
@@ -61,6 +174,7 @@ impl Metrics {
         registry.register(Box::new(errors.clone()))?;
         registry.register(Box::new(duration.clone()))?;
         registry.register(Box::new(leader.clone()))?;
+        let autoscaler = AutoscalerMetrics::new(&registry)?;
         #[cfg(target_os = "linux")]
         registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
@@ -71,6 +185,7 @@ impl Metrics {
             errors,
             duration,
             leader,
+            autoscaler,
         })
     }
 

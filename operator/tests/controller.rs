@@ -23,6 +23,7 @@ const DISCOVERY: &str = "/apis/monitoring.coreos.com/v1";
 const DEPLOYMENT: &str = "/apis/apps/v1/namespaces/ml/deployments/chat";
 const SERVICE: &str = "/api/v1/namespaces/ml/services/chat";
 const PDB: &str = "/apis/policy/v1/namespaces/ml/poddisruptionbudgets/chat";
+const HPA: &str = "/apis/autoscaling/v2/namespaces/ml/horizontalpodautoscalers/chat";
 const MONITOR: &str = "/apis/monitoring.coreos.com/v1/namespaces/ml/servicemonitors/chat";
 const CONFIGMAPS: &str = "/api/v1/namespaces/ml/configmaps";
 const DASHBOARD: &str = "/api/v1/namespaces/ml/configmaps/chat-dashboard-overview";
@@ -139,6 +140,7 @@ fn create_script_with(isvc: &InferenceService, discovery: Option<Value>) -> Vec<
         step(Method::GET, SERVICE, not_found()),
         step(Method::PATCH, SERVICE, echo()),
         step(Method::GET, PDB, not_found()),
+        step(Method::GET, HPA, not_found()),
     ];
     if monitor {
         s.push(step(Method::GET, MONITOR, not_found()));
@@ -162,6 +164,7 @@ fn settled_reads(deployment: &Value, service: &Value, dashboard: &Value) -> Vec<
         step(Method::GET, DEPLOYMENT, ok(deployment.clone())),
         step(Method::GET, SERVICE, ok(service.clone())),
         step(Method::GET, PDB, not_found()),
+        step(Method::GET, HPA, not_found()),
         step(
             Method::GET,
             CONFIGMAPS,
@@ -265,6 +268,7 @@ async fn a_deleted_deployment_is_recreated() {
         step(Method::PATCH, DEPLOYMENT, echo()),
         step(Method::GET, SERVICE, ok(service)),
         step(Method::GET, PDB, not_found()),
+        step(Method::GET, HPA, not_found()),
         step(Method::GET, CONFIGMAPS, list("ConfigMap", vec![dashboard])),
         step(Method::GET, PODS, list("Pod", vec![])),
     ];
@@ -300,6 +304,7 @@ async fn a_spec_change_updates_the_deployment_adds_a_pdb_and_moves_observed_gene
         step(Method::GET, SERVICE, ok(service)),
         step(Method::GET, PDB, not_found()),
         step(Method::PATCH, PDB, echo()),
+        step(Method::GET, HPA, not_found()),
         step(Method::GET, CONFIGMAPS, list("ConfigMap", vec![dashboard])),
         step(Method::GET, PODS, list("Pod", vec![])),
     ];
@@ -383,6 +388,7 @@ async fn objects_no_longer_wanted_are_deleted() {
             ok(owned("PodDisruptionBudget", "chat", "policy/v1")),
         ),
         step(Method::DELETE, PDB, deleted()),
+        step(Method::GET, HPA, not_found()),
         step(
             Method::GET,
             MONITOR,

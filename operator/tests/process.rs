@@ -8,22 +8,23 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::servers::{load, start_server, wait_healthy};
 use ferrite_operator::fake_api::FakeApi;
 use serde_json::{Value, json};
 
 const ISVCS: &str = "/apis/ferrite.dev/v1alpha1/namespaces/ml/inferenceservices";
 const DEPLOYMENTS: &str = "/apis/apps/v1/namespaces/ml/deployments";
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
+use common::servers::free_port;
 
 struct Operator {
     child: Child,
     port: u16,
+    /// HTTPS port of the External Metrics API, and the certificate it serves.
+    external_port: u16,
+    cert_pem: String,
     _dir: TempDir,
 }
 
@@ -54,9 +55,24 @@ impl Operator {
             .and_then(|mut f| f.write_all(api.kubeconfig("ml").as_bytes()))
             .expect("kubeconfig written");
         let port = free_port();
+        let external_port = free_port();
+        // A certificate for "localhost" that the test's client trusts, and nothing else.
+        let cert =
+            rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("certificate");
+        let (cert_file, key_file) = (dir.join("tls.crt"), dir.join("tls.key"));
+        std::fs::write(&cert_file, cert.cert.pem()).expect("cert written");
+        std::fs::write(&key_file, cert.signing_key.serialize_pem()).expect("key written");
         let child = Command::new(env!("CARGO_BIN_EXE_ferrite-operator"))
             .args(["--http-addr", &format!("127.0.0.1:{port}")])
             .args(["--identity", identity, "--lease-namespace", "ml"])
+            .args([
+                "--external-metrics-addr",
+                &format!("127.0.0.1:{external_port}"),
+            ])
+            .arg("--tls-cert-file")
+            .arg(&cert_file)
+            .arg("--tls-key-file")
+            .arg(&key_file)
             .args(extra)
             .env("KUBECONFIG", &kubeconfig)
             .env_remove("KUBERNETES_SERVICE_HOST")
@@ -68,6 +84,8 @@ impl Operator {
         Operator {
             child,
             port,
+            external_port,
+            cert_pem: cert.cert.pem(),
             _dir: TempDir(dir),
         }
     }
@@ -309,4 +327,165 @@ async fn of_two_replicas_one_leads_and_the_other_takes_over_after_sigterm() {
     let mut b = b;
     let status = blocking(move || b.terminate()).await;
     assert!(status.success());
+}
+
+/// Builtin autoscaling end to end: the operator lists the InferenceService's pods, scrapes a
+/// real ferrite-server (the pod at 127.0.0.1), and when its queue backs up writes spec.replicas
+/// through the scale subresource; the Deployment follows, status shows the decision and the
+/// signals, an event records the scale, and the operator's metrics count it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
+    let mut server = blocking(|| {
+        let mut s = start_server();
+        wait_healthy(&mut s);
+        s
+    })
+    .await;
+    let port: i64 = server
+        .base
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("port");
+    let api = FakeApi::start().await.expect("fake API server");
+    api.set_simulate_rollouts(true);
+    let mut scaled = isvc("chat", "/models/smol.gguf");
+    scaled["spec"]["runtime"] = json!({"port": port});
+    scaled["spec"]["autoscaling"] = json!({"minReplicas": 1, "maxReplicas": 4,
+        "targets": {"queuePerReplica": 1.0}, "scrapeIntervalSeconds": 1});
+    api.put(ISVCS, scaled).expect("created");
+    api.put(
+        "/api/v1/namespaces/ml/pods",
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "chat-0", "namespace": "ml", "labels": {
+                "app.kubernetes.io/component": "server", "ferrite.dev/inferenceservice": "chat"}},
+            "spec": {"containers": [{"name": "server", "image": "x"}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}]}}),
+    )
+    .expect("pod");
+    let op = Operator::start(&api, "scaler", &["--no-leader-election"]);
+
+    // Idle: the signals are read and nothing changes.
+    let idle = eventually(30, "ScalingActive with metrics", || {
+        let i = api.get(&format!("{ISVCS}/chat"))?;
+        (condition(&api, "chat", "ScalingActive")?.0 == "True"
+            && i["status"]["currentMetrics"]["reportingReplicas"] == 1)
+            .then_some(i)
+    })
+    .await;
+    assert_eq!(idle["status"]["desiredReplicas"], 1);
+    assert_eq!(idle["status"]["currentMetrics"]["requestsWaiting"], 0.0);
+    // An empty queue asks for 0 replicas; minReplicas holds it at 1, as HPA reports it.
+    assert_eq!(
+        condition(&api, "chat", "ScalingLimited"),
+        Some(("True".into(), "TooFewReplicas".into()))
+    );
+
+    // 8 requests on a server that runs 2 at once: 6 wait, 6 × the target of 1 is past the
+    // default panic threshold (3×), so it goes straight to maxReplicas.
+    let base = server.base.clone();
+    let clients = blocking(move || load(&base, 8, 48)).await;
+    let scaled = eventually(60, "spec.replicas 4", || {
+        let i = api.get(&format!("{ISVCS}/chat"))?;
+        (i["spec"]["replicas"] == 4).then_some(i)
+    })
+    .await;
+    assert_eq!(
+        scaled["metadata"]["generation"], 2,
+        "one write of spec.replicas"
+    );
+    eventually(
+        20,
+        "the Deployment at 4 and status showing the scale",
+        || {
+            let d = api.get(&format!("{DEPLOYMENTS}/chat"))?;
+            let i = api.get(&format!("{ISVCS}/chat"))?;
+            (d["spec"]["replicas"] == 4
+                && i["status"]["desiredReplicas"] == 4
+                && i["status"]["lastScaleTime"].is_string())
+            .then_some(())
+        },
+    )
+    .await;
+    let events = api.list("/apis/events.k8s.io/v1/namespaces/ml/events");
+    let scale_event = events
+        .iter()
+        .find(|e| e["reason"] == "ScaledUp")
+        .unwrap_or_else(|| panic!("no ScaledUp event in {events:#?}"));
+    let note = scale_event["note"].as_str().unwrap_or_default();
+    assert!(note.starts_with("1 → 4 replicas (panic mode"), "{note}");
+
+    let (op, body) = blocking(move || {
+        let b = op.get("/metrics").map(|(_, b)| b).unwrap_or_default();
+        (op, b)
+    })
+    .await;
+    let line = |prefix: &str| {
+        body.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    assert_eq!(
+        line(
+            r#"ferrite_operator_autoscaler_scale_actions_total{direction="up",inferenceservice="chat",namespace="ml"}"#
+        ),
+        Some(1.0),
+        "{body}"
+    );
+    assert_eq!(
+        line(
+            r#"ferrite_operator_autoscaler_desired_replicas{inferenceservice="chat",namespace="ml"}"#
+        ),
+        Some(4.0)
+    );
+    for c in blocking(move || clients.into_iter().map(|c| c.join()).collect::<Vec<_>>()).await {
+        assert_eq!(c.expect("client"), 200);
+    }
+
+    // Switched to HPA mode: the operator creates the HPA and serves the signals over HTTPS on
+    // the External Metrics API for it; it no longer writes spec.replicas itself.
+    let mut hpa_mode = api.get(&format!("{ISVCS}/chat")).expect("chat");
+    hpa_mode["spec"]["autoscaling"]["mode"] = json!("HPA");
+    api.put(ISVCS, hpa_mode).expect("updated");
+    let hpa = eventually(20, "the HPA", || {
+        api.get("/apis/autoscaling/v2/namespaces/ml/horizontalpodautoscalers/chat")
+    })
+    .await;
+    assert_eq!(hpa["spec"]["scaleTargetRef"]["kind"], "InferenceService");
+    assert_eq!(
+        hpa["spec"]["metrics"][0]["external"]["metric"]["name"],
+        "ferrite_requests_waiting"
+    );
+    let url = format!(
+        "https://localhost:{}/apis/external.metrics.k8s.io/v1beta1/namespaces/ml/ferrite_requests_running",
+        op.external_port
+    );
+    let agent = common::tls::agent(&op.cert_pem);
+    let items = eventually(20, "an External metric value for chat", || {
+        let body: Value = agent
+            .get(&url)
+            .query("labelSelector", "ferrite.dev/inferenceservice=chat")
+            .call()
+            .ok()?
+            .into_json()
+            .ok()?;
+        let items = body["items"].as_array()?.clone();
+        (!items.is_empty()).then_some(items)
+    })
+    .await;
+    assert_eq!(items.len(), 1, "{items:?}");
+    assert_eq!(items[0]["metricName"], "ferrite_requests_running");
+    assert_eq!(items[0]["value"], "0", "the load is over");
+    let none: Value = agent
+        .get(&url)
+        .query("labelSelector", "ferrite.dev/inferenceservice=other")
+        .call()
+        .expect("a selector matching nothing is not an error")
+        .into_json()
+        .expect("JSON");
+    assert_eq!(none["items"], json!([]));
+    drop(op);
+    drop(server.child.kill());
 }

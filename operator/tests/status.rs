@@ -107,6 +107,7 @@ fn obs<'a>(d: Option<&'a Deployment>, desired: i32) -> Observation<'a> {
         monitor: MonitorState::Disabled,
         selector: Some("s".into()),
         url: Some("http://x".into()),
+        autoscaling: None,
     }
 }
 

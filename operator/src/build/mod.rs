@@ -3,6 +3,7 @@
 
 pub mod dashboards;
 pub mod deployment;
+pub mod hpa;
 pub mod model;
 pub mod monitor;
 pub mod service;
@@ -10,6 +11,7 @@ pub mod service;
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -45,6 +47,8 @@ pub struct Desired {
     /// Only when enabled and the CRD exists.
     pub service_monitor: Option<ServiceMonitor>,
     pub dashboards: Vec<ConfigMap>,
+    /// Only with `autoscaling.mode: HPA`.
+    pub hpa: Option<HorizontalPodAutoscaler>,
     /// The label selector of the pods, for status.selector (the scale subresource).
     pub selector: String,
     /// In-cluster base URL of the API.
@@ -193,9 +197,11 @@ pub fn build(
     } else {
         Vec::new()
     };
+    let hpa = hpa::hpa(isvc, &owner);
     let selector = selector(&owner.name);
     let url = url(isvc);
     Ok(Desired {
+        hpa,
         deployment,
         service,
         pdb,

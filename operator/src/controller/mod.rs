@@ -11,16 +11,21 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
+use tokio::sync::mpsc;
 
 pub use reconcile::reconcile;
 
+use crate::autoscale::runner::Autoscaler;
+use crate::autoscale::store::SignalStore;
 use crate::build::monitor::ServiceMonitor;
 use crate::config::{FIELD_MANAGER, OperatorConfig};
 use crate::crd::InferenceService;
@@ -110,6 +115,10 @@ pub struct Context {
     pub recorder: Recorder,
     pub discovery: MonitorDiscovery,
     pub timing: Timing,
+    /// The autoscaler tasks, started and stopped by reconciles.
+    pub autoscaler: Arc<Autoscaler>,
+    /// InferenceServices whose autoscaling status changed; taken by [`run`].
+    refresh: Mutex<Option<mpsc::UnboundedReceiver<ObjectRef<InferenceService>>>>,
     failures: Mutex<HashMap<String, u32>>,
 }
 
@@ -133,8 +142,17 @@ impl Context {
             controller: FIELD_MANAGER.into(),
             instance: std::env::var("POD_NAME").ok(),
         };
+        let recorder = Recorder::new(client.clone(), reporter);
+        let (autoscaler, refresh) = Autoscaler::new(
+            client.clone(),
+            Arc::new(SignalStore::new()),
+            metrics.autoscaler.clone(),
+            recorder.clone(),
+        );
         Self {
-            recorder: Recorder::new(client.clone(), reporter),
+            recorder,
+            autoscaler: Arc::new(autoscaler),
+            refresh: Mutex::new(Some(refresh)),
             discovery: MonitorDiscovery::new(timing.discovery_ttl),
             client,
             config,
@@ -211,7 +229,11 @@ pub async fn run(
             Api::<PodDisruptionBudget>::all(client.clone()),
             owned.clone(),
         )
-        .owns(Api::<ConfigMap>::all(client.clone()), owned.clone());
+        .owns(Api::<ConfigMap>::all(client.clone()), owned.clone())
+        .owns(
+            Api::<HorizontalPodAutoscaler>::all(client.clone()),
+            owned.clone(),
+        );
     if ctx
         .discovery
         .service_monitor_crd(&client)
@@ -223,6 +245,12 @@ pub async fn run(
         tracing::info!(
             "the ServiceMonitor CRD is not installed; not watching ServiceMonitors (restart the operator after installing it)"
         );
+    }
+    // The autoscaler asks for a reconcile when what it shows in status changes.
+    if let Some(rx) = ctx.refresh.lock().ok().and_then(|mut r| r.take()) {
+        let refresh =
+            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) });
+        controller = controller.reconcile_on(refresh);
     }
     controller
         .graceful_shutdown_on(shutdown)

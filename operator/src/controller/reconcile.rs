@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, PersistentVolumeClaim, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -16,6 +17,7 @@ use serde_json::json;
 
 use super::apply::{self, Change};
 use super::{Context, Error};
+use crate::autoscale::store::Key;
 use crate::build::dashboards::DASHBOARD_COMPONENT;
 use crate::build::model::ModelSource;
 use crate::build::monitor::ServiceMonitor;
@@ -86,6 +88,8 @@ fn record<K: Resource<DynamicType = ()>>(
 }
 
 async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Action, Error> {
+    // Start, retune or stop the autoscaler task before anything can return early.
+    ctx.autoscaler.sync(isvc);
     // Being deleted: garbage collection removes the children; re-applying them would fight it.
     if isvc.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
@@ -158,6 +162,11 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
         monitor,
         selector: Some(selector(&name)),
         url: Some(url(isvc)),
+        autoscaling: isvc
+            .spec
+            .autoscaling
+            .as_ref()
+            .map(|_| ctx.autoscaler.view(&Key::new(&ns, &name))),
     };
     let now = Time(Timestamp::now());
     let new_status = status::compute(&obs, isvc.status.as_ref(), &now);
@@ -236,6 +245,7 @@ async fn apply_all(
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
     let services: Api<Service> = Api::namespaced(client.clone(), ns);
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), ns);
+    let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(client.clone(), ns);
     let monitors: Api<ServiceMonitor> = Api::namespaced(client.clone(), ns);
     let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
     let name = desired.deployment.name_any();
@@ -253,6 +263,17 @@ async fn apply_all(
         None => {
             if apply::remove(&pdbs, &name, uid).await? {
                 events.push(deleted::<PodDisruptionBudget>(ns, &name));
+            }
+        }
+    }
+    match desired.hpa {
+        Some(hpa) => {
+            let (_, change) = apply::ensure(&hpas, hpa).await?;
+            record::<HorizontalPodAutoscaler>(events, change, ns, &name);
+        }
+        None => {
+            if apply::remove(&hpas, &name, uid).await? {
+                events.push(deleted::<HorizontalPodAutoscaler>(ns, &name));
             }
         }
     }

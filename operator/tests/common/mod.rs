@@ -2,3 +2,6 @@
 #![allow(dead_code)]
 
 pub mod apiserver;
+pub mod servers;
+pub mod tls;
+pub mod validate;

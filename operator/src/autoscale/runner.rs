@@ -1,0 +1,529 @@
+//! The autoscaler loop: one task per autoscaled InferenceService. Every scrape interval it finds
+//! the pods, scrapes the ready ones, and in Builtin mode decides and writes the scale
+//! subresource. The signals go to the [`SignalStore`] (for the External Metrics API) and a view
+//! goes to the status step; the reconcile that writes status is triggered from here, so status
+//! keeps one writer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Client, Resource, ResourceExt};
+use serde_json::json;
+use tokio::sync::{mpsc, watch};
+use tokio::task::AbortHandle;
+
+use super::algorithm::{Decision, Policy, ScalerState, Signals};
+use super::scrape::{PodResult, PodTarget, Scraper};
+use super::store::{Key, SignalStore, Snapshot};
+use crate::build::{desired_replicas, port, selector};
+use crate::config::FIELD_MANAGER;
+use crate::crd::{AutoscalingMode, CurrentMetrics, InferenceService};
+use crate::status::{AutoscaleView, Finding};
+use crate::telemetry::AutoscalerMetrics;
+
+/// How often metrics-only status changes are published (decisions publish at once).
+const STATUS_REFRESH: Duration = Duration::from_secs(15);
+
+/// What one task runs with; replaced in place when the spec changes.
+#[derive(Debug, Clone, PartialEq)]
+struct TaskConfig {
+    mode: AutoscalingMode,
+    policy: Policy,
+    port: i32,
+    labels: BTreeMap<String, String>,
+}
+
+struct Task {
+    config: watch::Sender<TaskConfig>,
+    abort: AbortHandle,
+}
+
+/// The registry of autoscaler tasks, shared by every reconcile.
+pub struct Autoscaler {
+    client: Client,
+    store: Arc<SignalStore>,
+    metrics: AutoscalerMetrics,
+    recorder: Recorder,
+    scraper: Scraper,
+    tasks: Mutex<HashMap<Key, Task>>,
+    views: Arc<Mutex<HashMap<Key, AutoscaleView>>>,
+    trigger: mpsc::UnboundedSender<ObjectRef<InferenceService>>,
+}
+
+impl std::fmt::Debug for Autoscaler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Autoscaler").finish_non_exhaustive()
+    }
+}
+
+impl Autoscaler {
+    /// Returns the autoscaler and the stream of InferenceServices whose status should be
+    /// refreshed (fed to the controller's `reconcile_on`).
+    pub fn new(
+        client: Client,
+        store: Arc<SignalStore>,
+        metrics: AutoscalerMetrics,
+        recorder: Recorder,
+    ) -> (Self, mpsc::UnboundedReceiver<ObjectRef<InferenceService>>) {
+        let (trigger, rx) = mpsc::unbounded_channel();
+        let this = Self {
+            client,
+            store,
+            metrics,
+            recorder,
+            scraper: Scraper::new(Duration::from_secs(2)),
+            tasks: Mutex::new(HashMap::new()),
+            views: Arc::new(Mutex::new(HashMap::new())),
+            trigger,
+        };
+        (this, rx)
+    }
+
+    pub fn store(&self) -> &Arc<SignalStore> {
+        &self.store
+    }
+
+    /// Starts, updates or stops the task of `isvc` to match its spec. Called by every
+    /// reconcile; cheap when nothing changed.
+    pub fn sync(&self, isvc: &InferenceService) {
+        let Some(ns) = isvc.namespace() else { return };
+        let key = Key::new(ns, isvc.name_any());
+        let wanted = (isvc.metadata.deletion_timestamp.is_none())
+            .then_some(())
+            .and(isvc.spec.autoscaling.as_ref())
+            .map(|a| TaskConfig {
+                mode: a.mode,
+                policy: Policy::from_spec(a),
+                port: port(isvc),
+                labels: isvc.labels().clone(),
+            });
+        let Ok(mut tasks) = self.tasks.lock() else {
+            return;
+        };
+        match wanted {
+            None => {
+                if let Some(t) = tasks.remove(&key) {
+                    t.abort.abort();
+                    self.forget(&key);
+                }
+            }
+            Some(config) => match tasks.get(&key) {
+                Some(t) if !t.abort.is_finished() => {
+                    t.config.send_if_modified(|c| {
+                        let changed = *c != config;
+                        *c = config;
+                        changed
+                    });
+                }
+                _ => {
+                    let (tx, rx) = watch::channel(config);
+                    let handle = tokio::spawn(run_task(self.task_env(key.clone()), rx));
+                    tasks.insert(
+                        key,
+                        Task {
+                            config: tx,
+                            abort: handle.abort_handle(),
+                        },
+                    );
+                }
+            },
+        }
+    }
+
+    /// Stops the task of an InferenceService that no longer exists.
+    pub fn remove(&self, key: &Key) {
+        if let Ok(mut tasks) = self.tasks.lock()
+            && let Some(t) = tasks.remove(key)
+        {
+            t.abort.abort();
+        }
+        self.forget(key);
+    }
+
+    fn forget(&self, key: &Key) {
+        self.store.remove(key);
+        if let Ok(mut v) = self.views.lock() {
+            v.remove(key);
+        }
+        self.metrics.forget(&key.namespace, &key.name);
+    }
+
+    /// The status view of `key`: the last evaluation, or pending before the first.
+    pub fn view(&self, key: &Key) -> AutoscaleView {
+        self.views
+            .lock()
+            .ok()
+            .and_then(|v| v.get(key).cloned())
+            .unwrap_or_else(AutoscaleView::pending)
+    }
+
+    fn task_env(&self, key: Key) -> TaskEnv {
+        TaskEnv {
+            key,
+            client: self.client.clone(),
+            store: self.store.clone(),
+            metrics: self.metrics.clone(),
+            recorder: self.recorder.clone(),
+            scraper: self.scraper.clone(),
+            views: self.views.clone(),
+            trigger: self.trigger.clone(),
+        }
+    }
+}
+
+/// Everything one task needs, owned.
+struct TaskEnv {
+    key: Key,
+    client: Client,
+    store: Arc<SignalStore>,
+    metrics: AutoscalerMetrics,
+    recorder: Recorder,
+    scraper: Scraper,
+    views: Arc<Mutex<HashMap<Key, AutoscaleView>>>,
+    trigger: mpsc::UnboundedSender<ObjectRef<InferenceService>>,
+}
+
+async fn run_task(env: TaskEnv, mut config: watch::Receiver<TaskConfig>) {
+    let epoch = Instant::now();
+    let mut state = ScalerState::default();
+    let mut published: Option<(AutoscaleView, Instant)> = None;
+    let mut last_scale: Option<Time> = None;
+    loop {
+        let cfg = config.borrow_and_update().clone();
+        let started = Instant::now();
+        match evaluate(&env, &cfg, &mut state, epoch, &mut last_scale).await {
+            Ok(Some(view)) => {
+                let stale = published.as_ref().is_none_or(|(v, at)| {
+                    !same_outcome(v, &view) || at.elapsed() >= STATUS_REFRESH
+                });
+                if let Ok(mut views) = env.views.lock() {
+                    views.insert(env.key.clone(), view.clone());
+                }
+                if stale {
+                    published = Some((view, Instant::now()));
+                    let r = ObjectRef::new(&env.key.name).within(&env.key.namespace);
+                    let _ = env.trigger.send(r);
+                }
+            }
+            Ok(None) => {
+                tracing::debug!(key = %env.key, "InferenceService gone; autoscaler task ends");
+                env.store.remove(&env.key);
+                if let Ok(mut views) = env.views.lock() {
+                    views.remove(&env.key);
+                }
+                env.metrics.forget(&env.key.namespace, &env.key.name);
+                return;
+            }
+            Err(e) => tracing::warn!(key = %env.key, error = %e, "autoscaler evaluation failed"),
+        }
+        let wait = cfg.policy.scrape_interval.saturating_sub(started.elapsed());
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            changed = config.changed() => if changed.is_err() { return },
+        }
+    }
+}
+
+/// Whether two views differ in more than their metric readings.
+fn same_outcome(a: &AutoscaleView, b: &AutoscaleView) -> bool {
+    a.desired_replicas == b.desired_replicas
+        && a.last_scale_time == b.last_scale_time
+        && a.active == b.active
+        && a.limited == b.limited
+        && a.scaled_to_zero == b.scaled_to_zero
+}
+
+/// One evaluation. `Ok(None)` when the InferenceService no longer exists.
+async fn evaluate(
+    env: &TaskEnv,
+    cfg: &TaskConfig,
+    state: &mut ScalerState,
+    epoch: Instant,
+    last_scale: &mut Option<Time>,
+) -> Result<Option<AutoscaleView>, kube::Error> {
+    let (ns, name) = (&env.key.namespace, &env.key.name);
+    let isvcs: Api<InferenceService> = Api::namespaced(env.client.clone(), ns);
+    let Some(isvc) = isvcs.get_opt(name).await? else {
+        return Ok(None);
+    };
+    if last_scale.is_none() {
+        // After a restart, keep the time the previous operator recorded.
+        *last_scale = isvc.status.as_ref().and_then(|s| s.last_scale_time.clone());
+    }
+    let pods: Api<Pod> = Api::namespaced(env.client.clone(), ns);
+    let list = pods
+        .list(&ListParams::default().labels(&selector(name)))
+        .await?;
+    let targets = pod_targets(&list.items, cfg.port);
+    let results = env.scraper.scrape_all(&targets).await;
+    for r in &results {
+        if let Some(e) = &r.error {
+            tracing::debug!(key = %env.key, pod = %r.name, error = %e, "scrape failed");
+            env.metrics
+                .scrape_errors
+                .with_label_values(&[ns, name, e.kind()])
+                .inc();
+        }
+    }
+    let samples: Vec<_> = results.iter().map(|r| r.sample).collect();
+    let signals = Signals::of(&samples);
+    publish_signals(env, cfg, &signals);
+
+    if cfg.mode == AutoscalingMode::Hpa {
+        return Ok(Some(hpa_view(&signals, &results)));
+    }
+    let current = desired_replicas(&isvc);
+    let decision = state.decide(&cfg.policy, epoch.elapsed(), current, &samples);
+    let m = &env.metrics;
+    m.recommended
+        .with_label_values(&[ns, name])
+        .set(decision.recommendation.into());
+    m.desired
+        .with_label_values(&[ns, name])
+        .set(decision.desired.into());
+    m.panic
+        .with_label_values(&[ns, name])
+        .set(i64::from(decision.panic));
+    if decision.desired != current {
+        scale(env, &isvcs, &isvc, current, &decision).await?;
+        *last_scale = Some(Time(Timestamp::now()));
+    }
+    Ok(Some(builtin_view(
+        &cfg.policy,
+        &decision,
+        &results,
+        last_scale.clone(),
+    )))
+}
+
+/// Writes spec.replicas through the scale subresource, then records an event and the metric.
+async fn scale(
+    env: &TaskEnv,
+    isvcs: &Api<InferenceService>,
+    isvc: &InferenceService,
+    current: i32,
+    decision: &Decision,
+) -> Result<(), kube::Error> {
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    };
+    let body = json!({"spec": {"replicas": decision.desired}});
+    isvcs
+        .patch_scale(&env.key.name, &params, &Patch::Merge(&body))
+        .await?;
+    let direction = if decision.desired > current {
+        "up"
+    } else {
+        "down"
+    };
+    env.metrics
+        .scale_actions
+        .with_label_values(&[&env.key.namespace, &env.key.name, direction])
+        .inc();
+    let note = decision.describe(current);
+    tracing::info!(key = %env.key, %note, "scaled");
+    let event = Event {
+        type_: EventType::Normal,
+        reason: if direction == "up" {
+            "ScaledUp"
+        } else {
+            "ScaledDown"
+        }
+        .into(),
+        note: Some(note),
+        action: "Scale".into(),
+        secondary: None,
+    };
+    if let Err(e) = env.recorder.publish(&event, &isvc.object_ref(&())).await {
+        tracing::warn!(key = %env.key, error = %e, "publishing a scale event");
+    }
+    Ok(())
+}
+
+fn publish_signals(env: &TaskEnv, cfg: &TaskConfig, signals: &Signals) {
+    let (ns, name) = (&env.key.namespace, &env.key.name);
+    let set = |signal: &str, v: Option<f64>| {
+        let g = env.metrics.signal.with_label_values(&[ns, name, signal]);
+        match v {
+            Some(v) => g.set(v),
+            None => {
+                let _ = env.metrics.signal.remove_label_values(&[ns, name, signal]);
+            }
+        }
+    };
+    let reporting = signals.reporting > 0;
+    set("queue_per_replica", signals.queue_per_replica);
+    set("kv_cache_usage", signals.kv_usage);
+    set("requests_waiting", reporting.then_some(signals.waiting));
+    set("requests_running", reporting.then_some(signals.running));
+    if reporting {
+        env.store.put(
+            env.key.clone(),
+            Snapshot {
+                signals: *signals,
+                at: SystemTime::now(),
+                labels: cfg.labels.clone(),
+            },
+        );
+    } else {
+        // Stale numbers would mislead an HPA; absent ones make it hold still.
+        env.store.remove(&env.key);
+    }
+}
+
+/// The pods to scrape: ready ones (with an IP) by their IP; pods still starting as unready,
+/// so that they count as capacity on the way.
+pub fn pod_targets(pods: &[Pod], port: i32) -> Vec<PodTarget> {
+    // Pods being deleted or finished will never take load: they are not capacity at all.
+    pods.iter()
+        .filter(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                && !matches!(
+                    p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                    Some("Succeeded" | "Failed")
+                )
+        })
+        .map(|p| {
+            let ip = p.status.as_ref().and_then(|s| s.pod_ip.clone());
+            let ready = ip.is_some()
+                && p.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            let host = ip.unwrap_or_default();
+            let host = if host.contains(':') {
+                format!("[{host}]")
+            } else {
+                host
+            };
+            PodTarget {
+                name: p.name_any(),
+                base_url: format!("http://{host}:{port}"),
+                ready,
+            }
+        })
+        .collect()
+}
+
+fn current_metrics(s: &Signals) -> CurrentMetrics {
+    // Rounded so that jitter in the last digits does not rewrite the status.
+    let r = |v: f64| (v * 1000.0).round() / 1000.0;
+    CurrentMetrics {
+        queue_per_replica: s.queue_per_replica.map(r),
+        kv_cache_usage: s.kv_usage.map(r),
+        requests_waiting: r(s.waiting),
+        requests_running: r(s.running),
+        reporting_replicas: i32::try_from(s.reporting).unwrap_or(i32::MAX),
+    }
+}
+
+/// `ScalingActive`: whether the signals could be read.
+fn active(signals: &Signals, results: &[PodResult]) -> (bool, Finding) {
+    if signals.reporting > 0 {
+        let failed = results.iter().filter(|r| r.error.is_some()).count();
+        let mut message = format!("read the metrics of {} ready pod(s)", signals.reporting);
+        if failed > 0 {
+            message.push_str(&format!("; {failed} could not be read"));
+        }
+        return (true, Finding::new("ValidMetricFound", message));
+    }
+    if let Some(e) = results
+        .iter()
+        .find_map(|r| r.error.as_ref().map(|e| (r, e)))
+    {
+        return (
+            false,
+            Finding::new(
+                "FailedGetMetrics",
+                format!("no pod's metrics could be read; pod {}: {}", e.0.name, e.1),
+            ),
+        );
+    }
+    (
+        false,
+        Finding::new(
+            "NoReadyPods",
+            "no ready pods to read metrics from; replicas are held",
+        ),
+    )
+}
+
+fn hpa_view(signals: &Signals, results: &[PodResult]) -> AutoscaleView {
+    let (ok, mut f) = active(signals, results);
+    if ok {
+        f.message
+            .push_str("; served on the External Metrics API for the HorizontalPodAutoscaler");
+    }
+    AutoscaleView {
+        desired_replicas: None,
+        last_scale_time: None,
+        metrics: (signals.reporting > 0).then(|| current_metrics(signals)),
+        active: (ok, f),
+        limited: None,
+        scaled_to_zero: None,
+    }
+}
+
+fn builtin_view(
+    policy: &Policy,
+    d: &Decision,
+    results: &[PodResult],
+    last_scale_time: Option<Time>,
+) -> AutoscaleView {
+    let scaled_to_zero = (policy.min_replicas == 0).then(|| {
+        if d.desired == 0 {
+            (
+                true,
+                Finding::new(
+                    "IdleTimeout",
+                    "no requests for idleTimeoutSeconds; scaled to zero. Set spec.replicas (kubectl scale) to wake it",
+                ),
+            )
+        } else {
+            (false, Finding::new("Serving", "replicas are running"))
+        }
+    });
+    let active = if d.desired == 0 && d.signals.reporting == 0 {
+        (
+            false,
+            Finding::new("ScaledToZero", "no pods run, so no metrics are read"),
+        )
+    } else {
+        active(&d.signals, results)
+    };
+    let limited = match d.limit {
+        Some(l) => (
+            true,
+            Finding::new(
+                l.reason(),
+                format!(
+                    "the signals ask for {} replicas; held at {}",
+                    d.recommendation, d.desired
+                ),
+            ),
+        ),
+        None => (
+            false,
+            Finding::new(
+                "DesiredWithinRange",
+                format!("the desired count {} is within range", d.desired),
+            ),
+        ),
+    };
+    AutoscaleView {
+        desired_replicas: Some(d.desired),
+        last_scale_time,
+        metrics: (d.signals.reporting > 0).then(|| current_metrics(&d.signals)),
+        active,
+        limited: Some(limited),
+        scaled_to_zero,
+    }
+}

@@ -1,0 +1,46 @@
+//! HTTPS clients for tests that trust exactly one certificate, so TLS is really verified.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::rustls::{self, ClientConfig, RootCertStore};
+
+pub fn roots(pem: &str) -> RootCertStore {
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+        roots.add(cert.expect("PEM")).expect("root");
+    }
+    assert!(!roots.is_empty());
+    roots
+}
+
+pub fn client_config(
+    trusted_pem: &str,
+    client: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+) -> ClientConfig {
+    let builder =
+        ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(roots(trusted_pem));
+    match client {
+        Some((chain, key)) => builder
+            .with_client_auth_cert(chain, key)
+            .expect("client cert"),
+        None => builder.with_no_client_auth(),
+    }
+}
+
+/// A blocking HTTPS client that trusts only `trusted_pem`.
+pub fn agent(trusted_pem: &str) -> ureq::Agent {
+    agent_with(client_config(trusted_pem, None))
+}
+
+pub fn agent_with(config: ClientConfig) -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .tls_config(Arc::new(config))
+        .timeout(Duration::from_secs(10))
+        .build()
+}
