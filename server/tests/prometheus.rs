@@ -196,6 +196,9 @@ fn prometheus_scrapes_the_server_under_load_and_promql_matches_the_clients() {
             while !done.load(Ordering::SeqCst) && (waiting.is_none() || kv.is_none()) {
                 if waiting.is_none() {
                     waiting = prom.value("vllm:num_requests_waiting > 0", None);
+                    if waiting.is_some() {
+                        check_adapter_rules(&prom);
+                    }
                 }
                 if kv.is_none() {
                     kv = prom.value("vllm:kv_cache_usage_perc > 0", None);
@@ -293,6 +296,39 @@ fn prometheus_scrapes_the_server_under_load_and_promql_matches_the_clients() {
         "load {load_secs:.1}s, {client_tokens} tokens; rate {rate:.1} tok/s; TTFT p50 client \
          {client_p50:.3}s server {server_p50:.3}s; p90 {p90:.3}s; max waiting seen {waiting}"
     );
+}
+
+/// The prometheus-adapter rules shipped in charts/: every metricsQuery, with the adapter's
+/// template fields filled in as it would for an HPA selecting this scrape job, parses, returns
+/// one series, and agrees with the raw metric it aggregates (one server: sum and avg are the
+/// value itself).
+fn check_adapter_rules(prom: &Prometheus) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../charts/ferrite-operator/files/prometheus-adapter-rules.yaml");
+    let text = std::fs::read_to_string(&path).expect("adapter rules");
+    let rules: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).expect("rules are YAML");
+    let external = rules["external"].as_sequence().expect("external rules");
+    assert_eq!(external.len(), 3);
+    for rule in external {
+        let series_query = rule["seriesQuery"].as_str().expect("seriesQuery");
+        let series = series_query.split('{').next().expect("series name");
+        let as_name = rule["name"]["as"].as_str().expect("name.as");
+        assert!(as_name.starts_with("ferrite_"), "{as_name}");
+        let query = rule["metricsQuery"]
+            .as_str()
+            .expect("metricsQuery")
+            .replace("<<.Series>>", series)
+            .replace("<<.LabelMatchers>>", "job=\"ferrite\"")
+            .replace("<<.GroupBy>>", "job");
+        // Both at one instant, so a scrape in between cannot make them differ.
+        let at = Some(unix_now());
+        let got = prom.query(&query, at);
+        assert_eq!(got.len(), 1, "{as_name}: {query} returned {got:?}");
+        let raw = prom.query(&format!("{series}{{job=\"ferrite\"}}"), at);
+        assert_eq!(raw.len(), 1, "{series}");
+        let value = |v: &Value| v["value"][1].as_str().and_then(|s| s.parse::<f64>().ok());
+        assert_eq!(value(&got[0]), value(&raw[0]), "{as_name}: {query}");
+    }
 }
 
 /// Whether a `promtool check metrics` finding is one the vLLM protocol makes on purpose: its
