@@ -522,11 +522,7 @@ async fn handle(
             let key = target.key(&name);
             match inner.lock().objects.get(&key) {
                 Some(v) => axum::Json(v.clone()).into_response(),
-                None => status_body(
-                    StatusCode::NOT_FOUND,
-                    "NotFound",
-                    format!("{} {name} not found", target.collection.plural),
-                ),
+                None => not_found(&target, &name),
             }
         }
         (Method::POST, None) => {
@@ -561,11 +557,7 @@ async fn handle(
             let key = target.key(&name);
             let mut store = inner.lock();
             let Some(old) = store.objects.get(&key).cloned() else {
-                return status_body(
-                    StatusCode::NOT_FOUND,
-                    "NotFound",
-                    format!("{} {name} not found", target.collection.plural),
-                );
+                return not_found(&target, &name);
             };
             let sent = body["metadata"]["resourceVersion"].as_str();
             if sent.is_some_and(|rv| Some(rv) != old["metadata"]["resourceVersion"].as_str()) {
@@ -590,11 +582,7 @@ async fn handle(
                 body
             } else {
                 let Some(mut base) = old.clone() else {
-                    return status_body(
-                        StatusCode::NOT_FOUND,
-                        "NotFound",
-                        format!("{} {name} not found", target.collection.plural),
-                    );
+                    return not_found(&target, &name);
                 };
                 merge_patch(&mut base, &body);
                 base
@@ -607,7 +595,7 @@ async fn handle(
             let mut store = inner.lock();
             match inner.remove(&mut store, key) {
                 Some(_) => axum::Json(json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})).into_response(),
-                None => status_body(StatusCode::NOT_FOUND, "NotFound", format!("{} {name} not found", target.collection.plural)),
+                None => not_found(&target, &name),
             }
         }
         (m, _) => status_body(
@@ -618,17 +606,22 @@ async fn handle(
     }
 }
 
+/// The API's 404 for object `name` of `target`'s collection.
+fn not_found(target: &Target, name: &str) -> Response {
+    status_body(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        format!("{} {name} not found", target.collection.plural),
+    )
+}
+
 /// The scale subresource: GET reads, a merge PATCH of `spec.replicas` writes the object.
 fn scale(inner: &Inner, target: &Target, method: Method, body: &Value) -> Response {
     let name = target.name.clone().unwrap_or_default();
     let key = target.key(&name);
     let mut store = inner.lock();
     let Some(old) = store.objects.get(&key).cloned() else {
-        return status_body(
-            StatusCode::NOT_FOUND,
-            "NotFound",
-            format!("{} {name} not found", target.collection.plural),
-        );
+        return not_found(target, &name);
     };
     let obj = match method {
         Method::GET => old,

@@ -3,63 +3,16 @@
 //! schema (jsonschema), and ServiceMonitors pass the Prometheus Operator's (npm
 //! `@kubernetes-models/prometheus-operator`).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::PathBuf;
 use std::process::Command;
 
+use common::validate::{root, run_validator, temp_dir, tool_path, validate, write_yaml};
 use ferrite_operator::build::{ClusterCapabilities, Desired, build};
 use ferrite_operator::config::{Dashboard, OperatorConfig};
 use ferrite_operator::crd::InferenceService;
 use serde_json::{Value, json};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// `env` if set, else the path a setup script prints (`scripts/python-env.sh` prints the venv
-/// python, `scripts/node-env.sh` the node_modules with the validators).
-fn tool_path(env: &str, script: &str) -> String {
-    if let Ok(p) = std::env::var(env) {
-        return p;
-    }
-    let out = Command::new("bash")
-        .arg(root().join("scripts").join(script))
-        .output()
-        .unwrap_or_else(|e| panic!("run scripts/{script}: {e}"));
-    assert!(
-        out.status.success(),
-        "{script} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-fn python() -> String {
-    tool_path("FERRITE_TEST_PYTHON", "python-env.sh")
-}
-
-/// Runs a validator; returns (success, stdout and stderr).
-fn run_validator(cmd: &mut Command) -> (bool, String) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.success(), text)
-}
-
-/// Runs validate.py.
-fn validate(mode: &str, target: &str, files: &[PathBuf]) -> (bool, String) {
-    run_validator(
-        Command::new(python())
-            .arg(root().join("operator/tests/python/validate.py"))
-            .args([mode, target])
-            .args(files),
-    )
-}
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrite-manifests-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
-}
 
 fn objects(d: &Desired) -> Vec<Value> {
     let mut v = vec![
@@ -73,16 +26,6 @@ fn objects(d: &Desired) -> Vec<Value> {
             .map(|c| serde_json::to_value(c).expect("json")),
     );
     v
-}
-
-fn write_yaml(dir: &Path, name: &str, docs: &[Value]) -> PathBuf {
-    let text: String = docs
-        .iter()
-        .map(|d| format!("---\n{}", serde_yaml_ng::to_string(d).expect("yaml")))
-        .collect();
-    let p = dir.join(name);
-    std::fs::write(&p, text).expect("write");
-    p
 }
 
 #[test]

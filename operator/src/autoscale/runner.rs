@@ -26,7 +26,7 @@ use crate::build::{desired_replicas, port, selector};
 use crate::config::FIELD_MANAGER;
 use crate::crd::{AutoscalingMode, CurrentMetrics, InferenceService};
 use crate::status::{AutoscaleView, Finding};
-use crate::telemetry::AutoscalerMetrics;
+use crate::telemetry::{AutoscalerMetrics, SIGNALS};
 
 /// How often metrics-only status changes are published (decisions publish at once).
 const STATUS_REFRESH: Duration = Duration::from_secs(15);
@@ -137,22 +137,8 @@ impl Autoscaler {
         }
     }
 
-    /// Stops the task of an InferenceService that no longer exists.
-    pub fn remove(&self, key: &Key) {
-        if let Ok(mut tasks) = self.tasks.lock()
-            && let Some(t) = tasks.remove(key)
-        {
-            t.abort.abort();
-        }
-        self.forget(key);
-    }
-
     fn forget(&self, key: &Key) {
-        self.store.remove(key);
-        if let Ok(mut v) = self.views.lock() {
-            v.remove(key);
-        }
-        self.metrics.forget(&key.namespace, &key.name);
+        forget(&self.store, &self.views, &self.metrics, key);
     }
 
     /// The status view of `key`: the last evaluation, or pending before the first.
@@ -176,6 +162,21 @@ impl Autoscaler {
             trigger: self.trigger.clone(),
         }
     }
+}
+
+/// Drops everything kept about an InferenceService that is no longer autoscaled: its signals,
+/// its status view and its metric series.
+fn forget(
+    store: &SignalStore,
+    views: &Mutex<HashMap<Key, AutoscaleView>>,
+    metrics: &AutoscalerMetrics,
+    key: &Key,
+) {
+    store.remove(key);
+    if let Ok(mut v) = views.lock() {
+        v.remove(key);
+    }
+    metrics.forget(&key.namespace, &key.name);
 }
 
 /// Everything one task needs, owned.
@@ -214,11 +215,7 @@ async fn run_task(env: TaskEnv, mut config: watch::Receiver<TaskConfig>) {
             }
             Ok(None) => {
                 tracing::debug!(key = %env.key, "InferenceService gone; autoscaler task ends");
-                env.store.remove(&env.key);
-                if let Ok(mut views) = env.views.lock() {
-                    views.remove(&env.key);
-                }
-                env.metrics.forget(&env.key.namespace, &env.key.name);
+                forget(&env.store, &env.views, &env.metrics, &env.key);
                 return;
             }
             Err(e) => tracing::warn!(key = %env.key, error = %e, "autoscaler evaluation failed"),
@@ -350,20 +347,23 @@ async fn scale(
 
 fn publish_signals(env: &TaskEnv, cfg: &TaskConfig, signals: &Signals) {
     let (ns, name) = (&env.key.namespace, &env.key.name);
-    let set = |signal: &str, v: Option<f64>| {
-        let g = env.metrics.signal.with_label_values(&[ns, name, signal]);
-        match v {
-            Some(v) => g.set(v),
+    let reporting = signals.reporting > 0;
+    // In the order of `SIGNALS`, the `signal` label's values.
+    let values = [
+        signals.queue_per_replica,
+        signals.kv_usage,
+        reporting.then_some(signals.waiting),
+        reporting.then_some(signals.running),
+    ];
+    for (signal, value) in SIGNALS.into_iter().zip(values) {
+        let labels = [ns.as_str(), name.as_str(), signal];
+        match value {
+            Some(v) => env.metrics.signal.with_label_values(&labels).set(v),
             None => {
-                let _ = env.metrics.signal.remove_label_values(&[ns, name, signal]);
+                let _ = env.metrics.signal.remove_label_values(&labels);
             }
         }
-    };
-    let reporting = signals.reporting > 0;
-    set("queue_per_replica", signals.queue_per_replica);
-    set("kv_cache_usage", signals.kv_usage);
-    set("requests_waiting", reporting.then_some(signals.waiting));
-    set("requests_running", reporting.then_some(signals.running));
+    }
     if reporting {
         env.store.put(
             env.key.clone(),

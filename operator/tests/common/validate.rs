@@ -1,30 +1,56 @@
-//! Runs operator/tests/python/validate.py (Kubernetes' own schemas through PyPI
-//! `kubernetes-validate`, strict) on objects the build step makes.
+//! Runs the schema validators on objects the build step makes: operator/tests/python/validate.py
+//! (Kubernetes' own schemas through PyPI `kubernetes-validate`, strict; or a CRD's schema) and
+//! the npm ServiceMonitor validator.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
 
-fn root() -> PathBuf {
+pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// `FERRITE_TEST_PYTHON` if set, else the venv python `scripts/python-env.sh` prints.
-pub fn python() -> String {
-    if let Ok(p) = std::env::var("FERRITE_TEST_PYTHON") {
+/// `env` if set, else the path a setup script prints (`scripts/python-env.sh` prints the venv
+/// python, `scripts/node-env.sh` the node_modules with the validators).
+pub fn tool_path(env: &str, script: &str) -> String {
+    if let Ok(p) = std::env::var(env) {
         return p;
     }
     let out = Command::new("bash")
-        .arg(root().join("scripts/python-env.sh"))
+        .arg(root().join("scripts").join(script))
         .output()
-        .unwrap_or_else(|e| panic!("run scripts/python-env.sh: {e}"));
+        .unwrap_or_else(|e| panic!("run scripts/{script}: {e}"));
     assert!(
         out.status.success(),
-        "python-env.sh failed: {}",
+        "{script} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// Runs a validator; returns (success, stdout and stderr).
+pub fn run_validator(cmd: &mut Command) -> (bool, String) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// Runs validate.py in `mode` (`k8s` with a version, or `crd` with a CRD file) on `files`;
+/// its output has one `ok`/`FAIL` line per document.
+pub fn validate(mode: &str, target: &str, files: &[PathBuf]) -> (bool, String) {
+    run_validator(
+        Command::new(tool_path("FERRITE_TEST_PYTHON", "python-env.sh"))
+            .arg(root().join("operator/tests/python/validate.py"))
+            .args([mode, target])
+            .args(files),
+    )
+}
+
+/// Validates every document in `files` against Kubernetes `version` (e.g. "1.32.0").
+pub fn kubernetes(version: &str, files: &[PathBuf]) -> (bool, String) {
+    validate("k8s", version, files)
 }
 
 /// A fresh directory for this test process.
@@ -43,17 +69,4 @@ pub fn write_yaml(dir: &Path, name: &str, docs: &[Value]) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).expect("write");
     p
-}
-
-/// Validates every document in `files` against Kubernetes `version` (e.g. "1.32.0");
-/// returns (all passed, the validator's output: one `ok`/`FAIL` line per document).
-pub fn kubernetes(version: &str, files: &[PathBuf]) -> (bool, String) {
-    let mut cmd = Command::new(python());
-    cmd.arg(root().join("operator/tests/python/validate.py"))
-        .args(["k8s", version])
-        .args(files);
-    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.success(), text)
 }
