@@ -91,6 +91,66 @@ impl Target {
     }
 }
 
+/// One request as Kubernetes RBAC authorizes it: the verb (`get`, `list`, `watch`, `create`,
+/// `update`, `patch`, `delete`, `deletecollection`), the API group (`""` for the core group),
+/// the resource with its subresource (`inferenceservices/status`), the namespace and the name.
+/// Requests outside `/api` and `/apis/G/V/...` resources (discovery) have an empty resource and
+/// their path in `name`. Tests check the Helm chart's RBAC against these.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+pub struct Access {
+    pub verb: String,
+    pub group: String,
+    pub resource: String,
+    pub namespace: Option<String>,
+    pub name: Option<String>,
+}
+
+impl Access {
+    /// How the API server's request-info resolver names `method` on `path`.
+    pub fn of(method: &Method, path: &str, query: &BTreeMap<String, String>) -> Access {
+        let Some(t) = Target::parse(path) else {
+            return Access {
+                verb: method.as_str().to_ascii_lowercase(),
+                group: String::new(),
+                resource: String::new(),
+                namespace: None,
+                name: Some(path.to_string()),
+            };
+        };
+        let watch = query.get("watch").is_some_and(|w| w == "true" || w == "1");
+        let verb = match (method.as_str(), t.name.is_some()) {
+            ("GET", true) => "get".to_string(),
+            ("GET", false) if watch => "watch".to_string(),
+            ("GET", false) => "list".to_string(),
+            ("POST", _) => "create".to_string(),
+            ("PUT", _) => "update".to_string(),
+            ("PATCH", _) => "patch".to_string(),
+            ("DELETE", true) => "delete".to_string(),
+            ("DELETE", false) => "deletecollection".to_string(),
+            (m, _) => m.to_ascii_lowercase(),
+        };
+        let api_version = t.api_version();
+        let group = api_version
+            .rsplit_once('/')
+            .map(|(g, _)| g.to_string())
+            .unwrap_or_default();
+        let sub = if t.status {
+            "/status"
+        } else if t.scale {
+            "/scale"
+        } else {
+            ""
+        };
+        Access {
+            verb,
+            group,
+            resource: format!("{}{sub}", t.collection.plural),
+            namespace: t.namespace,
+            name: t.name,
+        }
+    }
+}
+
 /// One change, as a watch sends it.
 #[derive(Debug, Clone)]
 struct Change {
@@ -126,6 +186,7 @@ struct Inner {
     simulate_rollouts: AtomicBool,
     requests: AtomicU64,
     writes: AtomicU64,
+    accesses: Mutex<Vec<Access>>,
 }
 
 fn status_body(code: StatusCode, reason: &str, message: String) -> Response {
@@ -228,6 +289,7 @@ impl FakeApi {
             simulate_rollouts: AtomicBool::new(false),
             requests: AtomicU64::new(0),
             writes: AtomicU64::new(0),
+            accesses: Mutex::new(Vec::new()),
         });
         let app = Router::new().fallback(handle).with_state(inner.clone());
         tokio::spawn(async move {
@@ -278,6 +340,15 @@ impl FakeApi {
             self.inner.requests.load(Ordering::Relaxed),
             self.inner.writes.load(Ordering::Relaxed),
         )
+    }
+
+    /// Every request served so far, as RBAC sees it, in order.
+    pub fn accesses(&self) -> Vec<Access> {
+        self.inner
+            .accesses
+            .lock()
+            .map(|a| a.clone())
+            .unwrap_or_else(|e| e.into_inner().clone())
     }
 
     /// Creates or replaces the object at `path` (a collection path), as a client's POST would,
@@ -471,6 +542,12 @@ async fn handle(
     if method != Method::GET {
         inner.writes.fetch_add(1, Ordering::Relaxed);
     }
+    let q = query(&uri);
+    let access = Access::of(&method, uri.path(), &q);
+    match inner.accesses.lock() {
+        Ok(mut a) => a.push(access),
+        Err(e) => e.into_inner().push(access),
+    }
     if method == Method::GET && uri.path().trim_end_matches('/') == "/apis/monitoring.coreos.com/v1"
     {
         return if inner.service_monitor_crd.load(Ordering::Relaxed) {
@@ -495,7 +572,6 @@ async fn handle(
             format!("no route {}", uri.path()),
         );
     };
-    let q = query(&uri);
     let body: Value = if body.is_empty() {
         Value::Null
     } else {
@@ -752,6 +828,66 @@ mod tests {
         assert_eq!(t.api_version(), "v1");
         assert_eq!((t.namespace, t.name), (None, None));
         assert!(Target::parse("/healthz").is_none());
+    }
+
+    #[test]
+    fn requests_map_to_rbac_verbs_groups_and_subresources() {
+        let none = BTreeMap::new();
+        let watch = BTreeMap::from([("watch".to_string(), "true".to_string())]);
+        let a = |m: Method, p: &str, q: &BTreeMap<String, String>| {
+            let a = Access::of(&m, p, q);
+            (a.verb, a.group, a.resource, a.namespace, a.name)
+        };
+        let ns = Some("ml".to_string());
+        assert_eq!(
+            a(
+                Method::PATCH,
+                "/apis/ferrite.dev/v1alpha1/namespaces/ml/inferenceservices/x/scale",
+                &none
+            ),
+            (
+                "patch".into(),
+                "ferrite.dev".into(),
+                "inferenceservices/scale".into(),
+                ns.clone(),
+                Some("x".into())
+            )
+        );
+        assert_eq!(
+            a(Method::GET, "/api/v1/namespaces/ml/pods", &none),
+            ("list".into(), "".into(), "pods".into(), ns.clone(), None)
+        );
+        assert_eq!(
+            a(Method::GET, "/apis/apps/v1/deployments", &watch).0,
+            "watch"
+        );
+        assert_eq!(
+            a(
+                Method::PUT,
+                "/apis/coordination.k8s.io/v1/namespaces/ml/leases/l",
+                &none
+            )
+            .0,
+            "update"
+        );
+        assert_eq!(
+            a(
+                Method::POST,
+                "/apis/events.k8s.io/v1/namespaces/ml/events",
+                &none
+            )
+            .0,
+            "create"
+        );
+        assert_eq!(
+            a(Method::DELETE, "/api/v1/namespaces/ml/configmaps/c", &none).0,
+            "delete"
+        );
+        let d = Access::of(&Method::GET, "/apis/monitoring.coreos.com/v1", &none);
+        assert_eq!(
+            (d.resource.as_str(), d.name.as_deref()),
+            ("", Some("/apis/monitoring.coreos.com/v1"))
+        );
     }
 
     #[test]

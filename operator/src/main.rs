@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use ferrite_operator::autoscale::external::{ServerTls, TlsSettings, serve_tls, service_names};
+use ferrite_operator::autoscale::runner;
 use ferrite_operator::config::{OperatorConfig, load_dashboards};
 use ferrite_operator::controller::{self, Context, Timing};
 use ferrite_operator::leader::{LeaderElector, LeaseSettings, Role};
@@ -182,7 +183,17 @@ async fn main() -> anyhow::Result<()> {
             identity,
             lease_duration: Duration::from_secs(args.lease_seconds.max(2)),
         };
-        lead(client, settings, ctx, &health, &metrics, stop_rx.clone()).await
+        let observe = external.is_some();
+        lead(
+            client,
+            settings,
+            ctx,
+            &health,
+            &metrics,
+            observe,
+            stop_rx.clone(),
+        )
+        .await
     };
     let _ = http.await;
     if let Some(e) = external {
@@ -230,16 +241,22 @@ fn hostname() -> String {
 }
 
 /// Waits for the Lease, reconciles while renewing it, and exits with an error if it is lost
-/// (so the pod restarts as a standby rather than acting without it).
+/// (so the pod restarts as a standby rather than acting without it). While it waits, with
+/// `observe`, the autoscaler scrapes without acting, so this replica's External Metrics API
+/// serves the same signals as the leader's.
 async fn lead(
     client: kube::Client,
     settings: LeaseSettings,
     ctx: Arc<Context>,
     health: &Health,
     metrics: &Metrics,
+    observe: bool,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let retry = settings.lease_duration / 3;
+    ctx.autoscaler.set_acting(false);
+    let observer =
+        observe.then(|| tokio::spawn(runner::observe(ctx.autoscaler.clone(), client.clone())));
     let mut elector = LeaderElector::new(client, settings.clone());
     loop {
         if *stop.borrow() {
@@ -259,6 +276,10 @@ async fn lead(
             _ = s.wait_for(|v| *v) => return Ok(()),
         }
     }
+    if let Some(o) = observer {
+        o.abort();
+    }
+    ctx.autoscaler.set_acting(true);
     health.ready.store(true, Ordering::Relaxed);
     metrics.leader.set(1);
     tracing::info!(identity = %settings.identity, "acquired the leader Lease");

@@ -3,163 +3,16 @@
 //! deleted Deployment through its watch, goes quiet in steady state, serves its own probes and
 //! metrics, hands the leader Lease over on SIGTERM, and exits 0.
 
-use std::io::Write as _;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
 
+use common::operator::{ISVCS, Operator, blocking, condition, eventually, isvc};
 use common::servers::{load, start_server, wait_healthy};
 use ferrite_operator::fake_api::FakeApi;
 use serde_json::{Value, json};
 
-const ISVCS: &str = "/apis/ferrite.dev/v1alpha1/namespaces/ml/inferenceservices";
 const DEPLOYMENTS: &str = "/apis/apps/v1/namespaces/ml/deployments";
-
-use common::servers::free_port;
-
-struct Operator {
-    child: Child,
-    port: u16,
-    /// HTTPS port of the External Metrics API, and the certificate it serves.
-    external_port: u16,
-    cert_pem: String,
-    _dir: TempDir,
-}
-
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-impl Drop for Operator {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Operator {
-    fn start(api: &FakeApi, identity: &str, extra: &[&str]) -> Operator {
-        let dir = std::env::temp_dir().join(format!(
-            "ferrite-operator-test-{}-{identity}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let kubeconfig = dir.join("kubeconfig");
-        std::fs::File::create(&kubeconfig)
-            .and_then(|mut f| f.write_all(api.kubeconfig("ml").as_bytes()))
-            .expect("kubeconfig written");
-        let port = free_port();
-        let external_port = free_port();
-        // A certificate for "localhost" that the test's client trusts, and nothing else.
-        let cert =
-            rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("certificate");
-        let (cert_file, key_file) = (dir.join("tls.crt"), dir.join("tls.key"));
-        std::fs::write(&cert_file, cert.cert.pem()).expect("cert written");
-        std::fs::write(&key_file, cert.signing_key.serialize_pem()).expect("key written");
-        let child = Command::new(env!("CARGO_BIN_EXE_ferrite-operator"))
-            .args(["--http-addr", &format!("127.0.0.1:{port}")])
-            .args(["--identity", identity, "--lease-namespace", "ml"])
-            .args([
-                "--external-metrics-addr",
-                &format!("127.0.0.1:{external_port}"),
-            ])
-            .arg("--tls-cert-file")
-            .arg(&cert_file)
-            .arg("--tls-key-file")
-            .arg(&key_file)
-            .args(extra)
-            .env("KUBECONFIG", &kubeconfig)
-            .env_remove("KUBERNETES_SERVICE_HOST")
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("ferrite-operator starts");
-        Operator {
-            child,
-            port,
-            external_port,
-            cert_pem: cert.cert.pem(),
-            _dir: TempDir(dir),
-        }
-    }
-
-    fn get(&self, path: &str) -> Result<(u16, String), String> {
-        let url = format!("http://127.0.0.1:{}{path}", self.port);
-        match ureq::get(&url).timeout(Duration::from_secs(5)).call() {
-            Ok(r) => Ok((r.status(), r.into_string().map_err(|e| e.to_string())?)),
-            Err(ureq::Error::Status(code, r)) => Ok((code, r.into_string().unwrap_or_default())),
-            Err(e) => Err(e.to_string()),
-        }
-    }
-
-    /// A sample of the operator's own exposition (without labels), once it answers.
-    fn metric(&self, name: &str) -> Option<f64> {
-        let (_, body) = self.get("/metrics").ok()?;
-        body.lines()
-            .find(|l| l.split_whitespace().next() == Some(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-    }
-
-    fn terminate(&mut self) -> std::process::ExitStatus {
-        let pid = self.child.id().to_string();
-        let sent = Command::new("kill").args(["-TERM", &pid]).status();
-        assert!(sent.is_ok_and(|s| s.success()), "SIGTERM sent");
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Some(status) = self.child.try_wait().expect("waitable") {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the operator did not exit after SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-/// Polls `f` until it returns `Some`, for at most `secs`.
-async fn eventually<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-fn isvc(name: &str, source: &str) -> Value {
-    json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
-           "metadata": {"name": name, "namespace": "ml"},
-           "spec": {"model": {"source": source}}})
-}
-
-fn condition(api: &FakeApi, name: &str, type_: &str) -> Option<(String, String)> {
-    let obj = api.get(&format!("{ISVCS}/{name}"))?;
-    let c = obj["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == type_)?
-        .clone();
-    Some((
-        c["status"].as_str()?.to_string(),
-        c["reason"].as_str()?.to_string(),
-    ))
-}
-
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    tokio::task::spawn_blocking(f).await.expect("blocking task")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_reconciles_heals_settles_and_exits_cleanly() {
@@ -488,4 +341,109 @@ async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
     assert_eq!(none["items"], json!([]));
     drop(op);
     drop(server.child.kill());
+}
+
+/// Behind one Service, every operator replica answers the External Metrics API: a standby
+/// scrapes too, serves the same signals as the leader, and exports no per-InferenceService
+/// autoscaler series (so dashboards summing over operator pods count once) until it leads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
+    let server = blocking(|| {
+        let mut s = start_server();
+        wait_healthy(&mut s);
+        s
+    })
+    .await;
+    let port: i64 = server
+        .base
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("port");
+    let api = FakeApi::start().await.expect("fake API server");
+    api.set_simulate_rollouts(true);
+    let mut hpa = isvc("chat", "/models/smol.gguf");
+    hpa["spec"]["runtime"] = json!({"port": port});
+    hpa["spec"]["autoscaling"] = json!({"mode": "HPA", "minReplicas": 1, "maxReplicas": 4,
+        "targets": {"queuePerReplica": 2.0}, "scrapeIntervalSeconds": 1});
+    api.put(ISVCS, hpa).expect("created");
+    api.put(
+        "/api/v1/namespaces/ml/pods",
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "chat-0", "namespace": "ml", "labels": {
+                "app.kubernetes.io/component": "server", "ferrite.dev/inferenceservice": "chat"}},
+            "spec": {"containers": [{"name": "server", "image": "x"}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}]}}),
+    )
+    .expect("pod");
+    let lease_args = ["--lease-seconds", "3"];
+    let a = Operator::start(&api, "a", &lease_args);
+    eventually(20, "a to lead", || {
+        api.get("/apis/coordination.k8s.io/v1/namespaces/ml/leases/ferrite-operator-leader")
+            .filter(|l| l["spec"]["holderIdentity"] == "a")
+    })
+    .await;
+    let b = Operator::start(&api, "b", &lease_args);
+    let running = |op: &Operator| {
+        let url = format!(
+            "https://localhost:{}/apis/external.metrics.k8s.io/v1beta1/namespaces/ml/ferrite_requests_running",
+            op.external_port
+        );
+        let agent = common::tls::agent(&op.cert_pem);
+        move || -> Option<Vec<Value>> {
+            let body: Value = agent
+                .get(&url)
+                .query("labelSelector", "ferrite.dev/inferenceservice=chat")
+                .call()
+                .ok()?
+                .into_json()
+                .ok()?;
+            let items = body["items"].as_array()?.clone();
+            (!items.is_empty()).then_some(items)
+        }
+    };
+    let (from_a, from_b) = (running(&a), running(&b));
+    let leader_items = eventually(30, "the leader's External metric", from_a).await;
+    let standby_items = eventually(30, "the standby's External metric", from_b).await;
+    assert_eq!(leader_items.len(), 1);
+    assert_eq!(standby_items.len(), 1);
+    assert_eq!(standby_items[0]["metricName"], "ferrite_requests_running");
+    assert_eq!(standby_items[0]["value"], leader_items[0]["value"]);
+
+    let signal = r#"ferrite_operator_autoscaler_signal{inferenceservice="chat""#;
+    let (a, b, a_body, b_body) = blocking(move || {
+        let a_body = a.get("/metrics").map(|(_, b)| b).unwrap_or_default();
+        let b_body = b.get("/metrics").map(|(_, b)| b).unwrap_or_default();
+        (a, b, a_body, b_body)
+    })
+    .await;
+    assert!(
+        a_body.contains(signal),
+        "the leader exports the signals:\n{a_body}"
+    );
+    assert!(
+        !b_body.contains(signal),
+        "a standby exports signals:\n{b_body}"
+    );
+    assert!(b_body.contains("ferrite_operator_leader 0"), "{b_body}");
+
+    // The leader goes; the standby leads, keeps serving, and now exports the signals.
+    let (mut a, b) = (a, b);
+    let status = blocking(move || a.terminate()).await;
+    assert!(status.success());
+    let from_b = running(&b);
+    eventually(20, "b to lead and still serve", || {
+        let leads = api
+            .get("/apis/coordination.k8s.io/v1/namespaces/ml/leases/ferrite-operator-leader")
+            .is_some_and(|l| l["spec"]["holderIdentity"] == "b");
+        (leads && from_b().is_some()).then_some(())
+    })
+    .await;
+    eventually(20, "b to export the signals", || {
+        let body = b.get("/metrics").map(|(_, b)| b).unwrap_or_default();
+        body.contains(signal).then_some(())
+    })
+    .await;
+    drop(server);
 }

@@ -5,6 +5,7 @@
 //! keeps one writer.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -55,6 +56,9 @@ pub struct Autoscaler {
     tasks: Mutex<HashMap<Key, Task>>,
     views: Arc<Mutex<HashMap<Key, AutoscaleView>>>,
     trigger: mpsc::UnboundedSender<ObjectRef<InferenceService>>,
+    /// False on a standby replica: tasks scrape and feed the External Metrics API, but decide,
+    /// write, record events and export per-InferenceService metrics only once it leads.
+    acting: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Autoscaler {
@@ -82,8 +86,14 @@ impl Autoscaler {
             tasks: Mutex::new(HashMap::new()),
             views: Arc::new(Mutex::new(HashMap::new())),
             trigger,
+            acting: Arc::new(AtomicBool::new(true)),
         };
         (this, rx)
+    }
+
+    /// Whether this replica acts on its decisions (it leads) or only observes (it stands by).
+    pub fn set_acting(&self, acting: bool) {
+        self.acting.store(acting, Ordering::Relaxed);
     }
 
     pub fn store(&self) -> &Arc<SignalStore> {
@@ -160,6 +170,27 @@ impl Autoscaler {
             scraper: self.scraper.clone(),
             views: self.views.clone(),
             trigger: self.trigger.clone(),
+            acting: self.acting.clone(),
+        }
+    }
+}
+
+/// On a standby replica: keeps a task per autoscaled InferenceService scraping (without acting,
+/// see [`Autoscaler::set_acting`]), so that an External Metrics API behind a Service of several
+/// replicas answers the same from each of them. Runs until aborted, when the replica leads and
+/// reconciles take over the tasks.
+pub async fn observe(autoscaler: Arc<Autoscaler>, client: Client) {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let api: Api<InferenceService> = Api::all(client);
+    let stream = watcher(api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .applied_objects();
+    let mut stream = std::pin::pin!(stream);
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(isvc) => autoscaler.sync(&isvc),
+            Err(e) => tracing::warn!(error = %e, "watching InferenceServices on standby"),
         }
     }
 }
@@ -189,6 +220,13 @@ struct TaskEnv {
     scraper: Scraper,
     views: Arc<Mutex<HashMap<Key, AutoscaleView>>>,
     trigger: mpsc::UnboundedSender<ObjectRef<InferenceService>>,
+    acting: Arc<AtomicBool>,
+}
+
+impl TaskEnv {
+    fn acting(&self) -> bool {
+        self.acting.load(Ordering::Relaxed)
+    }
 }
 
 async fn run_task(env: TaskEnv, mut config: watch::Receiver<TaskConfig>) {
@@ -207,7 +245,8 @@ async fn run_task(env: TaskEnv, mut config: watch::Receiver<TaskConfig>) {
                 if let Ok(mut views) = env.views.lock() {
                     views.insert(env.key.clone(), view.clone());
                 }
-                if stale {
+                // Only the leader's reconciles write status; a standby's would pile up unread.
+                if stale && env.acting() {
                     published = Some((view, Instant::now()));
                     let r = ObjectRef::new(&env.key.name).within(&env.key.namespace);
                     let _ = env.trigger.send(r);
@@ -263,6 +302,9 @@ async fn evaluate(
     for r in &results {
         if let Some(e) = &r.error {
             tracing::debug!(key = %env.key, pod = %r.name, error = %e, "scrape failed");
+            if !env.acting() {
+                continue;
+            }
             env.metrics
                 .scrape_errors
                 .with_label_values(&[ns, name, e.kind()])
@@ -273,7 +315,7 @@ async fn evaluate(
     let signals = Signals::of(&samples);
     publish_signals(env, cfg, &signals);
 
-    if cfg.mode == AutoscalingMode::Hpa {
+    if cfg.mode == AutoscalingMode::Hpa || !env.acting() {
         return Ok(Some(hpa_view(&signals, &results)));
     }
     let current = desired_replicas(&isvc);
@@ -355,7 +397,8 @@ fn publish_signals(env: &TaskEnv, cfg: &TaskConfig, signals: &Signals) {
         reporting.then_some(signals.waiting),
         reporting.then_some(signals.running),
     ];
-    for (signal, value) in SIGNALS.into_iter().zip(values) {
+    // The leader alone exports them, so dashboards that sum over operator pods count once.
+    for (signal, value) in SIGNALS.into_iter().zip(values).filter(|_| env.acting()) {
         let labels = [ns.as_str(), name.as_str(), signal];
         match value {
             Some(v) => env.metrics.signal.with_label_values(&labels).set(v),

@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 
 pub mod apiserver;
+pub mod operator;
+pub mod prometheus;
 pub mod servers;
 pub mod tls;
 pub mod validate;

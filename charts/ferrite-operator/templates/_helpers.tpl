@@ -1,0 +1,90 @@
+{{/* Names and labels, following `helm create`'s conventions. */}}
+
+{{- define "ferrite-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "ferrite-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "ferrite-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "ferrite-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ferrite-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "ferrite-operator.labels" -}}
+helm.sh/chart: {{ include "ferrite-operator.chart" . }}
+{{ include "ferrite-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: ferrite
+{{- end }}
+
+{{- define "ferrite-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "ferrite-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "ferrite-operator.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* The Service of the External Metrics API (the APIService points here). */}}
+{{- define "ferrite-operator.externalMetricsService" -}}
+{{- printf "%s-external-metrics" (include "ferrite-operator.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "ferrite-operator.tlsSecret" -}}
+{{- printf "%s-external-metrics-tls" (include "ferrite-operator.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "ferrite-operator.dashboardsNamespace" -}}
+{{- default .Release.Namespace .Values.monitoring.dashboards.namespace }}
+{{- end }}
+
+{{/*
+Whether a monitoring object is wanted: `true`, `false`, or `auto` (only where the cluster serves
+the Prometheus Operator's API for it). Call with (list $enabled "monitoring.coreos.com/v1/Kind" $).
+*/}}
+{{- define "ferrite-operator.monitoringWanted" -}}
+{{- $enabled := index . 0 }}
+{{- $api := index . 1 }}
+{{- $root := index . 2 }}
+{{- if eq (toString $enabled) "auto" }}
+{{- if $root.Capabilities.APIVersions.Has $api }}true{{ end }}
+{{- else if $enabled }}true{{ end }}
+{{- end }}
+
+{{/* Checks that combinations of values make sense; fails the render with a message if not. */}}
+{{- define "ferrite-operator.validate" -}}
+{{- if and (gt (int .Values.replicaCount) 1) (not .Values.leaderElection.enabled) }}
+{{- fail "replicaCount > 1 needs leaderElection.enabled: true (replicas without a Lease would all reconcile and autoscale)" }}
+{{- end }}
+{{- if and .Values.externalMetrics.certManager.enabled (not .Values.externalMetrics.enabled) }}
+{{- fail "externalMetrics.certManager.enabled needs externalMetrics.enabled: true" }}
+{{- end }}
+{{- if and .Values.externalMetrics.enabled (eq (int .Values.externalMetrics.port) (int .Values.service.port)) }}
+{{- fail "externalMetrics.port must differ from service.port" }}
+{{- end }}
+{{- end }}
