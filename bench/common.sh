@@ -25,3 +25,9 @@ serve() { # port, log file, extra flags...; does not wait for health
     --served-model-name default ${FERRITE_ARGS:-} "$@" >"$log" 2>&1 &
   pids+=($!)
 }
+
+stop_servers() { # stops every server started so far and waits for them to exit
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+}

@@ -5,12 +5,17 @@
 //! prefix), `max_tokens` with `ignore_eos`, temperature 0, streamed from `/v1/completions`.
 //! Every request opens its own connection (llama.cpp's server closes it after a stream anyway).
 //! The first target is the baseline; the others are printed as ratios against it.
+//!
+//! `--save FILE` writes a run's raw figures and `--pool FILE...` pools saved runs, so a script
+//! can restart the servers between runs (and alternate which starts first) and still compare
+//! pooled figures (bench/metrics-overhead.sh).
 
 mod stats;
 
 use stats::percentile;
+use std::io::{Read as _, Write as _};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -19,13 +24,14 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::header::{CONTENT_TYPE, HOST};
 use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 #[derive(Debug, Parser)]
 #[command(about = "Streaming load generator for OpenAI-compatible servers")]
 struct Args {
     /// `name=http://host:port` (repeatable); the first is the baseline.
-    #[arg(long = "target", required = true)]
+    #[arg(long = "target", required_unless_present = "pool")]
     targets: Vec<String>,
     /// The `model` field to send.
     #[arg(long, default_value = "default")]
@@ -53,6 +59,16 @@ struct Args {
     /// pooled figures; spreads drift (thermal, page cache, noisy neighbours) over all targets.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// Run the targets in reverse order (the first repetition; later ones alternate).
+    #[arg(long)]
+    reverse: bool,
+    /// Write this run's raw figures (every sample) as JSON, for `--pool`.
+    #[arg(long)]
+    save: Option<std::path::PathBuf>,
+    /// Load no servers: pool the runs saved with `--save` (repeatable) and print the pooled
+    /// figures and ratios.
+    #[arg(long, num_args = 1..)]
+    pool: Vec<std::path::PathBuf>,
 }
 
 /// What one request saw.
@@ -64,7 +80,7 @@ struct Sample {
     output_tokens: usize,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct LevelResult {
     concurrency: usize,
     requests: usize,
@@ -199,41 +215,54 @@ async fn one_request(t: &Target, body: &Value) -> Result<Sample> {
     Ok(sample)
 }
 
-/// One `GET /metrics`; returns (seconds, body bytes).
-async fn scrape(t: &Target) -> Result<(f64, usize)> {
+/// One `GET /metrics` over a fresh connection, as Prometheus does by default; returns
+/// (seconds, body bytes). Blocking: it runs on the scraper's own thread.
+fn scrape(addr: &str, host: &str) -> Result<(f64, usize)> {
     let started = Instant::now();
-    let stream = tokio::net::TcpStream::connect(&t.addr).await?;
+    let mut stream = std::net::TcpStream::connect(addr)?;
     stream.set_nodelay(true)?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let req = hyper::Request::get("/metrics")
-        .header(HOST, &t.host)
-        .body(Full::new(Bytes::new()))?;
-    let resp = sender.send_request(req).await?;
-    if !resp.status().is_success() {
-        bail!("/metrics answered {}", resp.status());
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {host}\r\nAccept: text/plain\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = Vec::with_capacity(64 * 1024);
+    stream.read_to_end(&mut response)?;
+    let secs = started.elapsed().as_secs_f64();
+    let head_end = response
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| anyhow!("/metrics: no HTTP header end"))?;
+    let status = String::from_utf8_lossy(&response[..head_end.min(64)]).into_owned();
+    if !status.starts_with("HTTP/1.1 200") {
+        bail!("/metrics answered {}", status.lines().next().unwrap_or(""));
     }
-    let body = resp.into_body().collect().await?.to_bytes();
-    Ok((started.elapsed().as_secs_f64(), body.len()))
+    Ok((secs, response.len() - head_end - 4))
 }
 
-/// Scrapes every `every` until `stop` is set.
-async fn scrape_loop(
+/// Scrapes every `every` until `stop` is set, on a thread of its own: the load generator's
+/// runtime is busy with the streams, and a scraper waiting behind them (rather than behind the
+/// server) would inflate the latency it reports. Prometheus is a separate process too.
+fn scrape_loop(
     t: Arc<Target>,
     every: Duration,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-) -> Result<(Vec<f64>, usize)> {
-    let mut ticks = tokio::time::interval(every);
-    let (mut lat, mut bytes) = (Vec::new(), 0);
-    while !stop.load(Ordering::SeqCst) {
-        ticks.tick().await;
-        let (secs, n) = scrape(&t).await?;
-        lat.push(secs);
-        bytes = n;
-    }
-    Ok((lat, bytes))
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<Result<(Vec<f64>, usize)>> {
+    std::thread::spawn(move || {
+        let (mut lat, mut bytes) = (Vec::new(), 0);
+        let mut next = Instant::now();
+        while !stop.load(Ordering::SeqCst) {
+            let (secs, n) = scrape(&t.addr, &t.host)?;
+            lat.push(secs);
+            bytes = n;
+            next += every;
+            match next.checked_duration_since(Instant::now()) {
+                Some(wait) => std::thread::sleep(wait),
+                None => next = Instant::now(),
+            }
+        }
+        Ok((lat, bytes))
+    })
 }
 
 /// End (exclusive) of the first complete SSE event in `buf`, if any.
@@ -252,10 +281,13 @@ async fn run_level(
 ) -> Result<LevelResult> {
     let total = (concurrency * args.rounds).max(4);
     let next = Arc::new(AtomicUsize::new(0));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
     let scraper = (args.scrape_ms > 0 && args.scrape.contains(&t.name)).then(|| {
-        let every = Duration::from_millis(args.scrape_ms);
-        tokio::spawn(scrape_loop(t.clone(), every, stop.clone()))
+        scrape_loop(
+            t.clone(),
+            Duration::from_millis(args.scrape_ms),
+            stop.clone(),
+        )
     });
     let started = Instant::now();
     let mut workers = Vec::new();
@@ -304,7 +336,9 @@ async fn run_level(
     r.wall = started.elapsed().as_secs_f64();
     stop.store(true, Ordering::SeqCst);
     if let Some(s) = scraper {
-        (r.scrapes, r.scrape_bytes) = s.await??;
+        (r.scrapes, r.scrape_bytes) = tokio::task::spawn_blocking(move || s.join())
+            .await?
+            .map_err(|_| anyhow!("the scraper thread panicked"))??;
     }
     Ok(r)
 }
@@ -336,54 +370,33 @@ fn print_level(name: &str, r: &LevelResult) {
     }
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
-    let args = Args::parse();
-    let targets: Vec<Arc<Target>> = args
-        .targets
-        .iter()
-        .map(|s| parse_target(s).map(Arc::new))
-        .collect::<Result<_>>()?;
-    let mut results: Vec<Vec<LevelResult>> = vec![Vec::new(); targets.len()];
-    for rep in 0..args.repeat.max(1) {
-        let mut order: Vec<usize> = (0..targets.len()).collect();
-        if rep % 2 == 1 {
-            order.reverse();
-        }
-        for ti in order {
-            let t = &targets[ti];
-            // One short warm-up request so lazy initialisation is not measured.
-            let warm = json!({"model": args.model, "prompt": "warm up", "max_tokens": 4,
-                              "temperature": 0, "stream": true});
-            one_request(t, &warm)
-                .await
-                .with_context(|| format!("warm-up request to {}", t.name))?;
-            for (k, &c) in args.concurrency.iter().enumerate() {
-                let seed = 100_000 * (k + 1) + 10_000_000 * rep;
-                let r = run_level(t.clone(), &args, c, seed).await?;
-                print_level(&t.name, &r);
-                match results[ti].get_mut(k) {
-                    Some(pooled) => pooled.merge(r),
-                    None => results[ti].push(r),
-                }
+/// One run's raw figures, per target in `--target` order, as `--save` writes them.
+#[derive(Debug, Serialize, Deserialize)]
+struct Saved {
+    targets: Vec<String>,
+    results: Vec<Vec<LevelResult>>,
+}
+
+/// Pools `from` into `into`, level by level.
+fn pool_into(into: &mut [Vec<LevelResult>], from: Vec<Vec<LevelResult>>) {
+    for (per, more) in into.iter_mut().zip(from) {
+        for (k, r) in more.into_iter().enumerate() {
+            match per.get_mut(k) {
+                Some(pooled) => pooled.merge(r),
+                None => per.push(r),
             }
         }
     }
-    if args.repeat > 1 {
-        println!("\npooled over {} alternating runs:", args.repeat);
-        for (t, per) in targets.iter().zip(&results) {
-            for r in per {
-                print_level(&t.name, r);
-            }
-        }
-    }
-    let base = &targets[0].name;
+}
+
+fn print_ratios(names: &[String], results: &[Vec<LevelResult>]) {
+    let base = &names[0];
     println!("\nratios against {base} (higher is better for throughput, lower for latency):");
-    for (t, per) in targets.iter().zip(&results).skip(1) {
+    for (name, per) in names.iter().zip(results).skip(1) {
         for (r, b) in per.iter().zip(&results[0]) {
             println!(
-                "{:>10} c={:<3} out tok/s {:>5.2}x  req/s {:>5.2}x  TTFT p50 {:>5.2}x  p99 {:>5.2}x  ITL p50 {:>5.2}x  p99 {:>5.2}x  e2e p50 {:>5.2}x  p99 {:>5.2}x",
-                t.name,
+                "{:>10} c={:<3} out tok/s {:>5.3}x  req/s {:>5.3}x  TTFT p50 {:>5.2}x  p99 {:>5.2}x  ITL p50 {:>5.2}x  p99 {:>5.2}x  e2e p50 {:>5.2}x  p99 {:>5.2}x",
+                name,
                 r.concurrency,
                 r.tok_per_s() / b.tok_per_s(),
                 r.req_per_s() / b.req_per_s(),
@@ -396,6 +409,106 @@ async fn main() -> Result<()> {
             );
         }
     }
+}
+
+/// `--pool`: the saved runs' figures pooled, then the ratios.
+fn pool_saved(paths: &[std::path::PathBuf]) -> Result<()> {
+    let mut names: Option<Vec<String>> = None;
+    let mut results: Vec<Vec<LevelResult>> = Vec::new();
+    for p in paths {
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let saved: Saved =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
+        match &names {
+            None => {
+                results = vec![Vec::new(); saved.targets.len()];
+                names = Some(saved.targets.clone());
+            }
+            Some(n) if *n != saved.targets => {
+                bail!("{} has targets {:?}, not {n:?}", p.display(), saved.targets)
+            }
+            Some(_) => {}
+        }
+        // Per-run throughput, to show the spread the pooled figure averages over.
+        let per_run: Vec<String> = saved
+            .targets
+            .iter()
+            .zip(&saved.results)
+            .flat_map(|(n, per)| {
+                per.iter()
+                    .map(move |r| format!("{n} c={} {:.1} tok/s", r.concurrency, r.tok_per_s()))
+            })
+            .collect();
+        println!("{}: {}", p.display(), per_run.join(", "));
+        pool_into(&mut results, saved.results);
+    }
+    let names = names.ok_or_else(|| anyhow!("--pool needs at least one file"))?;
+    println!("\npooled over {} runs:", paths.len());
+    for (n, per) in names.iter().zip(&results) {
+        for r in per {
+            print_level(n, r);
+        }
+    }
+    print_ratios(&names, &results);
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    if !args.pool.is_empty() {
+        return pool_saved(&args.pool);
+    }
+    let targets: Vec<Arc<Target>> = args
+        .targets
+        .iter()
+        .map(|s| parse_target(s).map(Arc::new))
+        .collect::<Result<_>>()?;
+    let mut results: Vec<Vec<LevelResult>> = vec![Vec::new(); targets.len()];
+    for rep in 0..args.repeat.max(1) {
+        let mut order: Vec<usize> = (0..targets.len()).collect();
+        if (rep % 2 == 1) != args.reverse {
+            order.reverse();
+        }
+        for ti in order {
+            let t = &targets[ti];
+            // One short warm-up request so lazy initialisation is not measured.
+            let warm = json!({"model": args.model, "prompt": "warm up", "max_tokens": 4,
+                              "temperature": 0, "stream": true});
+            one_request(t, &warm)
+                .await
+                .with_context(|| format!("warm-up request to {}", t.name))?;
+            let mut run = Vec::new();
+            for (k, &c) in args.concurrency.iter().enumerate() {
+                let seed = 100_000 * (k + 1) + 10_000_000 * rep;
+                let r = run_level(t.clone(), &args, c, seed).await?;
+                print_level(&t.name, &r);
+                run.push(r);
+            }
+            let mut one = vec![Vec::new(); targets.len()];
+            one[ti] = run;
+            pool_into(&mut results, one);
+        }
+    }
+    let names: Vec<String> = targets.iter().map(|t| t.name.clone()).collect();
+    if let Some(path) = &args.save {
+        let saved = Saved {
+            targets: names.clone(),
+            results: results.clone(),
+        };
+        std::fs::write(path, serde_json::to_string(&saved)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.repeat > 1 {
+        println!("\npooled over {} alternating runs:", args.repeat);
+        for (n, per) in names.iter().zip(&results) {
+            for r in per {
+                print_level(n, r);
+            }
+        }
+    }
+    print_ratios(&names, &results);
     Ok(())
 }
 
