@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 mod common;
 
 use common::operator::{ISVCS, Operator, blocking, condition, eventually, isvc};
-use common::servers::{load, start_server, wait_healthy};
+use common::servers::{Server, load, start_server, wait_healthy};
 use ferrite_operator::fake_api::FakeApi;
 use serde_json::{Value, json};
 
@@ -182,13 +182,10 @@ async fn of_two_replicas_one_leads_and_the_other_takes_over_after_sigterm() {
     assert!(status.success());
 }
 
-/// Builtin autoscaling end to end: the operator lists the InferenceService's pods, scrapes a
-/// real ferrite-server (the pod at 127.0.0.1), and when its queue backs up writes spec.replicas
-/// through the scale subresource; the Deployment follows, status shows the decision and the
-/// signals, an event records the scale, and the operator's metrics count it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
-    let mut server = blocking(|| {
+/// A real ferrite-server, and a fake API server holding an InferenceService `chat` with
+/// `autoscaling` whose one ready pod is that server (at 127.0.0.1).
+async fn autoscaled_server(autoscaling: Value) -> (Server, FakeApi) {
+    let server = blocking(|| {
         let mut s = start_server();
         wait_healthy(&mut s);
         s
@@ -204,8 +201,7 @@ async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
     api.set_simulate_rollouts(true);
     let mut scaled = isvc("chat", "/models/smol.gguf");
     scaled["spec"]["runtime"] = json!({"port": port});
-    scaled["spec"]["autoscaling"] = json!({"minReplicas": 1, "maxReplicas": 4,
-        "targets": {"queuePerReplica": 1.0}, "scrapeIntervalSeconds": 1});
+    scaled["spec"]["autoscaling"] = autoscaling;
     api.put(ISVCS, scaled).expect("created");
     api.put(
         "/api/v1/namespaces/ml/pods",
@@ -217,6 +213,18 @@ async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
                 "conditions": [{"type": "Ready", "status": "True"}]}}),
     )
     .expect("pod");
+    (server, api)
+}
+
+/// Builtin autoscaling end to end: the operator lists the InferenceService's pods, scrapes a
+/// real ferrite-server (the pod at 127.0.0.1), and when its queue backs up writes spec.replicas
+/// through the scale subresource; the Deployment follows, status shows the decision and the
+/// signals, an event records the scale, and the operator's metrics count it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
+    let (mut server, api) = autoscaled_server(json!({"minReplicas": 1, "maxReplicas": 4,
+        "targets": {"queuePerReplica": 1.0}, "scrapeIntervalSeconds": 1}))
+    .await;
     let op = Operator::start(&api, "scaler", &["--no-leader-election"]);
 
     // Idle: the signals are read and nothing changes.
@@ -348,35 +356,9 @@ async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
 /// autoscaler series (so dashboards summing over operator pods count once) until it leads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
-    let server = blocking(|| {
-        let mut s = start_server();
-        wait_healthy(&mut s);
-        s
-    })
+    let (server, api) = autoscaled_server(json!({"mode": "HPA", "minReplicas": 1,
+        "maxReplicas": 4, "targets": {"queuePerReplica": 2.0}, "scrapeIntervalSeconds": 1}))
     .await;
-    let port: i64 = server
-        .base
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .expect("port");
-    let api = FakeApi::start().await.expect("fake API server");
-    api.set_simulate_rollouts(true);
-    let mut hpa = isvc("chat", "/models/smol.gguf");
-    hpa["spec"]["runtime"] = json!({"port": port});
-    hpa["spec"]["autoscaling"] = json!({"mode": "HPA", "minReplicas": 1, "maxReplicas": 4,
-        "targets": {"queuePerReplica": 2.0}, "scrapeIntervalSeconds": 1});
-    api.put(ISVCS, hpa).expect("created");
-    api.put(
-        "/api/v1/namespaces/ml/pods",
-        json!({"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "chat-0", "namespace": "ml", "labels": {
-                "app.kubernetes.io/component": "server", "ferrite.dev/inferenceservice": "chat"}},
-            "spec": {"containers": [{"name": "server", "image": "x"}]},
-            "status": {"phase": "Running", "podIP": "127.0.0.1",
-                "conditions": [{"type": "Ready", "status": "True"}]}}),
-    )
-    .expect("pod");
     let lease_args = ["--lease-seconds", "3"];
     let a = Operator::start(&api, "a", &lease_args);
     eventually(20, "a to lead", || {
