@@ -8,6 +8,14 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::crd::{CurrentMetrics, InferenceServiceStatus};
 
+/// Now, as the API server stores a `Time`: in whole seconds. Status holding a finer time would
+/// never compare equal to what was stored, so every reconcile would rewrite it, and every write
+/// would trigger another reconcile.
+pub fn now() -> Time {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    Time(k8s_openapi::jiff::Timestamp::from_second(now.as_second()).unwrap_or(now))
+}
+
 pub const READY: &str = "Ready";
 pub const PROGRESSING: &str = "Progressing";
 pub const DEGRADED: &str = "Degraded";

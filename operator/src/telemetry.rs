@@ -48,6 +48,9 @@ pub struct AutoscalerMetrics {
     pub scrape_errors: IntCounterVec,
     /// 1 while in panic mode.
     pub panic: IntGaugeVec,
+    /// The spec's targets, by `signal` (queue_per_replica, kv_cache_usage), to draw against the
+    /// signals.
+    pub target: GaugeVec,
 }
 
 const ISVC_LABELS: [&str; 2] = ["namespace", "inferenceservice"];
@@ -102,14 +105,32 @@ impl AutoscalerMetrics {
                 ),
                 &ISVC_LABELS,
             )?,
+            target: GaugeVec::new(
+                Opts::new(
+                    "ferrite_operator_autoscaler_target",
+                    "The InferenceService's autoscaling target per signal, as in its spec.",
+                ),
+                &with("signal"),
+            )?,
         };
         registry.register(Box::new(m.signal.clone()))?;
+        registry.register(Box::new(m.target.clone()))?;
         registry.register(Box::new(m.recommended.clone()))?;
         registry.register(Box::new(m.desired.clone()))?;
         registry.register(Box::new(m.scale_actions.clone()))?;
         registry.register(Box::new(m.scrape_errors.clone()))?;
         registry.register(Box::new(m.panic.clone()))?;
         Ok(m)
+    }
+
+    /// Creates the scale counters of an InferenceService at 0, so that `increase()` over them
+    /// sees its first scale (a counter born at 1 shows no increase).
+    pub fn init(&self, namespace: &str, name: &str) {
+        for direction in ["up", "down"] {
+            self.scale_actions
+                .with_label_values(&[namespace, name, direction])
+                .inc_by(0);
+        }
     }
 
     /// Drops every series of an InferenceService that is no longer autoscaled. Errors mean
@@ -120,6 +141,7 @@ impl AutoscalerMetrics {
         }
         for signal in SIGNALS {
             let _ = self.signal.remove_label_values(&[namespace, name, signal]);
+            let _ = self.target.remove_label_values(&[namespace, name, signal]);
         }
         for direction in ["up", "down"] {
             let _ = self

@@ -286,6 +286,7 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             let sm = one(docs, "ServiceMonitor");
             assert_eq!(sm["metadata"]["labels"]["release"], "kube-prometheus-stack");
             assert_eq!(sm["spec"]["endpoints"][0]["port"], "http-metrics");
+            assert_eq!(sm["spec"]["endpoints"][0]["honorLabels"], true);
             // The monitor selects the operator's metrics Service, not the HTTPS one.
             let svc = find(docs, "Service")
                 .into_iter()

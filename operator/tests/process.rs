@@ -269,6 +269,17 @@ async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
         },
     )
     .await;
+    // The stored status equals what the operator computes, so nothing is rewritten: a status
+    // that never compares equal (a lastScaleTime finer than the API's seconds) would patch on
+    // every reconcile and reconcile on every patch.
+    let (_, writes_before) = api.request_counts();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (_, writes_after) = api.request_counts();
+    assert!(
+        writes_after - writes_before <= 4,
+        "{} writes in 3 s after the scale: a status hot loop",
+        writes_after - writes_before
+    );
     let events = api.list("/apis/events.k8s.io/v1/namespaces/ml/events");
     let scale_event = events
         .iter()
@@ -300,6 +311,26 @@ async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
             r#"ferrite_operator_autoscaler_desired_replicas{inferenceservice="chat",namespace="ml"}"#
         ),
         Some(4.0)
+    );
+    // Born at 0, so increase() over it sees the first scale of each direction.
+    assert_eq!(
+        line(
+            r#"ferrite_operator_autoscaler_scale_actions_total{direction="down",inferenceservice="chat",namespace="ml"}"#
+        ),
+        Some(0.0),
+        "{body}"
+    );
+    // The spec's targets, beside the signals: queue 1.0 is set, the KV target is not.
+    assert_eq!(
+        line(
+            r#"ferrite_operator_autoscaler_target{inferenceservice="chat",namespace="ml",signal="queue_per_replica"}"#
+        ),
+        Some(1.0),
+        "{body}"
+    );
+    assert!(
+        !body.contains(r#"ferrite_operator_autoscaler_target{inferenceservice="chat",namespace="ml",signal="kv_cache_usage"}"#),
+        "{body}"
     );
     for c in blocking(move || clients.into_iter().map(|c| c.join()).collect::<Vec<_>>()).await {
         assert_eq!(c.expect("client"), 200);

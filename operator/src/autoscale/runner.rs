@@ -11,7 +11,6 @@ use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
@@ -332,7 +331,7 @@ async fn evaluate(
         .set(i64::from(decision.panic));
     if decision.desired != current {
         scale(env, &isvcs, &isvc, current, &decision).await?;
-        *last_scale = Some(Time(Timestamp::now()));
+        *last_scale = Some(crate::status::now());
     }
     Ok(Some(builtin_view(
         &cfg.policy,
@@ -398,14 +397,21 @@ fn publish_signals(env: &TaskEnv, cfg: &TaskConfig, signals: &Signals) {
         reporting.then_some(signals.running),
     ];
     // The leader alone exports them, so dashboards that sum over operator pods count once.
-    for (signal, value) in SIGNALS.into_iter().zip(values).filter(|_| env.acting()) {
+    let targets = [cfg.policy.queue_target, cfg.policy.kv_target, None, None];
+    let series = SIGNALS.into_iter().zip(values).zip(targets);
+    for ((signal, value), target) in series.filter(|_| env.acting()) {
         let labels = [ns.as_str(), name.as_str(), signal];
-        match value {
-            Some(v) => env.metrics.signal.with_label_values(&labels).set(v),
-            None => {
-                let _ = env.metrics.signal.remove_label_values(&labels);
+        for (vec, v) in [(&env.metrics.signal, value), (&env.metrics.target, target)] {
+            match v {
+                Some(v) => vec.with_label_values(&labels).set(v),
+                None => {
+                    let _ = vec.remove_label_values(&labels);
+                }
             }
         }
+    }
+    if env.acting() {
+        env.metrics.init(ns, name);
     }
     if reporting {
         env.store.put(

@@ -7,8 +7,6 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, PersistentVolumeClaim, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, Patch};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
@@ -168,7 +166,7 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
             .as_ref()
             .map(|_| ctx.autoscaler.view(&Key::new(&ns, &name))),
     };
-    let now = Time(Timestamp::now());
+    let now = status::now();
     let new_status = status::compute(&obs, isvc.status.as_ref(), &now);
     transition_events(isvc.status.as_ref(), &new_status, &mut events);
 
