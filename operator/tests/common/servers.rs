@@ -54,18 +54,23 @@ pub fn model() -> String {
 
 /// A server that runs at most 2 sequences at once, so a handful of requests form a queue.
 pub fn start_server() -> Server {
-    let port = free_port();
+    start_server_at("127.0.0.1", free_port(), &[])
+}
+
+/// A server on `host:port` that runs at most 2 sequences at once, with `extra` flags.
+pub fn start_server_at(host: &str, port: u16, extra: &[&str]) -> Server {
     let child = Command::new(server_binary())
         .args(["--model", &model()])
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--host", host, "--port", &port.to_string()])
         .args(["--served-model-name", "smol", "--max-num-seqs", "2"])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn ferrite-server");
     Server {
         child,
-        base: format!("http://127.0.0.1:{port}"),
+        base: format!("http://{host}:{port}"),
     }
 }
 

@@ -1,0 +1,1172 @@
+//! The Grafana dashboards and alert rules of `dashboards/`, proven against real parts:
+//! - conventions: template variables (datasource, namespace, model_name scoped through a ferrite
+//!   series, pod), no hard-coded datasource, `$__rate_interval`, replica aggregation, layout;
+//! - Grafana's own schema (npm `@grafana/schema` → JSON Schema → ajv);
+//! - the alert rules with `promtool check rules` and `promtool test rules`;
+//! - every panel's PromQL, with the variables substituted, parses (`promtool check rules`) and
+//!   returns data from a real Prometheus on 127.0.0.1 that scrapes two real ferrite-server
+//!   replicas under load and the real operator autoscaling them; every metric name the
+//!   dashboards and alerts use is on the servers' or the operator's `/metrics`, or is a listed
+//!   external one (DCGM: its GPU panels are skipped on CPU, and listed as skipped).
+//!
+//! With `FERRITE_DASHBOARD_PREVIEW_DIR` set, the live test also writes each dashboard with its
+//! panels' query results there, for `scripts/dashboard-preview.sh`.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::operator::{ISVCS, Operator, isvc};
+use common::prometheus::{Prometheus, tool, unix_now};
+use common::servers::{Server, free_port, start_server_at, wait_healthy};
+use common::validate::{root, run_validator, tool_path};
+use ferrite_operator::fake_api::FakeApi;
+use serde_json::{Value, json};
+
+const DASHBOARDS: [&str; 3] = ["overview", "realtime", "autoscaling"];
+/// Metrics from exporters other than ferrite-server and the operator: NVIDIA's DCGM exporter.
+/// Panels using them need a GPU and are skipped here.
+const EXTERNAL: [&str; 2] = ["DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED"];
+/// Series Prometheus makes itself (used by the alerts).
+const PROMETHEUS_SERIES: [&str; 1] = ["up"];
+/// The datasource reference every panel, target and variable uses.
+const DATASOURCE: &str = "${datasource}";
+
+fn dashboards_dir() -> PathBuf {
+    root().join("dashboards")
+}
+
+fn load(name: &str) -> Value {
+    let path = dashboards_dir().join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Panels, with the panels of rows flattened in.
+fn panels(d: &Value) -> Vec<&Value> {
+    let mut out = Vec::new();
+    for p in d["panels"].as_array().into_iter().flatten() {
+        out.push(p);
+        out.extend(p["panels"].as_array().into_iter().flatten());
+    }
+    out
+}
+
+/// One PromQL expression of a panel.
+#[derive(Debug, Clone)]
+struct Query {
+    dashboard: &'static str,
+    panel: String,
+    legend: String,
+    expr: String,
+}
+
+impl Query {
+    fn name(&self) -> String {
+        format!("{} / {} / {}", self.dashboard, self.panel, self.legend)
+    }
+
+    fn external(&self) -> bool {
+        EXTERNAL.iter().any(|m| self.expr.contains(m))
+    }
+}
+
+fn queries(dashboard: &'static str, d: &Value) -> Vec<Query> {
+    let mut out = Vec::new();
+    for p in panels(d) {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let expr = t["expr"].as_str().unwrap_or_default();
+            assert!(
+                !expr.is_empty(),
+                "{dashboard}: panel {} has a target without expr",
+                p["title"]
+            );
+            out.push(Query {
+                dashboard,
+                panel: p["title"].as_str().unwrap_or_default().to_string(),
+                legend: t["legendFormat"].as_str().unwrap_or_default().to_string(),
+                expr: expr.to_string(),
+            });
+        }
+    }
+    out
+}
+
+fn all_queries() -> Vec<Query> {
+    DASHBOARDS
+        .iter()
+        .flat_map(|name| queries(name, &load(name)))
+        .collect()
+}
+
+fn variables(d: &Value) -> Vec<&Value> {
+    d["templating"]["list"]
+        .as_array()
+        .map(|l| l.iter().collect())
+        .unwrap_or_default()
+}
+
+fn variable<'a>(d: &'a Value, name: &str) -> Option<&'a Value> {
+    variables(d).into_iter().find(|v| v["name"] == name)
+}
+
+/// Grafana's interpolation for the test: each `$name` / `${name}` by its value, longest names
+/// first. Panics if a `$` is left.
+fn substitute(expr: &str, values: &[(&str, &str)]) -> String {
+    let mut values = values.to_vec();
+    values.sort_by_key(|(k, _)| std::cmp::Reverse(k.len()));
+    let mut out = expr.to_string();
+    for (k, v) in values {
+        out = out.replace(&format!("${{{k}}}"), v);
+        out = out.replace(&format!("${k}"), v);
+    }
+    assert!(
+        !out.contains('$'),
+        "an unknown variable is left in {out} (from {expr})"
+    );
+    out
+}
+
+/// The values the live test gives the variables: one namespace, one model, all pods (Grafana's
+/// custom all value), one InferenceService, and a rate interval of a few 1 s scrapes.
+const VALUES: [(&str, &str); 6] = [
+    ("namespace", "ml"),
+    ("model_name", "smol"),
+    ("pod", ".*"),
+    ("inferenceservice", "chat"),
+    ("__rate_interval", "5s"),
+    ("__interval", "1s"),
+];
+
+// ---- a small PromQL scanner: metric names and enclosing aggregations ----
+
+#[derive(Debug, Clone, PartialEq)]
+enum Tok {
+    Ident(String),
+    Open,
+    Close,
+    Other,
+}
+
+/// Tokens of `expr` with string literals, label matchers (`{…}`) and ranges (`[…]`) dropped.
+fn tokens(expr: &str) -> Vec<Tok> {
+    let mut out = Vec::new();
+    let mut chars = expr.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' | '\'' | '`' => {
+                let mut escaped = false;
+                for d in chars.by_ref() {
+                    if !escaped && d == c {
+                        break;
+                    }
+                    escaped = d == '\\' && !escaped;
+                }
+            }
+            '{' | '[' => {
+                let close = if c == '{' { '}' } else { ']' };
+                let mut in_str = false;
+                for d in chars.by_ref() {
+                    if d == '"' {
+                        in_str = !in_str;
+                    }
+                    if d == close && !in_str {
+                        break;
+                    }
+                }
+            }
+            '(' => out.push(Tok::Open),
+            ')' => out.push(Tok::Close),
+            c if c.is_ascii_alphabetic() || c == '_' || c == ':' => {
+                let mut s = c.to_string();
+                while let Some(&d) = chars.peek() {
+                    if d.is_ascii_alphanumeric() || d == '_' || d == ':' {
+                        s.push(d);
+                        chars.next();
+                    } else {
+                        break;
+                    }
+                }
+                out.push(Tok::Ident(s));
+            }
+            c if c.is_ascii_digit() || c == '.' => {
+                while chars
+                    .peek()
+                    .is_some_and(|d| d.is_ascii_alphanumeric() || *d == '.')
+                {
+                    chars.next();
+                }
+                out.push(Tok::Other);
+            }
+            c if c.is_whitespace() => {}
+            _ => out.push(Tok::Other),
+        }
+    }
+    out
+}
+
+const GROUPING: [&str; 6] = [
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+];
+const KEYWORDS: [&str; 6] = ["and", "or", "unless", "bool", "offset", "le"];
+const AGGREGATIONS: [&str; 12] = [
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "stddev",
+    "stdvar",
+    "topk",
+    "bottomk",
+    "quantile",
+    "count_values",
+    "group",
+];
+
+/// The index of the parenthesis closing the one at `open`.
+fn closing(toks: &[Tok], open: usize) -> usize {
+    let mut depth = 0;
+    for (i, t) in toks.iter().enumerate().skip(open) {
+        match t {
+            Tok::Open => depth += 1,
+            Tok::Close => {
+                depth -= 1;
+                if depth == 0 {
+                    return i;
+                }
+            }
+            _ => {}
+        }
+    }
+    toks.len()
+}
+
+/// Each metric name in `expr`, with the innermost function or aggregation it is an argument of.
+fn metrics_in(expr: &str) -> Vec<(String, Option<String>)> {
+    let toks = tokens(expr);
+    let mut out = Vec::new();
+    // For each open parenthesis: the function or aggregation it calls, if any.
+    let mut stack: Vec<Option<String>> = Vec::new();
+    let mut i = 0;
+    while i < toks.len() {
+        match &toks[i] {
+            // A grouping clause's label list, `by (a, b)`, holds no metrics.
+            Tok::Ident(s) if GROUPING.contains(&s.as_str()) => {
+                if toks.get(i + 1) == Some(&Tok::Open) {
+                    i = closing(&toks, i + 1);
+                }
+            }
+            Tok::Ident(s) if toks.get(i + 1) == Some(&Tok::Open) => {
+                stack.push(Some(s.clone()));
+                i += 1;
+            }
+            Tok::Ident(s) if AGGREGATIONS.contains(&s.as_str()) => {
+                // `sum by (le) (…)`: the call's parenthesis comes after the clause.
+                let mut j = i + 1;
+                if let Some(Tok::Ident(g)) = toks.get(j)
+                    && GROUPING.contains(&g.as_str())
+                    && toks.get(j + 1) == Some(&Tok::Open)
+                {
+                    j = closing(&toks, j + 1) + 1;
+                }
+                if toks.get(j) == Some(&Tok::Open) {
+                    stack.push(Some(s.clone()));
+                    i = j;
+                }
+            }
+            Tok::Ident(s) if KEYWORDS.contains(&s.as_str()) => {}
+            Tok::Ident(s) => out.push((s.clone(), stack.iter().rev().find_map(Clone::clone))),
+            Tok::Open => stack.push(None),
+            Tok::Close => {
+                stack.pop();
+            }
+            Tok::Other => {}
+        }
+        i += 1;
+    }
+    out
+}
+
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    metrics_in(expr).into_iter().map(|(m, _)| m).collect()
+}
+
+/// The selector of a `label_values(selector, label)` variable query, and the label.
+fn label_values_query(q: &str) -> Option<(String, String)> {
+    let inner = q.trim().strip_prefix("label_values(")?.strip_suffix(')')?;
+    let (selector, label) = inner.rsplit_once(',')?;
+    Some((selector.trim().to_string(), label.trim().to_string()))
+}
+
+#[test]
+fn the_scanner_finds_metric_names_and_their_aggregation() {
+    let e = r#"histogram_quantile(0.9, sum by (le) (rate(vllm:x_bucket{a=~"$b", le!="1"}[$__rate_interval]))) / sum(up) or on (pod) group_left () max by (namespace, pod) (other_metric)"#;
+    assert_eq!(
+        metrics_in(e),
+        vec![
+            ("vllm:x_bucket".to_string(), Some("rate".to_string())),
+            ("up".to_string(), Some("sum".to_string())),
+            ("other_metric".to_string(), Some("max".to_string())),
+        ]
+    );
+    assert_eq!(
+        label_values_query(r#"label_values(vllm:a{namespace=~"$namespace"}, model_name)"#),
+        Some((
+            r#"vllm:a{namespace=~"$namespace"}"#.to_string(),
+            "model_name".to_string()
+        ))
+    );
+}
+
+// ---- static checks ----
+
+#[test]
+fn the_dashboards_are_what_generate_py_writes() {
+    let python = tool_path("FERRITE_TEST_PYTHON", "python-env.sh");
+    let (ok, out) = run_validator(
+        Command::new(python)
+            .arg(dashboards_dir().join("generate.py"))
+            .arg("--check"),
+    );
+    assert!(ok, "{out}");
+}
+
+#[test]
+fn the_dashboards_follow_the_conventions() {
+    for name in DASHBOARDS {
+        let d = load(name);
+        assert!(d.get("__inputs").is_none() && d.get("__requires").is_none());
+        assert!(d["title"].as_str().is_some_and(|t| !t.is_empty()));
+
+        // Variables: a datasource variable, and namespace → model_name → pod looked up through a
+        // ferrite series (never `label_values(model_name)`, which lists every exporter's).
+        let ds = variable(&d, "datasource").expect("a datasource variable");
+        assert_eq!(
+            (&ds["type"], &ds["query"]),
+            (&json!("datasource"), &json!("prometheus"))
+        );
+        let mut wanted = vec!["namespace", "model_name", "pod"];
+        if name == "autoscaling" {
+            wanted.push("inferenceservice");
+        }
+        for v in wanted {
+            let var = variable(&d, v).unwrap_or_else(|| panic!("{name}: no variable {v}"));
+            let q = var["query"].as_str().unwrap_or_default();
+            let (selector, _) = label_values_query(q)
+                .unwrap_or_else(|| panic!("{name}: {v} is not a label_values query: {q}"));
+            assert!(
+                selector.starts_with("vllm:"),
+                "{name}: {v} is not scoped through a ferrite series: {q}"
+            );
+            if v != "namespace" {
+                assert!(
+                    selector.contains("namespace=~\"$namespace\""),
+                    "{name}: {q}"
+                );
+            }
+            if v == "pod" || v == "inferenceservice" {
+                assert!(
+                    selector.contains("model_name=~\"$model_name\""),
+                    "{name}: {q}"
+                );
+            }
+        }
+
+        // No datasource but the variable, anywhere.
+        fn datasources<'a>(v: &'a Value, out: &mut Vec<&'a Value>) {
+            match v {
+                Value::Object(m) => {
+                    for (k, x) in m {
+                        if k == "datasource" {
+                            out.push(x);
+                        }
+                        datasources(x, out);
+                    }
+                }
+                Value::Array(a) => a.iter().for_each(|x| datasources(x, out)),
+                _ => {}
+            }
+        }
+        let mut refs = Vec::new();
+        datasources(&d, &mut refs);
+        assert!(
+            refs.len() > 10,
+            "{name}: {} datasource references",
+            refs.len()
+        );
+        for r in refs {
+            assert_eq!(
+                r,
+                &json!({"type": "prometheus", "uid": DATASOURCE}),
+                "{name}"
+            );
+        }
+
+        // Default ranges from the monitoring guide.
+        let from = match name {
+            "overview" => "now-24h",
+            "realtime" => "now-5m",
+            _ => "now-3h",
+        };
+        assert_eq!(d["time"]["from"], from, "{name}");
+
+        // Layout: unique ids, inside 24 columns, no overlaps.
+        let mut ids = BTreeSet::new();
+        let mut cells = BTreeSet::new();
+        for p in panels(&d) {
+            assert!(
+                ids.insert(p["id"].as_i64().expect("id")),
+                "{name}: duplicate id"
+            );
+            let g = &p["gridPos"];
+            let (x, y, w, h) = (
+                g["x"].as_i64().expect("x"),
+                g["y"].as_i64().expect("y"),
+                g["w"].as_i64().expect("w"),
+                g["h"].as_i64().expect("h"),
+            );
+            assert!(x >= 0 && w > 0 && x + w <= 24 && h > 0, "{name}: {g}");
+            for cx in x..x + w {
+                for cy in y..y + h {
+                    assert!(cells.insert((cx, cy)), "{name}: panels overlap at {g}");
+                }
+            }
+            if p["type"] == "heatmap" {
+                assert_eq!(p["targets"][0]["format"], "heatmap", "{name}");
+            }
+        }
+
+        for q in queries(name, &d) {
+            let e = &q.expr;
+            // Ranges are Grafana's $__rate_interval.
+            let mut rest = e.as_str();
+            while let Some(i) = rest.find('[') {
+                assert!(
+                    rest[i..].starts_with("[$__rate_interval]"),
+                    "{}: range other than $__rate_interval in {e}",
+                    q.name()
+                );
+                rest = &rest[i + 1..];
+            }
+            // Scoped: every ferrite series filters on the variables.
+            for (metric, within) in metrics_in(e) {
+                let at = e.find(&format!("{metric}{{")).map(|i| &e[i..]);
+                if metric.starts_with("vllm:") {
+                    let sel = at.unwrap_or_else(|| panic!("{}: bare {metric}", q.name()));
+                    let sel = &sel[..sel.find('}').unwrap_or(sel.len())];
+                    assert!(
+                        sel.contains("namespace=~\"$namespace\"")
+                            && sel.contains("model_name=~\"$model_name\""),
+                        "{}: {metric} is not filtered by namespace and model_name",
+                        q.name()
+                    );
+                }
+                if metric.starts_with("ferrite_operator_autoscaler_") {
+                    let sel = at.unwrap_or_else(|| panic!("{}: bare {metric}", q.name()));
+                    assert!(
+                        sel.contains("inferenceservice=~\"$inferenceservice\""),
+                        "{}: {metric} is not filtered by InferenceService",
+                        q.name()
+                    );
+                }
+                // Aggregation over replicas: queue and running add up; KV usage averages.
+                let within = within.unwrap_or_default();
+                if metric.starts_with("vllm:num_requests_") {
+                    assert!(
+                        ["sum", "count", "max"].contains(&within.as_str()),
+                        "{}: {metric} aggregated with {within:?}",
+                        q.name()
+                    );
+                }
+                if metric.ends_with("cache_usage_perc") {
+                    assert!(
+                        ["avg", "max"].contains(&within.as_str()),
+                        "{}: {metric} aggregated with {within:?}",
+                        q.name()
+                    );
+                }
+                if metric.ends_with("_bucket") && e.contains("histogram_quantile") {
+                    assert!(
+                        e.contains("sum by (le) (rate("),
+                        "{}: quantile not over sum by (le) of the rates: {e}",
+                        q.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn each_dashboard_shows_what_the_monitoring_guide_lists() {
+    let want: [(&str, &[&str]); 3] = [
+        (
+            "overview",
+            &[
+                "vllm:e2e_request_latency_seconds_bucket",
+                "vllm:e2e_request_latency_seconds_sum",
+                "vllm:prompt_tokens_total",
+                "vllm:generation_tokens_total",
+                "vllm:inter_token_latency_seconds_bucket",
+                "vllm:num_requests_running",
+                "vllm:num_requests_waiting",
+                "vllm:num_requests_swapped",
+                "vllm:time_to_first_token_seconds_bucket",
+                "vllm:kv_cache_usage_perc",
+                "vllm:cpu_cache_usage_perc",
+                "vllm:request_success_total",
+                "DCGM_FI_DEV_GPU_UTIL",
+            ],
+        ),
+        (
+            "realtime",
+            &[
+                "vllm:avg_prompt_throughput_toks_per_s",
+                "vllm:avg_generation_throughput_toks_per_s",
+                "vllm:prompt_tokens_total",
+                "vllm:generation_tokens_total",
+                "vllm:num_requests_running",
+                "vllm:num_requests_swapped",
+                "vllm:num_requests_waiting",
+                "vllm:request_inference_time_seconds_bucket",
+                "vllm:request_queue_time_seconds_bucket",
+                "vllm:request_prompt_tokens_bucket",
+                "vllm:request_generation_tokens_bucket",
+                "vllm:num_preemptions_total",
+                "vllm:iteration_tokens_total_bucket",
+                "process_cpu_seconds_total",
+                "DCGM_FI_DEV_GPU_UTIL",
+            ],
+        ),
+        (
+            "autoscaling",
+            &[
+                "ferrite_operator_autoscaler_desired_replicas",
+                "ferrite_operator_autoscaler_signal",
+                "ferrite_operator_autoscaler_target",
+                "ferrite_operator_autoscaler_scale_actions_total",
+                "ferrite_operator_reconciliations_total",
+                "ferrite_operator_reconcile_errors_total",
+                "ferrite_operator_reconcile_duration_seconds_bucket",
+            ],
+        ),
+    ];
+    for (name, metrics) in want {
+        let used: BTreeSet<String> = queries(name, &load(name))
+            .iter()
+            .flat_map(|q| metric_names(&q.expr))
+            .collect();
+        for m in metrics {
+            assert!(used.contains(*m), "{name} does not show {m}");
+        }
+    }
+    // Heatmaps in the real-time dashboard.
+    let heatmaps = panels(&load("realtime"))
+        .iter()
+        .filter(|p| p["type"] == "heatmap")
+        .count();
+    assert!(heatmaps >= 4, "{heatmaps} heatmaps");
+}
+
+#[test]
+fn the_operators_copy_presets_the_model_name_variable() {
+    for name in DASHBOARDS {
+        let d = load(name);
+        let copy = ferrite_operator::build::dashboards::personalise(&d, name, "ml", "chat", "smol")
+            .expect("personalised");
+        let var = variable(&copy, "model_name").expect("model_name");
+        assert_eq!(var["current"]["value"], "smol", "{name}");
+        assert!(copy["uid"].as_str().is_some_and(|u| u.len() <= 40));
+    }
+}
+
+#[test]
+fn the_dashboards_validate_against_grafanas_schema() {
+    let modules = tool_path("FERRITE_NODE_MODULES", "node-env.sh");
+    let files: Vec<PathBuf> = DASHBOARDS
+        .iter()
+        .map(|n| dashboards_dir().join(format!("{n}.json")))
+        .collect();
+    let (ok, out) = run_validator(
+        Command::new("node")
+            .arg(root().join("operator/tests/node/validate-grafana-dashboard.mjs"))
+            .arg(&modules)
+            .args(&files),
+    );
+    assert!(ok, "{out}");
+    assert_eq!(
+        out.lines().filter(|l| l.starts_with("ok ")).count(),
+        3,
+        "{out}"
+    );
+
+    // The validator does reject what Grafana's schema forbids.
+    let dir = common::validate::temp_dir("dashboards");
+    let mut bad = load("overview");
+    bad["panels"][1]["gridPos"]["w"] = json!("wide");
+    bad["templating"]["list"][1]["hide"] = json!(7);
+    let bad_file = dir.join("bad.json");
+    std::fs::write(&bad_file, bad.to_string()).expect("write");
+    let (ok, out) = run_validator(
+        Command::new("node")
+            .arg(root().join("operator/tests/node/validate-grafana-dashboard.mjs"))
+            .arg(&modules)
+            .arg(&bad_file),
+    );
+    assert!(!ok && out.contains("invalid"), "{out}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn the_alert_rules_pass_promtool_check_and_their_unit_tests() {
+    let promtool = tool("FERRITE_PROMTOOL", "promtool");
+    let (ok, out) = run_validator(
+        Command::new(&promtool)
+            .args(["check", "rules"])
+            .arg(dashboards_dir().join("alerts.yaml")),
+    );
+    assert!(ok && out.contains("SUCCESS: 5 rules found"), "{out}");
+    let (ok, out) = run_validator(Command::new(&promtool).current_dir(dashboards_dir()).args([
+        "test",
+        "rules",
+        "alerts.test.yaml",
+    ]));
+    assert!(ok && out.contains("SUCCESS"), "{out}");
+
+    // Every alert has a severity and a summary and description, and a unit test.
+    let rules: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(dashboards_dir().join("alerts.yaml")).expect("alerts.yaml"),
+    )
+    .expect("yaml");
+    let tests = std::fs::read_to_string(dashboards_dir().join("alerts.test.yaml")).expect("tests");
+    for r in alert_rules(&rules) {
+        let name = r["alert"].as_str().expect("alert");
+        assert!(
+            ["warning", "critical"].contains(&r["labels"]["severity"].as_str().unwrap_or("")),
+            "{name}: severity"
+        );
+        for a in ["summary", "description"] {
+            assert!(r["annotations"][a].is_string(), "{name}: {a}");
+        }
+        assert!(
+            tests.contains(&format!("alertname: {name}")),
+            "{name} has no unit test"
+        );
+    }
+}
+
+fn alert_rules(rules: &Value) -> Vec<&Value> {
+    rules["groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+        .collect()
+}
+
+// ---- the live test ----
+
+/// A port free on both 127.0.0.1 and 127.0.0.2, so two "pods" share the container port as
+/// they would in a Deployment.
+fn shared_port() -> u16 {
+    for _ in 0..50 {
+        let p = free_port();
+        if TcpListener::bind(("127.0.0.2", p)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no port free on both 127.0.0.1 and 127.0.0.2");
+}
+
+fn start_replica(host: &str, port: u16) -> Server {
+    // A tiny KV cache and swap pool, so that swapping and preemption happen and their panels
+    // have data.
+    start_server_at(
+        host,
+        port,
+        &[
+            "--max-model-len",
+            "96",
+            "--log-stats-interval",
+            "1",
+            "--num-gpu-blocks",
+            "6",
+            "--swap-space",
+            "0.01",
+        ],
+    )
+}
+
+fn wait_ready(servers: &mut [Server]) {
+    for s in servers {
+        wait_healthy(s);
+    }
+}
+
+fn complete(base: &str, i: usize) -> u16 {
+    // Prompts of different lengths, for the length distributions.
+    let prompt = format!(
+        "Request {i}: {}",
+        "write a long story about a lighthouse. ".repeat(1 + i % 6)
+    );
+    let body = json!({"model": "smol", "prompt": prompt, "max_tokens": 8 + (i % 3) * 4,
+                      "ignore_eos": true, "temperature": 0.0});
+    match ureq::post(&format!("{base}/v1/completions")).send_json(body) {
+        Ok(r) => r.status(),
+        Err(ureq::Error::Status(code, _)) => code,
+        Err(_) => 0,
+    }
+}
+
+fn pod(name: &str, ip: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ml", "labels": {
+            "app.kubernetes.io/component": "server", "ferrite.dev/inferenceservice": "chat"}},
+        "spec": {"containers": [{"name": "server", "image": "x"}]},
+        "status": {"phase": "Running", "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True"}]}})
+}
+
+fn exposition_names(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next().map(String::from))
+        .collect()
+}
+
+/// Whether a range result has at least one finite sample.
+fn has_data(result: &[Value]) -> bool {
+    result.iter().any(|s| {
+        s["values"].as_array().into_iter().flatten().any(|v| {
+            v[1].as_str()
+                .and_then(|x| x.parse::<f64>().ok())
+                .is_some_and(f64::is_finite)
+        })
+    })
+}
+
+/// Whether a range result has a sample above zero.
+fn has_positive(result: &[Value]) -> bool {
+    result.iter().any(|s| {
+        s["values"].as_array().into_iter().flatten().any(|v| {
+            v[1].as_str()
+                .and_then(|x| x.parse::<f64>().ok())
+                .is_some_and(|x| x > 0.0)
+        })
+    })
+}
+
+fn get_text(url: &str) -> String {
+    ureq::get(url)
+        .call()
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        .into_string()
+        .expect("body")
+}
+
+#[test]
+fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_and_the_operator() {
+    let started = Instant::now();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let api = rt.block_on(FakeApi::start()).expect("fake API server");
+    api.set_simulate_rollouts(true);
+
+    // Two replicas of one model, as two pods of a Deployment (same port, two IPs).
+    let port = shared_port();
+    let mut servers = vec![
+        start_replica("127.0.0.1", port),
+        start_replica("127.0.0.2", port),
+    ];
+    wait_ready(&mut servers);
+
+    // The operator autoscales "chat" on the two pods (and a third, ready but unreachable, so
+    // its scrapes fail), ships the dashboards, and keeps failing to reconcile "broken", whose
+    // claim the API serves malformed: each panel of the operator has something to show.
+    let mut chat = isvc("chat", "/models/smol.gguf");
+    chat["spec"]["model"]["servedName"] = json!("smol");
+    chat["spec"]["runtime"] = json!({"port": port});
+    chat["spec"]["autoscaling"] = json!({"minReplicas": 1, "maxReplicas": 4,
+        "targets": {"queuePerReplica": 1.0, "kvCacheUsage": 0.8}, "scrapeIntervalSeconds": 1,
+        "panicThreshold": 1.5});
+    api.put(ISVCS, chat).expect("chat");
+    for (name, ip) in [
+        ("chat-0", "127.0.0.1"),
+        ("chat-1", "127.0.0.2"),
+        ("chat-2", "127.0.0.3"),
+    ] {
+        api.put("/api/v1/namespaces/ml/pods", pod(name, ip))
+            .expect("pod");
+    }
+    api.put(
+        "/api/v1/namespaces/ml/persistentvolumeclaims",
+        json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+               "metadata": {"name": "garbled", "namespace": "ml"},
+               "spec": {"accessModes": "not a list", "resources": 7}}),
+    )
+    .expect("claim");
+    api.put(ISVCS, isvc("broken", "pvc://garbled/smol.gguf"))
+        .expect("broken");
+    let dashboards_arg = dashboards_dir().display().to_string();
+    let op = Operator::start(
+        &api,
+        "dashboards",
+        &["--no-leader-election", "--dashboards-dir", &dashboards_arg],
+    );
+
+    // Prometheus scrapes the pods with the target labels a Prometheus Operator ServiceMonitor
+    // gives them (namespace, pod, service), the operator with honor_labels (its series carry
+    // the InferenceServices' namespace), and itself as a foreign exporter that happens to use
+    // `model_name` and `pod` labels: the dashboards must not list or show it.
+    let target = |host: &str, pod: &str| {
+        format!(
+            "      - targets: ['{host}:{port}']\n        labels: {{namespace: ml, service: chat, pod: {pod}}}\n"
+        )
+    };
+    let config = [
+        "  - job_name: chat\n    static_configs:\n".to_string(),
+        target("127.0.0.1", "chat-0"),
+        target("127.0.0.2", "chat-1"),
+        "  - job_name: ferrite-operator\n    honor_labels: true\n    static_configs:\n".to_string(),
+        format!("      - targets: ['127.0.0.1:{}']\n", op.port),
+        "        labels: {namespace: ferrite-system, pod: ferrite-operator-0}\n".to_string(),
+        "  - job_name: foreign\n    static_configs:\n      - targets: ['$PROMETHEUS']\n"
+            .to_string(),
+        "        labels: {namespace: ml, pod: other-0, model_name: foreign}\n".to_string(),
+    ]
+    .concat();
+    let prom = Prometheus::start_with_rules(&config, &[dashboards_dir().join("alerts.yaml")]);
+    prom.wait_for("count(up == 1)", Duration::from_secs(30), |v| v == 4.0);
+    prom.wait_for(
+        "sum(ferrite_operator_autoscaler_desired_replicas)",
+        Duration::from_secs(30),
+        |v| v >= 1.0,
+    );
+    let from = unix_now() - 1.0;
+    let setup_secs = started.elapsed().as_secs_f64();
+
+    // The servers' KV caches are 6 blocks of 16 tokens (--num-gpu-blocks 6), so two sequences
+    // of these prompts outgrow them: sequences are preempted and swapped to the small host pool.
+    // Load until Prometheus has seen a queue and a swapped sequence, the autoscaler has scaled
+    // on the queue in panic mode (its threshold is 1.5 × the target here), the operator's error
+    // counters have moved, and 12 requests have started (90 s at most).
+    let next = AtomicUsize::new(0);
+    let done = AtomicBool::new(false);
+    let statuses = std::sync::Mutex::new(Vec::new());
+    let saw_queue = thread::scope(|scope| {
+        for _ in 0..8 {
+            scope.spawn(|| {
+                while !done.load(Ordering::SeqCst) {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    let status = complete(&servers[i % 2].base, i);
+                    statuses.lock().expect("lock").push(status);
+                }
+            });
+        }
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let (mut saw_queue, mut saw_swapped) = (0.0f64, 0.0f64);
+        let mut conditions = [false; 5];
+        while Instant::now() < deadline && !conditions.iter().all(|c| *c) {
+            thread::sleep(Duration::from_millis(250));
+            saw_queue = saw_queue.max(
+                prom.value(r#"sum(vllm:num_requests_waiting{namespace="ml"})"#)
+                    .unwrap_or(0.0),
+            );
+            saw_swapped = saw_swapped.max(
+                prom.value(r#"sum(vllm:num_requests_swapped{namespace="ml"})"#)
+                    .unwrap_or(0.0),
+            );
+            conditions = [
+                saw_queue >= 1.0,
+                saw_swapped >= 1.0,
+                prom.value("sum(ferrite_operator_autoscaler_scale_actions_total)")
+                    .is_some_and(|v| v >= 1.0)
+                    && prom
+                        .value("max(max_over_time(ferrite_operator_autoscaler_panic_mode[1m]))")
+                        .is_some_and(|v| v >= 1.0),
+                prom.value("sum(ferrite_operator_reconcile_errors_total)")
+                    .is_some_and(|v| v >= 1.0)
+                    && prom
+                        .value("sum(ferrite_operator_autoscaler_scrape_errors_total)")
+                        .is_some_and(|v| v >= 1.0),
+                next.load(Ordering::SeqCst) >= 12,
+            ];
+        }
+        done.store(true, Ordering::SeqCst);
+        assert!(
+            conditions.iter().all(|c| *c),
+            "after 90 s of load: queue seen {}, swapped seen {}, scaled in panic mode {}, \
+             operator errors {}, 12 requests {}",
+            conditions[0],
+            conditions[1],
+            conditions[2],
+            conditions[3],
+            conditions[4]
+        );
+        saw_queue
+    });
+    let statuses = statuses.into_inner().expect("lock");
+    assert!(statuses.iter().all(|s| *s == 200), "statuses: {statuses:?}");
+    let load_secs = started.elapsed().as_secs_f64();
+    // Two more scrapes of the final state.
+    thread::sleep(Duration::from_millis(2500));
+    let to = unix_now();
+    eprintln!(
+        "setup {setup_secs:.1} s; load: {} requests, peak queue {saw_queue} (Prometheus), \
+         {:.1} s",
+        statuses.len(),
+        load_secs - setup_secs
+    );
+
+    // Every metric name the dashboards and alerts use is exposed by a server or the operator, or
+    // is listed as external.
+    let mut exposed = BTreeSet::new();
+    for s in &servers {
+        exposed.extend(exposition_names(&get_text(&format!("{}/metrics", s.base))));
+    }
+    let (_, operator_metrics) = op.get("/metrics").expect("operator /metrics");
+    exposed.extend(exposition_names(&operator_metrics));
+    let rules: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(dashboards_dir().join("alerts.yaml")).expect("alerts.yaml"),
+    )
+    .expect("yaml");
+    let mut used: BTreeMap<String, String> = BTreeMap::new();
+    for q in all_queries() {
+        for m in metric_names(&q.expr) {
+            used.entry(m).or_insert_with(|| q.name());
+        }
+    }
+    for name in DASHBOARDS {
+        for v in variables(&load(name)) {
+            if let Some((selector, _)) = v["query"].as_str().and_then(label_values_query) {
+                for m in metric_names(&selector) {
+                    used.entry(m)
+                        .or_insert_with(|| format!("{name} / variable {}", v["name"]));
+                }
+            }
+        }
+    }
+    for r in alert_rules(&rules) {
+        for m in metric_names(r["expr"].as_str().unwrap_or_default()) {
+            used.entry(m)
+                .or_insert_with(|| format!("alert {}", r["alert"].as_str().unwrap_or("")));
+        }
+    }
+    let missing: Vec<String> = used
+        .iter()
+        .filter(|(m, _)| {
+            !exposed.contains(*m)
+                && !EXTERNAL.contains(&m.as_str())
+                && !PROMETHEUS_SERIES.contains(&m.as_str())
+        })
+        .map(|(m, at)| format!("{m} ({at})"))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "metrics neither exposed nor listed as external: {missing:?}"
+    );
+    eprintln!("{} metric names checked against /metrics", used.len());
+
+    // The variables list this model, its namespace, pods and InferenceService, and nothing of the
+    // foreign exporter, though it has the same labels.
+    let leak = prom.label_values("up", "model_name").expect("series");
+    assert_eq!(
+        leak,
+        ["foreign"],
+        "the foreign exporter's label is there to leak"
+    );
+    let expected: [(&str, &[&str]); 4] = [
+        ("namespace", &["ml"]),
+        ("model_name", &["smol"]),
+        ("pod", &["chat-0", "chat-1"]),
+        ("inferenceservice", &["chat"]),
+    ];
+    for name in DASHBOARDS {
+        let d = load(name);
+        for (var, want) in expected {
+            let Some(v) = variable(&d, var) else {
+                assert_eq!(var, "inferenceservice", "{name} lacks {var}");
+                continue;
+            };
+            let (selector, label) =
+                label_values_query(v["query"].as_str().unwrap_or_default()).expect("query");
+            let got = prom
+                .label_values(&substitute(&selector, &VALUES), &label)
+                .unwrap_or_else(|e| panic!("{name} / {var}: {e}"));
+            assert_eq!(got, want, "{name}: variable {var}");
+        }
+    }
+
+    // Every expression parses (promtool, as recording rules) ...
+    let queries = all_queries();
+    let dir = common::validate::temp_dir("dashboard-queries");
+    let mut recording = String::from("groups:\n  - name: dashboards\n    rules:\n");
+    for (i, q) in queries.iter().enumerate() {
+        let expr = serde_json::to_string(&substitute(&q.expr, &VALUES)).expect("json");
+        recording.push_str(&format!(
+            "      - record: dashboard:query_{i}\n        expr: {expr}\n"
+        ));
+    }
+    let rules_file = dir.join("queries.yaml");
+    std::fs::write(&rules_file, recording).expect("write");
+    let (ok, out) = run_validator(
+        Command::new(tool("FERRITE_PROMTOOL", "promtool"))
+            .args(["check", "rules"])
+            .arg(&rules_file),
+    );
+    assert!(
+        ok && out.contains(&format!("SUCCESS: {} rules found", queries.len())),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // ... and returns data over the run, only for this model's pods; GPU panels are skipped.
+    let mut failures = Vec::new();
+    let mut skipped = Vec::new();
+    let mut with_data = 0;
+    let mut results: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+    for q in &queries {
+        let expr = substitute(&q.expr, &VALUES);
+        let result = match prom.query_range(&expr, from, to, 1.0) {
+            Ok(r) => r,
+            Err(e) => {
+                failures.push(format!("{}: {e}", q.name()));
+                continue;
+            }
+        };
+        if q.external() {
+            assert!(
+                result.is_empty(),
+                "{}: GPU data on a CPU machine?",
+                q.name()
+            );
+            skipped.push(q.name());
+            continue;
+        }
+        if has_data(&result) {
+            with_data += 1;
+        } else {
+            failures.push(format!("{}: no data for {expr}", q.name()));
+        }
+        if !has_positive(&result) {
+            failures.push(format!("{}: only zeros for {expr}", q.name()));
+        }
+        for s in &result {
+            let m = &s["metric"];
+            let pod_ok = m["pod"]
+                .as_str()
+                .is_none_or(|p| p == "chat-0" || p == "chat-1");
+            let model_ok = m["model_name"].as_str().is_none_or(|n| n == "smol");
+            if !pod_ok || !model_ok {
+                failures.push(format!("{}: foreign series {m}", q.name()));
+            }
+        }
+        results.insert(format!("{}\u{0}{}", q.dashboard, q.expr), result);
+    }
+    for s in &skipped {
+        eprintln!("skipped (needs DCGM, no GPU here): {s}");
+    }
+    eprintln!(
+        "{} queries: {} returned data, {} skipped (GPU), {} failed",
+        queries.len(),
+        with_data,
+        skipped.len(),
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(!skipped.is_empty() && skipped.iter().all(|s| s.contains("GPU")));
+
+    // The alert rules evaluate on the real series without errors; the two "down" alerts are
+    // quiet while every server is scraped. Then a replica dies: FerriteServerDown's expression
+    // picks exactly its target (the alert itself waits 2 minutes).
+    let alerts = prom.rules();
+    assert_eq!(alerts.len(), 5, "{alerts:?}");
+    for r in &alerts {
+        assert_eq!(r["health"], "ok", "{r}");
+        if r["name"] == "FerriteServerDown" || r["name"] == "FerriteServerNotScraped" {
+            assert_eq!(r["state"], "inactive", "{r}");
+        }
+    }
+    let down = alert_rules(&rules)
+        .into_iter()
+        .find(|r| r["alert"] == "FerriteServerDown")
+        .and_then(|r| r["expr"].as_str())
+        .expect("FerriteServerDown")
+        .to_string();
+    assert_eq!(prom.query(&down).map(|r| r.len()), Ok(0));
+    let _ = servers[1].child.kill();
+    let _ = servers[1].child.wait();
+    prom.wait_for(r#"up{pod="chat-1"}"#, Duration::from_secs(15), |v| v == 0.0);
+    let fired = prom.query(&down).expect("query");
+    assert_eq!(fired.len(), 1, "{fired:?}");
+    assert_eq!(fired[0]["metric"]["pod"], "chat-1", "{fired:?}");
+
+    // The operator shipped each dashboard for "chat", its model variable preset to "smol".
+    for name in DASHBOARDS {
+        let cm = api
+            .get(&format!(
+                "/api/v1/namespaces/ml/configmaps/chat-dashboard-{name}"
+            ))
+            .unwrap_or_else(|| panic!("no ConfigMap for {name}"));
+        let json: Value = serde_json::from_str(
+            cm["data"][format!("chat-{name}.json")]
+                .as_str()
+                .expect("data"),
+        )
+        .expect("dashboard JSON");
+        assert_eq!(
+            variable(&json, "model_name").expect("var")["current"]["value"],
+            "smol"
+        );
+    }
+
+    if let Ok(dir) = std::env::var("FERRITE_DASHBOARD_PREVIEW_DIR") {
+        write_preview(Path::new(&dir), &results, from, to);
+    }
+    eprintln!("live test took {:.1} s", started.elapsed().as_secs_f64());
+    drop(op);
+    drop(servers);
+}
+
+/// Each dashboard with every target's result under `preview` (the range and the series).
+fn write_preview(dir: &Path, results: &BTreeMap<String, Vec<Value>>, from: f64, to: f64) {
+    std::fs::create_dir_all(dir).expect("preview dir");
+    for name in DASHBOARDS {
+        let mut d = load(name);
+        let fill = |p: &mut Value| {
+            for t in p
+                .get_mut("targets")
+                .and_then(Value::as_array_mut)
+                .into_iter()
+                .flatten()
+            {
+                let key = format!("{name}\u{0}{}", t["expr"].as_str().unwrap_or_default());
+                t["preview"] = json!({"from": from, "to": to,
+                    "result": results.get(&key).cloned().unwrap_or_default()});
+            }
+        };
+        for p in d["panels"].as_array_mut().into_iter().flatten() {
+            fill(p);
+            for inner in p
+                .get_mut("panels")
+                .and_then(Value::as_array_mut)
+                .into_iter()
+                .flatten()
+            {
+                fill(inner);
+            }
+        }
+        std::fs::write(dir.join(format!("{name}.json")), d.to_string()).expect("write preview");
+    }
+}
