@@ -30,9 +30,9 @@ for i in $(seq 1 "$runs"); do
     serve 18191 "$out/$name-$i.log" "${observed[@]}"; wait_health 18191
     serve 18190 "$out/quiet-$i.log" "${quiet[@]}"; wait_health 18190
   fi
-  reverse=()
-  (( (i - 1) / 2 % 2 )) && reverse=(--reverse)
-  echo "== run $i of $runs: started $( (( i % 2 )) && echo "quiet first" || echo "$name first"), loaded ${reverse[*]:+in reverse order}${reverse[*]:-in order}"
+  reverse=() order="in order"
+  if (( (i - 1) / 2 % 2 )); then reverse=(--reverse) order="in reverse order"; fi
+  echo "== run $i of $runs: started $( (( i % 2 )) && echo "quiet first" || echo "$name first"), loaded $order"
   target/release/bench-serve --model default \
     --target "quiet=http://127.0.0.1:18190" --target "$name=http://127.0.0.1:18191" \
     "${scrape[@]}" "${reverse[@]}" --save "$out/run-$i.json" "$@"

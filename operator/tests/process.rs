@@ -182,6 +182,22 @@ async fn of_two_replicas_one_leads_and_the_other_takes_over_after_sigterm() {
     assert!(status.success());
 }
 
+/// Polls an External Metrics API `url` for the items of InferenceService `chat`: `Some` once
+/// there are any.
+fn external_items(agent: ureq::Agent, url: String) -> impl Fn() -> Option<Vec<Value>> {
+    move || {
+        let body: Value = agent
+            .get(&url)
+            .query("labelSelector", "ferrite.dev/inferenceservice=chat")
+            .call()
+            .ok()?
+            .into_json()
+            .ok()?;
+        let items = body["items"].as_array()?.clone();
+        (!items.is_empty()).then_some(items)
+    }
+}
+
 /// A real ferrite-server, and a fake API server holding an InferenceService `chat` with
 /// `autoscaling` whose one ready pod is that server (at 127.0.0.1).
 async fn autoscaled_server(autoscaling: Value) -> (Server, FakeApi) {
@@ -355,17 +371,11 @@ async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
         op.external_port
     );
     let agent = common::tls::agent(&op.cert_pem);
-    let items = eventually(20, "an External metric value for chat", || {
-        let body: Value = agent
-            .get(&url)
-            .query("labelSelector", "ferrite.dev/inferenceservice=chat")
-            .call()
-            .ok()?
-            .into_json()
-            .ok()?;
-        let items = body["items"].as_array()?.clone();
-        (!items.is_empty()).then_some(items)
-    })
+    let items = eventually(
+        20,
+        "an External metric value for chat",
+        external_items(agent.clone(), url.clone()),
+    )
     .await;
     assert_eq!(items.len(), 1, "{items:?}");
     assert_eq!(items[0]["metricName"], "ferrite_requests_running");
@@ -403,18 +413,7 @@ async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
             "https://localhost:{}/apis/external.metrics.k8s.io/v1beta1/namespaces/ml/ferrite_requests_running",
             op.external_port
         );
-        let agent = common::tls::agent(&op.cert_pem);
-        move || -> Option<Vec<Value>> {
-            let body: Value = agent
-                .get(&url)
-                .query("labelSelector", "ferrite.dev/inferenceservice=chat")
-                .call()
-                .ok()?
-                .into_json()
-                .ok()?;
-            let items = body["items"].as_array()?.clone();
-            (!items.is_empty()).then_some(items)
-        }
+        external_items(common::tls::agent(&op.cert_pem), url)
     };
     let (from_a, from_b) = (running(&a), running(&b));
     let leader_items = eventually(30, "the leader's External metric", from_a).await;
@@ -425,16 +424,18 @@ async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
     assert_eq!(standby_items[0]["value"], leader_items[0]["value"]);
 
     let signal = r#"ferrite_operator_autoscaler_signal{inferenceservice="chat""#;
-    let (a, b, a_body, b_body) = blocking(move || {
-        let a_body = a.get("/metrics").map(|(_, b)| b).unwrap_or_default();
-        let b_body = b.get("/metrics").map(|(_, b)| b).unwrap_or_default();
-        (a, b, a_body, b_body)
+    // The leader's first evaluation may come before it won the Lease (observing only), so its
+    // series can follow the API's items by one scrape interval.
+    eventually(20, "the leader to export the signals", || {
+        let body = a.get("/metrics").map(|(_, b)| b).unwrap_or_default();
+        body.contains(signal).then_some(())
     })
     .await;
-    assert!(
-        a_body.contains(signal),
-        "the leader exports the signals:\n{a_body}"
-    );
+    let (a, b, b_body) = blocking(move || {
+        let b_body = b.get("/metrics").map(|(_, b)| b).unwrap_or_default();
+        (a, b, b_body)
+    })
+    .await;
     assert!(
         !b_body.contains(signal),
         "a standby exports signals:\n{b_body}"
