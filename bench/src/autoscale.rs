@@ -13,17 +13,15 @@
 //!   cargo build --release -p ferrite-bench --bin bench-autoscale
 //!   target/release/bench-autoscale --seed 1 --hours 2
 
-mod stats;
-
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
+use ferrite_bench::stats::percentile;
 use ferrite_operator::autoscale::algorithm::{PodMetrics, PodSample, Policy, ScalerState};
 use ferrite_operator::crd::AutoscalingSpec;
 use serde_json::{Value, json};
-use stats::percentile;
 
 #[derive(Debug, Parser)]
 struct Args {

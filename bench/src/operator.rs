@@ -7,17 +7,15 @@
 //!   cargo build --release -p ferrite-operator -p ferrite-bench
 //!   target/release/bench-operator --count 100
 
-mod stats;
-
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
+use ferrite_bench::stats::percentile;
 use ferrite_operator::fake_api::FakeApi;
 use serde_json::{Value, json};
-use stats::percentile;
 
 #[derive(Debug, Parser)]
 struct Args {

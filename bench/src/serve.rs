@@ -10,9 +10,7 @@
 //! can restart the servers between runs (and alternate which starts first) and still compare
 //! pooled figures (bench/metrics-overhead.sh).
 
-mod stats;
-
-use stats::percentile;
+use ferrite_bench::stats::{mean_ci95, percentile};
 use std::io::{Read as _, Write as _};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -415,6 +413,8 @@ fn print_ratios(names: &[String], results: &[Vec<LevelResult>]) {
 fn pool_saved(paths: &[std::path::PathBuf]) -> Result<()> {
     let mut names: Option<Vec<String>> = None;
     let mut results: Vec<Vec<LevelResult>> = Vec::new();
+    let mut run_ratios: std::collections::BTreeMap<(usize, usize), Vec<f64>> =
+        std::collections::BTreeMap::new();
     for p in paths {
         let text =
             std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
@@ -441,6 +441,15 @@ fn pool_saved(paths: &[std::path::PathBuf]) -> Result<()> {
             })
             .collect();
         println!("{}: {}", p.display(), per_run.join(", "));
+        // Each run's throughput ratio against the baseline, per target and level.
+        for (ti, per) in saved.results.iter().enumerate().skip(1) {
+            for (k, (r, b)) in per.iter().zip(&saved.results[0]).enumerate() {
+                run_ratios
+                    .entry((ti, k))
+                    .or_default()
+                    .push(r.tok_per_s() / b.tok_per_s());
+            }
+        }
         pool_into(&mut results, saved.results);
     }
     let names = names.ok_or_else(|| anyhow!("--pool needs at least one file"))?;
@@ -451,6 +460,27 @@ fn pool_saved(paths: &[std::path::PathBuf]) -> Result<()> {
         }
     }
     print_ratios(&names, &results);
+    // Runs differ more than samples within a run (the servers restart), so the honest
+    // uncertainty of a ratio is the spread of the per-run ratios.
+    println!(
+        "\nper-run out tok/s ratios against {} (mean, 95% interval over runs):",
+        names[0]
+    );
+    for ((ti, k), ratios) in &run_ratios {
+        let c = results[*ti].get(*k).map_or(0, |r| r.concurrency);
+        let list: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
+        match mean_ci95(ratios) {
+            Some((mean, half)) => println!(
+                "{:>10} c={c:<3} {mean:.3}x  [{:.3}, {:.3}]  over {} runs: {}",
+                names[*ti],
+                mean - half,
+                mean + half,
+                ratios.len(),
+                list.join(" ")
+            ),
+            None => println!("{:>10} c={c:<3} one run: {}", names[*ti], list.join(" ")),
+        }
+    }
     Ok(())
 }
 

@@ -1,0 +1,3 @@
+//! Shared by the bench binaries.
+
+pub mod stats;
