@@ -23,13 +23,9 @@ else
 fi
 out=$(mktemp -d /tmp/bench-metrics-XXXX)
 for i in $(seq 1 "$runs"); do
-  if (( i % 2 )); then
-    serve 18190 "$out/quiet-$i.log" "${quiet[@]}"; wait_health 18190
-    serve 18191 "$out/$name-$i.log" "${observed[@]}"; wait_health 18191
-  else
-    serve 18191 "$out/$name-$i.log" "${observed[@]}"; wait_health 18191
-    serve 18190 "$out/quiet-$i.log" "${quiet[@]}"; wait_health 18190
-  fi
+  start_quiet() { serve 18190 "$out/quiet-$i.log" "${quiet[@]}"; wait_health 18190; }
+  start_other() { serve 18191 "$out/$name-$i.log" "${observed[@]}"; wait_health 18191; }
+  if (( i % 2 )); then start_quiet; start_other; else start_other; start_quiet; fi
   reverse=() order="in order"
   if (( (i - 1) / 2 % 2 )); then reverse=(--reverse) order="in reverse order"; fi
   echo "== run $i of $runs: started $( (( i % 2 )) && echo "quiet first" || echo "$name first"), loaded $order"

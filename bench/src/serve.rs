@@ -387,6 +387,15 @@ fn pool_into(into: &mut [Vec<LevelResult>], from: Vec<Vec<LevelResult>>) {
     }
 }
 
+fn print_pooled(over: &str, names: &[String], results: &[Vec<LevelResult>]) {
+    println!("\npooled over {over}:");
+    for (n, per) in names.iter().zip(results) {
+        for r in per {
+            print_level(n, r);
+        }
+    }
+}
+
 fn print_ratios(names: &[String], results: &[Vec<LevelResult>]) {
     let base = &names[0];
     println!("\nratios against {base} (higher is better for throughput, lower for latency):");
@@ -453,12 +462,7 @@ fn pool_saved(paths: &[std::path::PathBuf]) -> Result<()> {
         pool_into(&mut results, saved.results);
     }
     let names = names.ok_or_else(|| anyhow!("--pool needs at least one file"))?;
-    println!("\npooled over {} runs:", paths.len());
-    for (n, per) in names.iter().zip(&results) {
-        for r in per {
-            print_level(n, r);
-        }
-    }
+    print_pooled(&format!("{} runs", paths.len()), &names, &results);
     print_ratios(&names, &results);
     // Runs differ more than samples within a run (the servers restart), so the honest
     // uncertainty of a ratio is the spread of the per-run ratios.
@@ -531,12 +535,11 @@ async fn main() -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     if args.repeat > 1 {
-        println!("\npooled over {} alternating runs:", args.repeat);
-        for (n, per) in names.iter().zip(&results) {
-            for r in per {
-                print_level(n, r);
-            }
-        }
+        print_pooled(
+            &format!("{} alternating runs", args.repeat),
+            &names,
+            &results,
+        );
     }
     print_ratios(&names, &results);
     Ok(())

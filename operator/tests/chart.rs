@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use common::operator::{ISVCS, Operator, blocking, eventually};
-use common::validate::{kubernetes, root, run_validator, temp_dir, tool_path};
+use common::validate::{custom_resources, kubernetes, root, run_validator, temp_dir, tool_path};
 use ferrite_operator::fake_api::{Access, FakeApi};
 use serde_json::{Value, json};
 
@@ -186,12 +186,7 @@ fn validate_objects(docs: &[Value], tag: &str) {
             p
         })
         .collect();
-    let (ok, out) = run_validator(
-        Command::new("node")
-            .arg(root().join("operator/tests/node/validate-crd-objects.mjs"))
-            .arg(tool_path("FERRITE_NODE_MODULES", "node-env.sh"))
-            .args(&paths),
-    );
+    let (ok, out) = custom_resources(&paths);
     assert!(ok, "{tag}: a custom resource is invalid:\n{out}");
     assert_eq!(
         out.lines().filter(|l| l.starts_with("ok")).count(),
@@ -756,12 +751,7 @@ fn the_custom_resource_validator_rejects_broken_objects() {
     ] {
         let p = dir.join(format!("{name}.json"));
         std::fs::write(&p, obj.to_string()).expect("write");
-        let (ok, out) = run_validator(
-            Command::new("node")
-                .arg(root().join("operator/tests/node/validate-crd-objects.mjs"))
-                .arg(tool_path("FERRITE_NODE_MODULES", "node-env.sh"))
-                .arg(&p),
-        );
+        let (ok, out) = custom_resources(std::slice::from_ref(&p));
         assert!(
             !ok && out.contains(why),
             "{name} was not rejected for {why:?}:\n{out}"

@@ -5,10 +5,7 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
-
-use common::validate::{root, run_validator, temp_dir, tool_path, validate, write_yaml};
+use common::validate::{custom_resources, root, temp_dir, validate, write_yaml};
 use ferrite_operator::build::{ClusterCapabilities, Desired, build};
 use ferrite_operator::config::{Dashboard, OperatorConfig};
 use ferrite_operator::crd::InferenceService;
@@ -139,15 +136,6 @@ fn examples_pass_the_generated_crd_schema() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn validate_monitors(files: &[PathBuf]) -> (bool, String) {
-    run_validator(
-        Command::new("node")
-            .arg(root().join("operator/tests/node/validate-servicemonitor.mjs"))
-            .arg(tool_path("FERRITE_NODE_MODULES", "node-env.sh"))
-            .args(files),
-    )
-}
-
 /// Built ServiceMonitors pass `@kubernetes-models/prometheus-operator`'s validation (npm), and
 /// a monitor with a malformed interval does not, so the check can fail.
 #[test]
@@ -186,7 +174,7 @@ fn service_monitors_pass_the_prometheus_operator_schema() {
         std::fs::write(&p, last.to_string()).expect("write");
         files.push(p);
     }
-    let (ok, out) = validate_monitors(&files);
+    let (ok, out) = custom_resources(&files);
     assert!(ok, "{out}");
     assert_eq!(
         out.lines().filter(|l| l.starts_with("ok ")).count(),
@@ -197,7 +185,7 @@ fn service_monitors_pass_the_prometheus_operator_schema() {
     last["spec"]["endpoints"][0]["interval"] = json!("every minute");
     let bad = dir.join("bad.json");
     std::fs::write(&bad, last.to_string()).expect("write");
-    let (ok, out) = validate_monitors(&[bad]);
+    let (ok, out) = custom_resources(&[bad]);
     assert!(!ok, "a malformed interval passed: {out}");
     assert!(out.contains("interval"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);

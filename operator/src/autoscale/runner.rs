@@ -397,20 +397,19 @@ fn publish_signals(env: &TaskEnv, cfg: &TaskConfig, signals: &Signals) {
         reporting.then_some(signals.running),
     ];
     // The leader alone exports them, so dashboards that sum over operator pods count once.
-    let targets = [cfg.policy.queue_target, cfg.policy.kv_target, None, None];
-    let series = SIGNALS.into_iter().zip(values).zip(targets);
-    for ((signal, value), target) in series.filter(|_| env.acting()) {
-        let labels = [ns.as_str(), name.as_str(), signal];
-        for (vec, v) in [(&env.metrics.signal, value), (&env.metrics.target, target)] {
-            match v {
-                Some(v) => vec.with_label_values(&labels).set(v),
-                None => {
-                    let _ = vec.remove_label_values(&labels);
+    if env.acting() {
+        let targets = [cfg.policy.queue_target, cfg.policy.kv_target, None, None];
+        for ((signal, value), target) in SIGNALS.into_iter().zip(values).zip(targets) {
+            let labels = [ns.as_str(), name.as_str(), signal];
+            for (vec, v) in [(&env.metrics.signal, value), (&env.metrics.target, target)] {
+                match v {
+                    Some(v) => vec.with_label_values(&labels).set(v),
+                    None => {
+                        let _ = vec.remove_label_values(&labels);
+                    }
                 }
             }
         }
-    }
-    if env.acting() {
         env.metrics.init(ns, name);
     }
     if reporting {

@@ -1,5 +1,6 @@
 //! One reconcile of one InferenceService.
 
+use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -11,6 +12,8 @@ use kube::api::{Api, ListParams, Patch};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use super::apply::{self, Change};
@@ -253,34 +256,16 @@ async fn apply_all(
     let (_, change) = apply::ensure(&services, desired.service).await?;
     record::<Service>(events, change, ns, &name);
 
-    match desired.pdb {
-        Some(pdb) => {
-            let (_, change) = apply::ensure(&pdbs, pdb).await?;
-            record::<PodDisruptionBudget>(events, change, ns, &name);
-        }
-        None => {
-            if apply::remove(&pdbs, &name, uid).await? {
-                events.push(deleted::<PodDisruptionBudget>(ns, &name));
-            }
-        }
-    }
-    match desired.hpa {
-        Some(hpa) => {
-            let (_, change) = apply::ensure(&hpas, hpa).await?;
-            record::<HorizontalPodAutoscaler>(events, change, ns, &name);
-        }
-        None => {
-            if apply::remove(&hpas, &name, uid).await? {
-                events.push(deleted::<HorizontalPodAutoscaler>(ns, &name));
-            }
-        }
-    }
-    if let Some(sm) = desired.service_monitor {
-        let (_, change) = apply::ensure(&monitors, sm).await?;
-        record::<ServiceMonitor>(events, change, ns, &name);
-    } else if prune_monitor && apply::remove(&monitors, &name, uid).await? {
-        events.push(deleted::<ServiceMonitor>(ns, &name));
-    }
+    let child = Child {
+        ns,
+        name: &name,
+        uid,
+    };
+    child.converge(&pdbs, desired.pdb, true, events).await?;
+    child.converge(&hpas, desired.hpa, true, events).await?;
+    child
+        .converge(&monitors, desired.service_monitor, prune_monitor, events)
+        .await?;
 
     // Dashboards vary in number: list ours, apply the wanted, delete the rest.
     let listed = config_maps
@@ -310,6 +295,40 @@ async fn apply_all(
         }
     }
     Ok(Some(deployment))
+}
+
+/// An optional child object of one InferenceService: named like it, controlled by its `uid`.
+struct Child<'a> {
+    ns: &'a str,
+    name: &'a str,
+    uid: &'a str,
+}
+
+impl Child<'_> {
+    /// Applies `desired`, or, when it is `None` and `prune`, deletes the object this
+    /// InferenceService controls; records an event for whatever changed.
+    async fn converge<K>(
+        &self,
+        api: &Api<K>,
+        desired: Option<K>,
+        prune: bool,
+        events: &mut Events,
+    ) -> Result<(), Error>
+    where
+        K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + Debug,
+    {
+        match desired {
+            Some(obj) => {
+                let (_, change) = apply::ensure(api, obj).await?;
+                record::<K>(events, change, self.ns, self.name);
+            }
+            None if prune && apply::remove(api, self.name, self.uid).await? => {
+                events.push(deleted::<K>(self.ns, self.name));
+            }
+            None => {}
+        }
+        Ok(())
+    }
 }
 
 fn deleted<K: Resource<DynamicType = ()>>(ns: &str, name: &str) -> Event {

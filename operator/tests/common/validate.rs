@@ -1,6 +1,6 @@
-//! Runs the schema validators on objects the build step makes: operator/tests/python/validate.py
-//! (Kubernetes' own schemas through PyPI `kubernetes-validate`, strict; or a CRD's schema) and
-//! the npm ServiceMonitor validator.
+//! Runs the schema validators on objects the build step and the chart make:
+//! operator/tests/python/validate.py (Kubernetes' own schemas through PyPI `kubernetes-validate`,
+//! strict; or a CRD's schema) and the npm models of custom resources.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -44,6 +44,18 @@ pub fn validate(mode: &str, target: &str, files: &[PathBuf]) -> (bool, String) {
         Command::new(tool_path("FERRITE_TEST_PYTHON", "python-env.sh"))
             .arg(root().join("operator/tests/python/validate.py"))
             .args([mode, target])
+            .args(files),
+    )
+}
+
+/// Validates custom resources (one JSON object per file) with their CRDs' npm models
+/// (operator/tests/node/validate-crd-objects.mjs: ServiceMonitor, PrometheusRule, Certificate,
+/// Issuer); its output has one `ok FILE KIND` or `invalid FILE: why` line per file.
+pub fn custom_resources(files: &[PathBuf]) -> (bool, String) {
+    run_validator(
+        Command::new("node")
+            .arg(root().join("operator/tests/node/validate-crd-objects.mjs"))
+            .arg(tool_path("FERRITE_NODE_MODULES", "node-env.sh"))
             .args(files),
     )
 }
