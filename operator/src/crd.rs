@@ -56,9 +56,6 @@ use serde::{Deserialize, Serialize};
 #[x_kube(validation = Rule::new(
     "!has(self.modelCache) || !self.model.source.startsWith('pvc://')"
 ).message("modelCache is for downloaded models; a pvc:// model is mounted from its claim directly"))]
-#[x_kube(validation = Rule::new(
-    "!has(self.autoscaling) || !has(self.replicas) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)"
-).message("replicas must lie within autoscaling.minReplicas..maxReplicas"))]
 #[serde(rename_all = "camelCase")]
 pub struct InferenceServiceSpec {
     /// What to serve.
@@ -69,10 +66,11 @@ pub struct InferenceServiceSpec {
     /// Compute for each replica.
     #[serde(default)]
     pub resources: ResourcesSpec,
-    /// Number of pods. Written by `kubectl scale`, HPA, KEDA or the built-in autoscaler through
-    /// the scale subresource; defaults to 1 (or autoscaling.minReplicas, at least 1).
+    /// Number of pods (default 1). Written by `kubectl scale`, HPA, KEDA or the built-in
+    /// autoscaler through the scale subresource. With autoscaling, a count outside
+    /// minReplicas..maxReplicas is brought within them, as an HPA does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0, max = 1000))]
+    #[schemars(range(min = 0, max = 1000), extend("default" = 1))]
     pub replicas: Option<i32>,
     /// Scale on queue length and KV-cache usage. Absent: replicas stay as set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -103,9 +101,19 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub served_name: Option<String>,
-    /// Weight format; inferred from the source when absent (`.gguf` is GGUF, else safetensors).
+    /// Weight format: `gguf` or `safetensors`; inferred from the source when absent (`.gguf`
+    /// is GGUF, else safetensors).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "model_format_schema")]
     pub format: Option<ModelFormat>,
+}
+
+/// An optional enum without the `null` that schemars lists for `Option` (`kubectl explain`
+/// would show it as a choice); absent means "infer".
+fn model_format_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let mut schema = generator.subschema_for::<ModelFormat>();
+    schema.remove("nullable");
+    schema
 }
 
 /// Weight file format.
@@ -168,9 +176,10 @@ pub struct EngineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self in [8, 16, 32, 64, 128]").message("blockSize must be 8, 16, 32, 64 or 128"))]
     pub block_size: Option<i32>,
-    /// Memory for the KV cache, as a Kubernetes quantity (`2Gi`, `512Mi`).
+    /// Memory for the KV cache, as a Kubernetes quantity (`2Gi`, `512Mi`); more than zero.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"))]
+    #[x_kube(validation = Rule::new("!self.matches('^0+([.]0+)?[A-Za-z]*$')").message("kvCacheMemory must be more than zero"))]
     pub kv_cache_memory: Option<String>,
     /// Seconds the server drains in-flight requests after SIGTERM; the pod's
     /// terminationGracePeriodSeconds is set a little above it.

@@ -7,6 +7,8 @@
 
 pub mod autoscale;
 pub mod build;
+pub mod cache;
+pub mod certs;
 pub mod config;
 pub mod controller;
 pub mod crd;

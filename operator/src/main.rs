@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use ferrite_operator::autoscale::external::{ServerTls, TlsSettings, serve_tls, service_names};
-use ferrite_operator::autoscale::runner;
+use ferrite_operator::cache::Caches;
 use ferrite_operator::config::{OperatorConfig, load_dashboards};
 use ferrite_operator::controller::{self, Context, Timing};
 use ferrite_operator::leader::{LeaderElector, LeaseSettings, Role};
@@ -157,21 +157,26 @@ async fn main() -> anyhow::Result<()> {
             .into_future(),
     );
 
+    // A v1 client certificate would otherwise fail deep in rustls with a misleading message.
+    ferrite_operator::certs::check_kubeconfig()?;
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API")?;
+    let (caches, touches) = Caches::start(client.clone());
     let ctx = Arc::new(Context::new(
         client.clone(),
         operator_config,
         metrics.clone(),
         Timing::default(),
+        caches,
     ));
+    tokio::spawn(controller::dispatch(touches, ctx.clone()));
     let external = external_metrics(&args, &ctx, stopped(stop_rx.clone())).await?;
 
-    let result = if args.no_leader_election {
+    if args.no_leader_election {
         health.ready.store(true, Ordering::Relaxed);
         metrics.leader.set(1);
-        controller::run(ctx, stopped(stop_rx.clone())).await
+        controller::run(ctx, stopped(stop_rx.clone())).await?;
     } else {
         let identity = match &args.identity {
             Some(i) => i.clone(),
@@ -183,23 +188,15 @@ async fn main() -> anyhow::Result<()> {
             identity,
             lease_duration: Duration::from_secs(args.lease_seconds.max(2)),
         };
-        let observe = external.is_some();
-        lead(
-            client,
-            settings,
-            ctx,
-            &health,
-            &metrics,
-            observe,
-            stop_rx.clone(),
-        )
-        .await
-    };
+        // Losing the Lease returns an error: the process exits non-zero at once (its
+        // /healthz already failing), and the kubelet restarts it as a standby.
+        lead(client, settings, ctx, &health, &metrics, stop_rx.clone()).await?;
+    }
     let _ = http.await;
     if let Some(e) = external {
         let _ = e.await;
     }
-    result
+    Ok(())
 }
 
 /// Starts the External Metrics API over TLS, unless turned off.
@@ -240,9 +237,14 @@ fn hostname() -> String {
         .unwrap_or_else(|_| format!("ferrite-operator-{}", std::process::id()))
 }
 
-/// Waits for the Lease, reconciles while renewing it, and exits with an error if it is lost
-/// (so the pod restarts as a standby rather than acting without it). While it waits, with
-/// `observe`, the autoscaler scrapes without acting, so this replica's External Metrics API
+/// How long a replica that lost its Lease gives in-flight reconciles before it exits.
+const LOST_GRACE: Duration = Duration::from_secs(5);
+
+/// Waits for the Lease, then reconciles while renewing it. Renewal retries every third of
+/// the Lease duration; when none has succeeded for two thirds of it (client-go's renew
+/// deadline), the Lease is lost: `/healthz` fails, reconciling stops, and this returns an
+/// error, so the process exits rather than idle as a leader that no longer leads. While it
+/// waits, the autoscaler observes without acting, so this replica's External Metrics API
 /// serves the same signals as the leader's.
 async fn lead(
     client: kube::Client,
@@ -250,13 +252,9 @@ async fn lead(
     ctx: Arc<Context>,
     health: &Health,
     metrics: &Metrics,
-    observe: bool,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let retry = settings.lease_duration / 3;
-    ctx.autoscaler.set_acting(false);
-    let observer =
-        observe.then(|| tokio::spawn(runner::observe(ctx.autoscaler.clone(), client.clone())));
     let mut elector = LeaderElector::new(client, settings.clone());
     loop {
         if *stop.borrow() {
@@ -276,15 +274,10 @@ async fn lead(
             _ = s.wait_for(|v| *v) => return Ok(()),
         }
     }
-    if let Some(o) = observer {
-        o.abort();
-    }
-    ctx.autoscaler.set_acting(true);
     health.ready.store(true, Ordering::Relaxed);
     metrics.leader.set(1);
     tracing::info!(identity = %settings.identity, "acquired the leader Lease");
 
-    // Renew in the background; losing the Lease stops the controller.
     let (lost_tx, lost_rx) = watch::channel(false);
     let (done_tx, mut done_rx) = watch::channel(false);
     let mut renew_stop = stop.clone();
@@ -301,7 +294,7 @@ async fn lead(
                 Ok(Role::Follower(holder)) => {
                     tracing::error!(
                         holder = holder.as_deref().unwrap_or("?"),
-                        "lost the leader Lease"
+                        "lost the leader Lease to another replica"
                     );
                     let _ = lost_tx.send(true);
                     return elector;
@@ -309,7 +302,9 @@ async fn lead(
                 Err(e) => {
                     tracing::warn!(error = %e, "renewing the leader Lease");
                     if last_ok.elapsed() >= settings.lease_duration * 2 / 3 {
-                        tracing::error!("could not renew the leader Lease in time");
+                        tracing::error!(
+                            "could not renew the leader Lease within its renew deadline"
+                        );
                         let _ = lost_tx.send(true);
                         return elector;
                     }
@@ -326,21 +321,33 @@ async fn lead(
             }
         }
     };
-    let result = controller::run(ctx, shutdown).await;
+    let run = controller::run(ctx, shutdown);
+    let mut run = std::pin::pin!(run);
+    let mut lost = lost_rx.clone();
+    let result = tokio::select! {
+        r = &mut run => r,
+        _ = lost.wait_for(|v| *v) => {
+            health.failed.store(true, Ordering::Relaxed);
+            match tokio::time::timeout(LOST_GRACE, &mut run).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::warn!("reconciles still in flight after losing the Lease; exiting anyway");
+                    Ok(())
+                }
+            }
+        }
+    };
     metrics.leader.set(0);
     let _ = done_tx.send(true);
     let lost = *lost_rx.borrow();
-    match renewer.await {
-        Ok(mut elector) if !lost => {
-            if let Err(e) = elector.release().await {
-                tracing::warn!(error = %e, "releasing the leader Lease");
-            }
-        }
-        _ => {}
-    }
-    result?;
     if lost {
-        anyhow::bail!("lost the leader Lease");
+        health.failed.store(true, Ordering::Relaxed);
+        anyhow::bail!("lost the leader Lease; exiting so that this replica restarts as a standby");
     }
-    Ok(())
+    if let Ok(mut elector) = renewer.await
+        && let Err(e) = elector.release().await
+    {
+        tracing::warn!(error = %e, "releasing the leader Lease");
+    }
+    result
 }

@@ -77,11 +77,17 @@ impl Finding {
 }
 
 /// Where the ServiceMonitor stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MonitorState {
     Applied,
     Disabled,
     CrdMissing,
+    /// The spec is blocked (`why`), so its ServiceMonitor was not applied; `earlier` when the
+    /// one from the previous spec is still in place.
+    NotApplied {
+        earlier: bool,
+        why: String,
+    },
 }
 
 /// Everything the status is computed from.
@@ -153,6 +159,24 @@ pub fn pod_failure(pods: &[Pod]) -> Option<Finding> {
     None
 }
 
+/// The Deployment's `ReplicaFailure` condition: its ReplicaSet cannot create pods (a missing
+/// PriorityClass, an exceeded ResourceQuota, a rejected pod spec).
+pub fn replica_failure(d: &Deployment) -> Option<Finding> {
+    let c = d
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "ReplicaFailure" && c.status == "True")?;
+    let reason = c.reason.as_deref().unwrap_or("FailedCreate");
+    let detail = c.message.as_deref().unwrap_or("no message");
+    Some(Finding::new(
+        "ReplicaFailure",
+        format!("the Deployment cannot create pods ({reason}): {detail}"),
+    ))
+}
+
 /// Replica counts of a Deployment and whether its rollout is complete, with the rules
 /// `kubectl rollout status` uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -195,10 +219,12 @@ pub fn compute(
     now: &Time,
 ) -> InferenceServiceStatus {
     let r = obs.deployment.map(rollout).unwrap_or_default();
+    let replica_failure = obs.deployment.and_then(replica_failure);
+    let pod_failure = obs.pod_failure.clone().or(replica_failure);
     let degraded = obs
         .blocked
         .clone()
-        .or_else(|| obs.pod_failure.clone())
+        .or_else(|| pod_failure.clone())
         .or_else(|| {
             r.stalled.then(|| {
                 Finding::new(
@@ -251,13 +277,13 @@ pub fn compute(
             Finding::new("RolloutComplete", "the rollout is complete"),
         )
     } else {
-        let why = obs.pod_failure.as_ref().map_or_else(
+        let why = pod_failure.as_ref().map_or_else(
             || format!("{}/{} replicas ready", r.ready, obs.desired_replicas),
             |f| f.message.clone(),
         );
         (true, Finding::new("RollingOut", why))
     };
-    let monitor = match obs.monitor {
+    let monitor = match &obs.monitor {
         MonitorState::Applied => (
             true,
             Finding::new("ServiceMonitorApplied", "the ServiceMonitor is in place"),
@@ -274,6 +300,25 @@ pub fn compute(
             Finding::new(
                 "ServiceMonitorCRDNotInstalled",
                 "the monitoring.coreos.com/v1 ServiceMonitor CRD is not installed; install the Prometheus Operator or scrape the pods' prometheus.io annotations",
+            ),
+        ),
+        MonitorState::NotApplied { earlier: true, why } => (
+            true,
+            Finding::new(
+                "PreviousServiceMonitor",
+                format!(
+                    "the ServiceMonitor of the previous spec is in place; the current spec is not applied: {why}"
+                ),
+            ),
+        ),
+        MonitorState::NotApplied {
+            earlier: false,
+            why,
+        } => (
+            false,
+            Finding::new(
+                "SpecNotApplied",
+                format!("no ServiceMonitor: the spec is not applied: {why}"),
             ),
         ),
     };

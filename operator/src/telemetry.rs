@@ -15,8 +15,6 @@ use prometheus::{
     Opts, Registry, TextEncoder,
 };
 
-use crate::controller::Error;
-
 /// Reconcile duration buckets (seconds): fine below 100 ms, where a healthy reconcile sits.
 const DURATION_BUCKETS: &[f64] = &[
     0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
@@ -211,11 +209,12 @@ impl Metrics {
         })
     }
 
-    pub fn observe_reconcile(&self, took: Duration, error: Option<&Error>) {
+    /// Counts a reconcile; `error` is the failure's low-cardinality kind.
+    pub fn observe_reconcile(&self, took: Duration, error: Option<&str>) {
         self.reconciles.inc();
         self.duration.observe(took.as_secs_f64());
-        if let Some(e) = error {
-            self.errors.with_label_values(&[e.metric_label()]).inc();
+        if let Some(kind) = error {
+            self.errors.with_label_values(&[kind]).inc();
         }
     }
 
@@ -232,6 +231,9 @@ impl Metrics {
 pub struct Health {
     /// Set once the operator has reached the API server (as leader or standby).
     pub ready: AtomicBool,
+    /// Set when this replica lost its leader Lease and is about to exit: `/healthz` fails
+    /// first, so a kubelet that finds it before the exit restarts it anyway.
+    pub failed: AtomicBool,
 }
 
 #[derive(Debug, Clone)]
@@ -244,7 +246,7 @@ struct HttpState {
 pub fn router(metrics: Arc<Metrics>, health: Arc<Health>) -> Router {
     Router::new()
         .route("/metrics", get(metrics_handler))
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(HttpState { metrics, health })
 }
@@ -264,8 +266,24 @@ async fn metrics_handler(State(s): State<HttpState>) -> impl IntoResponse {
     }
 }
 
+async fn healthz(State(s): State<HttpState>) -> impl IntoResponse {
+    if s.health.failed.load(Ordering::Relaxed) {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "lost the leader Lease; exiting",
+        )
+    } else {
+        (StatusCode::OK, "ok")
+    }
+}
+
 async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
-    if s.health.ready.load(Ordering::Relaxed) {
+    if s.health.failed.load(Ordering::Relaxed) {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "lost the leader Lease; exiting",
+        )
+    } else if s.health.ready.load(Ordering::Relaxed) {
         (StatusCode::OK, "ready")
     } else {
         (

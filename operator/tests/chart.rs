@@ -10,60 +10,17 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use base64::Engine as _;
+use common::chart::{NAMESPACE, chart_dir, find, helm, one, operator_args, path_str, render};
 use common::operator::{ISVCS, Operator, blocking, eventually};
-use common::validate::{custom_resources, kubernetes, root, run_validator, temp_dir, tool_path};
+use common::validate::{custom_resources, kubernetes, root, temp_dir};
 use ferrite_operator::fake_api::{Access, FakeApi};
 use serde_json::{Value, json};
 
-const NAMESPACE: &str = "ferrite-system";
 /// Kinds whose schemas come from their CRDs' npm models, not from Kubernetes.
 const CRD_KINDS: [&str; 4] = ["ServiceMonitor", "PrometheusRule", "Certificate", "Issuer"];
-
-fn chart_dir() -> PathBuf {
-    root().join("charts/ferrite-operator")
-}
-
-/// Runs operator/tests/python/chart.py with the project's Python (which has the Helm SDK).
-fn helm(args: &[&str]) -> (bool, String) {
-    run_validator(
-        Command::new(tool_path("FERRITE_TEST_PYTHON", "python-env.sh"))
-            .arg(root().join("operator/tests/python/chart.py"))
-            .args(args),
-    )
-}
-
-fn path_str(p: &Path) -> &str {
-    p.to_str().expect("UTF-8 path")
-}
-
-/// Renders the chart with `values` (a file merged over values.yaml) as `helm install` would;
-/// returns the objects, or Helm's message.
-fn render(values: &Path, tag: &str) -> Result<Vec<Value>, String> {
-    let out = temp_dir("chart").join(format!("{tag}.yaml"));
-    let (ok, text) = helm(&[
-        "render",
-        path_str(&chart_dir()),
-        path_str(values),
-        NAMESPACE,
-        path_str(&out),
-    ]);
-    if !ok {
-        return Err(text);
-    }
-    let yaml = std::fs::read_to_string(&out).expect("rendered file");
-    let mut docs = Vec::new();
-    for doc in serde_yaml_ng::Deserializer::from_str(&yaml) {
-        let v: Value = serde::Deserialize::deserialize(doc).expect("rendered YAML parses");
-        if !v.is_null() {
-            docs.push(v);
-        }
-    }
-    Ok(docs)
-}
 
 fn value_sets() -> Vec<PathBuf> {
     let mut sets: Vec<PathBuf> = std::fs::read_dir(chart_dir().join("ci"))
@@ -83,25 +40,6 @@ fn set_name(p: &Path) -> String {
                 .to_string()
         })
         .unwrap_or_default()
-}
-
-fn find<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
-    docs.iter().filter(|d| d["kind"] == kind).collect()
-}
-
-fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
-    let found = find(docs, kind);
-    assert_eq!(found.len(), 1, "expected one {kind}, found {}", found.len());
-    found[0]
-}
-
-fn operator_args(docs: &[Value]) -> Vec<String> {
-    one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-        .as_array()
-        .expect("args")
-        .iter()
-        .filter_map(|a| a.as_str().map(String::from))
-        .collect()
 }
 
 /// Files under `dir` with their bytes, by file name.

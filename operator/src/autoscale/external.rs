@@ -437,6 +437,8 @@ pub enum TlsError {
     },
     #[error("TLS configuration: {0}")]
     Rustls(#[from] rustls::Error),
+    #[error(transparent)]
+    Version(#[from] crate::certs::CertError),
 }
 
 /// A ready TLS server configuration and the certificate it presents.
@@ -461,6 +463,7 @@ impl ServerTls {
                 if chain.is_empty() {
                     return Err(TlsError::NoCertificate(cert.clone()));
                 }
+                crate::certs::check_file(cert, "the serving certificate")?;
                 let key_der = PrivateKeyDer::from_pem_slice(read_to_string(key)?.as_bytes())
                     .map_err(|source| TlsError::Pem {
                         path: key.clone(),
@@ -477,6 +480,10 @@ impl ServerTls {
             Some(path) => {
                 let mut roots = RootCertStore::empty();
                 let pem = read_to_string(path)?;
+                crate::certs::check_pem(
+                    pem.as_bytes(),
+                    &format!("the client CA {}", path.display()),
+                )?;
                 for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
                     let cert = cert.map_err(|source| TlsError::Pem {
                         path: path.clone(),
@@ -611,7 +618,10 @@ async fn connection(
     let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
         Ok(Ok(tls)) => tls,
         Ok(Err(e)) => {
-            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+            match crate::certs::explain_handshake(&format!("{e:?}")) {
+                Some(why) => tracing::warn!(%peer, error = %e, "TLS handshake failed: {why}"),
+                None => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+            }
             return;
         }
         Err(_) => {

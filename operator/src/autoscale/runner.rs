@@ -1,5 +1,6 @@
-//! The autoscaler loop: one task per autoscaled InferenceService. Every scrape interval it finds
-//! the pods, scrapes the ready ones, and in Builtin mode decides and writes the scale
+//! The autoscaler loop: one task per autoscaled InferenceService, kept in step with the
+//! InferenceServices by the watch caches. Every scrape interval it finds the pods (in the pod
+//! cache), scrapes the ready ones, and in Builtin mode decides and writes the scale
 //! subresource. The signals go to the [`SignalStore`] (for the External Metrics API) and a view
 //! goes to the status step; the reconcile that writes status is triggered from here, so status
 //! keeps one writer.
@@ -11,18 +12,19 @@ use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
 use super::algorithm::{Decision, Policy, ScalerState, Signals};
 use super::scrape::{PodResult, PodTarget, Scraper};
 use super::store::{Key, SignalStore, Snapshot};
-use crate::build::{desired_replicas, port, selector};
+use crate::build::{desired_replicas, port};
+use crate::cache::{Caches, Triggers};
 use crate::config::FIELD_MANAGER;
 use crate::crd::{AutoscalingMode, CurrentMetrics, InferenceService};
 use crate::status::{AutoscaleView, Finding};
@@ -54,7 +56,8 @@ pub struct Autoscaler {
     scraper: Scraper,
     tasks: Mutex<HashMap<Key, Task>>,
     views: Arc<Mutex<HashMap<Key, AutoscaleView>>>,
-    trigger: mpsc::UnboundedSender<ObjectRef<InferenceService>>,
+    caches: Caches,
+    triggers: Arc<Triggers>,
     /// False on a standby replica: tasks scrape and feed the External Metrics API, but decide,
     /// write, record events and export per-InferenceService metrics only once it leads.
     acting: Arc<AtomicBool>,
@@ -67,16 +70,17 @@ impl std::fmt::Debug for Autoscaler {
 }
 
 impl Autoscaler {
-    /// Returns the autoscaler and the stream of InferenceServices whose status should be
-    /// refreshed (fed to the controller's `reconcile_on`).
+    /// Reads InferenceServices and pods from `caches`; asks `triggers` for a reconcile when
+    /// what the status shows changes (so status keeps one writer).
     pub fn new(
         client: Client,
         store: Arc<SignalStore>,
         metrics: AutoscalerMetrics,
         recorder: Recorder,
-    ) -> (Self, mpsc::UnboundedReceiver<ObjectRef<InferenceService>>) {
-        let (trigger, rx) = mpsc::unbounded_channel();
-        let this = Self {
+        caches: Caches,
+        triggers: Arc<Triggers>,
+    ) -> Self {
+        Self {
             client,
             store,
             metrics,
@@ -84,10 +88,10 @@ impl Autoscaler {
             scraper: Scraper::new(Duration::from_secs(2)),
             tasks: Mutex::new(HashMap::new()),
             views: Arc::new(Mutex::new(HashMap::new())),
-            trigger,
-            acting: Arc::new(AtomicBool::new(true)),
-        };
-        (this, rx)
+            caches,
+            triggers,
+            acting: Arc::new(AtomicBool::new(false)),
+        }
     }
 
     /// Whether this replica acts on its decisions (it leads) or only observes (it stands by).
@@ -99,8 +103,8 @@ impl Autoscaler {
         &self.store
     }
 
-    /// Starts, updates or stops the task of `isvc` to match its spec. Called by every
-    /// reconcile; cheap when nothing changed.
+    /// Starts, updates or stops the task of `isvc` to match its spec. Called for every change
+    /// the InferenceService cache sees; cheap when nothing changed.
     pub fn sync(&self, isvc: &InferenceService) {
         let Some(ns) = isvc.namespace() else { return };
         let key = Key::new(ns, isvc.name_any());
@@ -150,6 +154,15 @@ impl Autoscaler {
         forget(&self.store, &self.views, &self.metrics, key);
     }
 
+    /// Stops the task of an InferenceService that is gone.
+    pub fn remove(&self, key: &Key) {
+        let task = self.tasks.lock().ok().and_then(|mut t| t.remove(key));
+        if let Some(t) = task {
+            t.abort.abort();
+            self.forget(key);
+        }
+    }
+
     /// The status view of `key`: the last evaluation, or pending before the first.
     pub fn view(&self, key: &Key) -> AutoscaleView {
         self.views
@@ -168,28 +181,9 @@ impl Autoscaler {
             recorder: self.recorder.clone(),
             scraper: self.scraper.clone(),
             views: self.views.clone(),
-            trigger: self.trigger.clone(),
+            caches: self.caches.clone(),
+            triggers: self.triggers.clone(),
             acting: self.acting.clone(),
-        }
-    }
-}
-
-/// On a standby replica: keeps a task per autoscaled InferenceService scraping (without acting,
-/// see [`Autoscaler::set_acting`]), so that an External Metrics API behind a Service of several
-/// replicas answers the same from each of them. Runs until aborted, when the replica leads and
-/// reconciles take over the tasks.
-pub async fn observe(autoscaler: Arc<Autoscaler>, client: Client) {
-    use futures::StreamExt;
-    use kube::runtime::{WatchStreamExt, watcher};
-    let api: Api<InferenceService> = Api::all(client);
-    let stream = watcher(api, watcher::Config::default().any_semantic())
-        .default_backoff()
-        .applied_objects();
-    let mut stream = std::pin::pin!(stream);
-    while let Some(item) = stream.next().await {
-        match item {
-            Ok(isvc) => autoscaler.sync(&isvc),
-            Err(e) => tracing::warn!(error = %e, "watching InferenceServices on standby"),
         }
     }
 }
@@ -218,7 +212,8 @@ struct TaskEnv {
     recorder: Recorder,
     scraper: Scraper,
     views: Arc<Mutex<HashMap<Key, AutoscaleView>>>,
-    trigger: mpsc::UnboundedSender<ObjectRef<InferenceService>>,
+    caches: Caches,
+    triggers: Arc<Triggers>,
     acting: Arc<AtomicBool>,
 }
 
@@ -248,7 +243,7 @@ async fn run_task(env: TaskEnv, mut config: watch::Receiver<TaskConfig>) {
                 if stale && env.acting() {
                     published = Some((view, Instant::now()));
                     let r = ObjectRef::new(&env.key.name).within(&env.key.namespace);
-                    let _ = env.trigger.send(r);
+                    env.triggers.reconcile(r);
                 }
             }
             Ok(None) => {
@@ -285,18 +280,20 @@ async fn evaluate(
 ) -> Result<Option<AutoscaleView>, kube::Error> {
     let (ns, name) = (&env.key.namespace, &env.key.name);
     let isvcs: Api<InferenceService> = Api::namespaced(env.client.clone(), ns);
-    let Some(isvc) = isvcs.get_opt(name).await? else {
+    let Some(isvc) = env.caches.isvc(ns, name) else {
         return Ok(None);
     };
     if last_scale.is_none() {
         // After a restart, keep the time the previous operator recorded.
         *last_scale = isvc.status.as_ref().and_then(|s| s.last_scale_time.clone());
     }
-    let pods: Api<Pod> = Api::namespaced(env.client.clone(), ns);
-    let list = pods
-        .list(&ListParams::default().labels(&selector(name)))
-        .await?;
-    let targets = pod_targets(&list.items, cfg.port);
+    let pods: Vec<Pod> = env
+        .caches
+        .pods_of(ns, name)
+        .iter()
+        .map(|p| (**p).clone())
+        .collect();
+    let targets = pod_targets(&pods, cfg.port);
     let results = env.scraper.scrape_all(&targets).await;
     for r in &results {
         if let Some(e) = &r.error {

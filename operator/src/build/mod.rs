@@ -62,7 +62,9 @@ pub enum BuildError {
     MissingMetadata(&'static str),
     #[error("model.source {0:?}: {1}")]
     ModelSource(String, &'static str),
-    #[error("runtime.engine.kvCacheMemory {0:?} is not a byte quantity")]
+    #[error(
+        "runtime.engine.kvCacheMemory {0:?} is not a usable size: give at least one byte, as a quantity like 2Gi"
+    )]
     KvCacheMemory(String),
     #[error("dashboard {0}: {1}")]
     Dashboard(String, &'static str),
@@ -150,14 +152,14 @@ pub fn served_name(isvc: &InferenceService) -> String {
         .unwrap_or_else(|| isvc.name_any())
 }
 
-/// Replicas to run: spec.replicas, else autoscaling.minReplicas (at least 1), else 1.
+/// Replicas to run: spec.replicas (the schema defaults it to 1), brought within
+/// autoscaling.minReplicas..maxReplicas when autoscaling is on, as an HPA does.
 pub fn desired_replicas(isvc: &InferenceService) -> i32 {
-    isvc.spec.replicas.unwrap_or_else(|| {
-        isvc.spec
-            .autoscaling
-            .as_ref()
-            .map_or(1, |a| a.min_replicas.max(1))
-    })
+    let replicas = isvc.spec.replicas.unwrap_or(1);
+    match &isvc.spec.autoscaling {
+        Some(a) => replicas.clamp(a.min_replicas, a.max_replicas.max(a.min_replicas)),
+        None => replicas,
+    }
 }
 
 pub fn port(isvc: &InferenceService) -> i32 {

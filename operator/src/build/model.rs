@@ -69,6 +69,19 @@ impl ModelSource {
     }
 }
 
+/// The PersistentVolumeClaims the spec mounts, each with the field that names it. They must
+/// exist before the Deployment may reference them.
+pub fn claims(isvc: &InferenceService) -> Vec<(&'static str, String)> {
+    let mut claims = Vec::new();
+    if let Ok(ModelSource::Pvc { claim, .. }) = ModelSource::parse(&isvc.spec.model.source) {
+        claims.push(("model.source", claim));
+    }
+    if let Some(c) = &isvc.spec.model_cache {
+        claims.push(("modelCache.claimName", c.claim_name.clone()));
+    }
+    claims
+}
+
 /// What the pod template needs for the model.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ModelMount {

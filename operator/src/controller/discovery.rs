@@ -38,7 +38,8 @@ impl MonitorDiscovery {
                 .resources
                 .iter()
                 .any(|r| r.name == ServiceMonitor::plural(&())),
-            Err(kube::Error::Api(s)) if s.is_not_found() => false,
+            // A group nobody serves answers a plain-text 404, not a Status.
+            Err(e) if super::apply::not_found(&e) => false,
             Err(e) => return Err(e),
         };
         if let Ok(mut guard) = self.cached.lock() {

@@ -1,5 +1,6 @@
-//! The I/O half of the operator: the kube-rs `Controller`, one reconcile per InferenceService,
-//! and the retry policy. Reconcile runs dereference → validate → build → apply → status.
+//! The I/O half of the operator: the kube-rs `Controller` over the watch caches, one reconcile
+//! per InferenceService, and the retry policy. Reconcile runs dereference → validate → build →
+//! apply → status.
 
 pub mod apply;
 pub mod discovery;
@@ -10,23 +11,19 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-use k8s_openapi::api::core::v1::{ConfigMap, Service};
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use tokio::sync::mpsc;
 
 pub use reconcile::reconcile;
 
 use crate::autoscale::runner::Autoscaler;
-use crate::autoscale::store::SignalStore;
-use crate::build::monitor::ServiceMonitor;
+use crate::autoscale::store::{Key, SignalStore};
+use crate::build::model::claims;
+use crate::cache::{Caches, Touch, Triggers};
 use crate::config::{FIELD_MANAGER, OperatorConfig};
 use crate::crd::InferenceService;
 use crate::telemetry::Metrics;
@@ -50,6 +47,8 @@ pub enum Error {
     Unnamed,
     #[error("the InferenceService has no {0}")]
     Metadata(&'static str),
+    #[error("the {0} cache is not ready")]
+    Cache(&'static str),
 }
 
 impl Error {
@@ -74,6 +73,7 @@ impl Error {
             Error::Discovery(_) => "discovery",
             Error::Serialize(_) => "serialize",
             Error::Unnamed | Error::Metadata(_) => "invalid_object",
+            Error::Cache(_) => "cache",
         }
     }
 }
@@ -115,10 +115,14 @@ pub struct Context {
     pub recorder: Recorder,
     pub discovery: MonitorDiscovery,
     pub timing: Timing,
-    /// The autoscaler tasks, started and stopped by reconciles.
+    /// What reconciles read instead of the API server.
+    pub caches: Caches,
+    /// Where requests for reconciles go (the controller's queue while this replica leads).
+    pub triggers: Arc<Triggers>,
+    /// The autoscaler tasks, kept in step with the InferenceServices by [`dispatch`].
     pub autoscaler: Arc<Autoscaler>,
-    /// InferenceServices whose autoscaling status changed; taken by [`run`].
-    refresh: Mutex<Option<mpsc::UnboundedReceiver<ObjectRef<InferenceService>>>>,
+    /// What each child looked like after the operator last wrote it (drift detection).
+    pub applied: apply::Memo,
     failures: Mutex<HashMap<String, u32>>,
 }
 
@@ -137,22 +141,28 @@ impl Context {
         config: OperatorConfig,
         metrics: Arc<Metrics>,
         timing: Timing,
+        caches: Caches,
     ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.into(),
             instance: std::env::var("POD_NAME").ok(),
         };
         let recorder = Recorder::new(client.clone(), reporter);
-        let (autoscaler, refresh) = Autoscaler::new(
+        let triggers = Arc::new(Triggers::default());
+        let autoscaler = Autoscaler::new(
             client.clone(),
             Arc::new(SignalStore::new()),
             metrics.autoscaler.clone(),
             recorder.clone(),
+            caches.clone(),
+            triggers.clone(),
         );
         Self {
             recorder,
             autoscaler: Arc::new(autoscaler),
-            refresh: Mutex::new(Some(refresh)),
+            caches,
+            triggers,
+            applied: apply::Memo::default(),
             discovery: MonitorDiscovery::new(timing.discovery_ttl),
             client,
             config,
@@ -206,55 +216,65 @@ pub fn error_policy(isvc: Arc<InferenceService>, error: &Error, ctx: Arc<Context
     Action::requeue(delay)
 }
 
-/// Labels every owned object carries, used to watch only the operator's own.
-const MANAGED_SELECTOR: &str = "app.kubernetes.io/managed-by=ferrite-operator";
+/// Turns cache changes into autoscaler updates and reconcile requests, for the life of the
+/// process (leader and standby alike; a standby's requests go nowhere).
+pub async fn dispatch(mut touches: mpsc::UnboundedReceiver<Touch>, ctx: Arc<Context>) {
+    while let Some(t) = touches.recv().await {
+        match t {
+            Touch::Applied(isvc) => {
+                ctx.autoscaler.sync(&isvc);
+                ctx.triggers.reconcile(ObjectRef::from_obj(&*isvc));
+            }
+            Touch::Deleted(r) => {
+                let ns = r.namespace.clone().unwrap_or_default();
+                ctx.autoscaler.remove(&Key::new(&ns, &r.name));
+                ctx.applied.forget_owner(&ns, &r.name);
+            }
+            Touch::Owner(r) => ctx.triggers.reconcile(r),
+            Touch::Claim { namespace, name } => {
+                for isvc in ctx.caches.isvcs.state() {
+                    if isvc.metadata.namespace.as_deref() == Some(namespace.as_str())
+                        && claims(&isvc).iter().any(|(_, c)| *c == name)
+                    {
+                        ctx.triggers.reconcile(ObjectRef::from_obj(&*isvc));
+                    }
+                }
+            }
+        }
+    }
+}
 
 /// Runs the controller until `shutdown` resolves, then lets in-flight reconciles finish.
+/// Every InferenceService is reconciled once at the start; after that, whatever the caches
+/// and the autoscaler report.
 pub async fn run(
     ctx: Arc<Context>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) -> anyhow::Result<()> {
-    let client = ctx.client.clone();
-    let isvcs: Api<InferenceService> = Api::all(client.clone());
+    let isvcs: Api<InferenceService> = Api::all(ctx.client.clone());
     // Fail fast with a clear message when the CRD is missing instead of retrying forever.
     isvcs
-        .list(&kube::api::ListParams::default().limit(1))
+        .list_metadata(&kube::api::ListParams::default().limit(1))
         .await
         .map_err(|e| anyhow::anyhow!("listing InferenceServices (is the CRD installed?): {e}"))?;
-    let owned = watcher::Config::default().labels(MANAGED_SELECTOR);
-    let mut controller = Controller::new(isvcs, watcher::Config::default().any_semantic())
-        .owns(Api::<Deployment>::all(client.clone()), owned.clone())
-        .owns(Api::<Service>::all(client.clone()), owned.clone())
-        .owns(
-            Api::<PodDisruptionBudget>::all(client.clone()),
-            owned.clone(),
-        )
-        .owns(Api::<ConfigMap>::all(client.clone()), owned.clone())
-        .owns(
-            Api::<HorizontalPodAutoscaler>::all(client.clone()),
-            owned.clone(),
-        );
-    if ctx
-        .discovery
-        .service_monitor_crd(&client)
-        .await
-        .unwrap_or(false)
-    {
-        controller = controller.owns(Api::<ServiceMonitor>::all(client.clone()), owned);
-    } else {
-        tracing::info!(
-            "the ServiceMonitor CRD is not installed; not watching ServiceMonitors (restart the operator after installing it)"
-        );
+    let requests = ctx.triggers.attach();
+    let shutdown = futures::FutureExt::shared(shutdown);
+    tokio::select! {
+        r = ctx.caches.ready() => r.map_err(|e| anyhow::anyhow!("watch caches: {e}"))?,
+        _ = shutdown.clone() => return Ok(()),
     }
-    // The autoscaler asks for a reconcile when what it shows in status changes.
-    if let Some(rx) = ctx.refresh.lock().ok().and_then(|mut r| r.take()) {
-        let refresh =
-            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) });
-        controller = controller.reconcile_on(refresh);
+    ctx.autoscaler.set_acting(true);
+    for isvc in ctx.caches.isvcs.state() {
+        ctx.autoscaler.sync(&isvc);
+        ctx.triggers.reconcile(ObjectRef::from_obj(&*isvc));
     }
-    controller
+    let requests = futures::stream::unfold(requests, |mut rx| async move {
+        rx.recv().await.map(|r| (r, rx))
+    });
+    Controller::for_stream(futures::stream::pending(), ctx.caches.isvcs.clone())
+        .reconcile_on(requests)
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
+        .run(reconcile, error_policy, ctx.clone())
         .for_each(|res| async move {
             match res {
                 Ok((obj, _)) => tracing::debug!(object = %obj, "reconciled"),
@@ -262,5 +282,7 @@ pub async fn run(
             }
         })
         .await;
+    ctx.triggers.detach();
+    ctx.autoscaler.set_acting(false);
     Ok(())
 }

@@ -2,15 +2,15 @@
 
 use std::fmt::Debug;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, PersistentVolumeClaim, Pod, Service};
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{Api, ListParams, Patch};
+use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PartialObjectMeta, Patch};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -20,21 +20,27 @@ use super::apply::{self, Change};
 use super::{Context, Error};
 use crate::autoscale::store::Key;
 use crate::build::dashboards::DASHBOARD_COMPONENT;
-use crate::build::model::ModelSource;
+use crate::build::model::claims;
 use crate::build::monitor::ServiceMonitor;
 use crate::build::{
     COMPONENT_LABEL, ClusterCapabilities, Desired, INSTANCE_LABEL, build, desired_replicas,
     selector, url,
 };
+use crate::cache::Caches;
 use crate::crd::{InferenceService, InferenceServiceStatus};
 use crate::status::{self, DEGRADED, Finding, MonitorState, Observation, READY};
+
+/// How long a reconcile waits for the ServiceMonitor cache's first listing.
+const MONITOR_CACHE_WAIT: Duration = Duration::from_secs(10);
 
 /// Reconciles one InferenceService and records the outcome in the operator's metrics.
 pub async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     let result = reconcile_inner(&isvc, &ctx).await;
-    ctx.metrics
-        .observe_reconcile(started.elapsed(), result.as_ref().err());
+    ctx.metrics.observe_reconcile(
+        started.elapsed(),
+        result.as_ref().err().map(Error::metric_label),
+    );
     if result.is_ok() {
         ctx.succeeded(&isvc);
     }
@@ -73,24 +79,22 @@ fn record<K: Resource<DynamicType = ()>>(
     ns: &str,
     name: &str,
 ) {
-    let (reason, verb) = match change {
+    let kind = K::kind(&());
+    let (reason, note) = match change {
         Change::Unchanged => return,
-        Change::Created => ("Created", "created"),
-        Change::Updated => ("Updated", "updated"),
+        Change::Created => ("Created", format!("created {kind} {name}")),
+        Change::Updated => ("Updated", format!("updated {kind} {name}")),
+        Change::Restored => (
+            "Updated",
+            format!("restored {kind} {name}, which was changed outside the operator"),
+        ),
     };
-    let mut e = event(
-        EventType::Normal,
-        reason,
-        "Apply",
-        format!("{verb} {} {name}", K::kind(&())),
-    );
+    let mut e = event(EventType::Normal, reason, "Apply", note);
     e.secondary = Some(child_ref::<K>(ns, name));
     events.push(e);
 }
 
 async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Action, Error> {
-    // Start, retune or stop the autoscaler task before anything can return early.
-    ctx.autoscaler.sync(isvc);
     // Being deleted: garbage collection removes the children; re-applying them would fight it.
     if isvc.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
@@ -98,18 +102,27 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     let ns = isvc.namespace().ok_or(Error::Metadata("namespace"))?;
     let name = isvc.name_any();
     let uid = isvc.uid().ok_or(Error::Metadata("uid"))?;
-    let client = ctx.client.clone();
+    let caches = &ctx.caches;
+    caches.ready().await.map_err(|_| Error::Cache("watch"))?;
     let mut events = Events::new();
 
     // Dereference: what the cluster offers and what the spec points at.
     let monitor_wanted = isvc.spec.monitoring.service_monitor.enabled;
-    let service_monitor_crd = monitor_wanted
-        && ctx
-            .discovery
-            .service_monitor_crd(&client)
-            .await
-            .map_err(Error::Discovery)?;
-    let mut blocked = missing_claim(isvc, &client, &ns).await?;
+    let service_monitor_crd = ctx
+        .discovery
+        .service_monitor_crd(&ctx.client)
+        .await
+        .map_err(Error::Discovery)?;
+    let monitors = match service_monitor_crd {
+        true => Some(
+            caches
+                .monitors(MONITOR_CACHE_WAIT)
+                .await
+                .ok_or(Error::Cache("ServiceMonitor"))?,
+        ),
+        false => None,
+    };
+    let mut blocked = missing_claim(isvc, caches, &ns);
 
     // Validate and build (pure).
     let caps = ClusterCapabilities {
@@ -124,41 +137,51 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     };
 
     // Apply, or leave the running workload alone when the spec cannot be applied.
-    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
     let deployment = match (&blocked, desired) {
         (None, Some(desired)) => {
-            apply_all(&client, &ns, &uid, desired, !monitor_wanted, &mut events).await?
+            let children = Children {
+                ctx,
+                ns: &ns,
+                name: &name,
+                uid: &uid,
+                monitors: monitors.as_ref(),
+            };
+            children.apply_all(desired, &mut events).await?
         }
-        _ => deployments
-            .get_opt(&name)
-            .await
-            .map_err(Error::kube("Deployment", &name))?,
+        _ => cached(&caches.deployments, &ns, &name),
     };
 
     // Observe pods only while the rollout is incomplete: that is when they explain why.
-    let rollout = deployment.as_ref().map(status::rollout);
+    let rollout = deployment.as_deref().map(status::rollout);
     let pod_failure = match rollout {
         Some(r) if !r.complete => {
-            let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-            let list = pods
-                .list(&ListParams::default().labels(&selector(&name)))
-                .await
-                .map_err(Error::kube("Pod", &name))?;
-            status::pod_failure(&list.items)
+            let pods = caches.pods_of(&ns, &name);
+            let pods: Vec<_> = pods.iter().map(|p| (**p).clone()).collect();
+            status::pod_failure(&pods)
         }
         _ => None,
     };
 
-    let monitor = match (monitor_wanted, service_monitor_crd) {
-        (false, _) => MonitorState::Disabled,
-        (true, true) => MonitorState::Applied,
-        (true, false) => MonitorState::CrdMissing,
+    let monitor = match (monitor_wanted, service_monitor_crd, &blocked) {
+        (false, _, _) => MonitorState::Disabled,
+        (true, false, _) => MonitorState::CrdMissing,
+        (true, true, None) => MonitorState::Applied,
+        (true, true, Some(b)) => {
+            let earlier = monitors
+                .as_ref()
+                .and_then(|m| cached(m, &ns, &name))
+                .is_some_and(|m| apply::controlled_by(&m.metadata, &uid));
+            MonitorState::NotApplied {
+                earlier,
+                why: b.message.clone(),
+            }
+        }
     };
     let obs = Observation {
         generation: isvc.metadata.generation,
         blocked: blocked.clone(),
         desired_replicas: desired_replicas(isvc),
-        deployment: deployment.as_ref(),
+        deployment: deployment.as_deref(),
         pod_failure,
         monitor,
         selector: Some(selector(&name)),
@@ -180,7 +203,7 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
         }
     }
     if isvc.status.as_ref() != Some(&new_status) {
-        let isvcs: Api<InferenceService> = Api::namespaced(client, &ns);
+        let isvcs: Api<InferenceService> = Api::namespaced(ctx.client.clone(), &ns);
         let body = json!({
             "apiVersion": InferenceService::api_version(&()),
             "kind": InferenceService::kind(&()),
@@ -203,126 +226,154 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     }))
 }
 
+/// `ns/name` from a cache.
+fn cached<K>(store: &Store<K>, ns: &str, name: &str) -> Option<Arc<K>>
+where
+    K: kube::runtime::reflector::Lookup + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+{
+    store.get(&ObjectRef::new(name).within(ns))
+}
+
+/// The metadata of `ns/name` from a metadata cache.
+fn cached_meta<K>(store: &Store<PartialObjectMeta<K>>, ns: &str, name: &str) -> Option<ObjectMeta>
+where
+    K: Resource<DynamicType = ()> + Clone + 'static,
+{
+    cached(store, ns, name).map(|m| m.metadata.clone())
+}
+
 /// The first claim the spec names that does not exist.
-async fn missing_claim(
-    isvc: &InferenceService,
-    client: &kube::Client,
-    ns: &str,
-) -> Result<Option<Finding>, Error> {
-    let mut claims = Vec::new();
-    if let Ok(ModelSource::Pvc { claim, .. }) = ModelSource::parse(&isvc.spec.model.source) {
-        claims.push(("model.source", claim));
-    }
-    if let Some(c) = &isvc.spec.model_cache {
-        claims.push(("modelCache.claimName", c.claim_name.clone()));
-    }
-    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
-    for (field, claim) in claims {
-        let found = pvcs
-            .get_opt(&claim)
-            .await
-            .map_err(Error::kube("PersistentVolumeClaim", &claim))?;
-        if found.is_none() {
-            return Ok(Some(Finding::new(
+fn missing_claim(isvc: &InferenceService, caches: &Caches, ns: &str) -> Option<Finding> {
+    claims(isvc).into_iter().find_map(|(field, claim)| {
+        cached(&caches.claims, ns, &claim).is_none().then(|| {
+            Finding::new(
                 "PersistentVolumeClaimNotFound",
                 format!("{field} names PersistentVolumeClaim {ns}/{claim}, which does not exist"),
-            )));
-        }
-    }
-    Ok(None)
+            )
+        })
+    })
 }
 
-/// Applies every desired object and deletes the ones no longer wanted (a ServiceMonitor only
-/// when `prune_monitor`: one that is wanted but lacks its CRD cannot exist). Returns the
-/// Deployment as the API server holds it.
-async fn apply_all(
-    client: &kube::Client,
-    ns: &str,
-    uid: &str,
-    desired: Desired,
-    prune_monitor: bool,
-    events: &mut Events,
-) -> Result<Option<Deployment>, Error> {
-    let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
-    let services: Api<Service> = Api::namespaced(client.clone(), ns);
-    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), ns);
-    let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(client.clone(), ns);
-    let monitors: Api<ServiceMonitor> = Api::namespaced(client.clone(), ns);
-    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
-    let name = desired.deployment.name_any();
-
-    let (deployment, change) = apply::ensure(&deployments, desired.deployment).await?;
-    record::<Deployment>(events, change, ns, &name);
-    let (_, change) = apply::ensure(&services, desired.service).await?;
-    record::<Service>(events, change, ns, &name);
-
-    let child = Child {
-        ns,
-        name: &name,
-        uid,
-    };
-    child.converge(&pdbs, desired.pdb, true, events).await?;
-    child.converge(&hpas, desired.hpa, true, events).await?;
-    child
-        .converge(&monitors, desired.service_monitor, prune_monitor, events)
-        .await?;
-
-    // Dashboards vary in number: list ours, apply the wanted, delete the rest.
-    let listed = config_maps
-        .list(&ListParams::default().labels(&format!(
-            "{COMPONENT_LABEL}={DASHBOARD_COMPONENT},{INSTANCE_LABEL}={name}"
-        )))
-        .await
-        .map_err(Error::kube("ConfigMap", &name))?;
-    let mut live: Vec<ConfigMap> = listed
-        .items
-        .into_iter()
-        .filter(|c| apply::controlled_by(c, uid))
-        .collect();
-    for cm in desired.dashboards {
-        let cm_name = cm.name_any();
-        let existing = live
-            .iter()
-            .position(|l| l.name_any() == cm_name)
-            .map(|i| live.swap_remove(i));
-        let (_, change) = apply::ensure_with(&config_maps, cm, existing).await?;
-        record::<ConfigMap>(events, change, ns, &cm_name);
-    }
-    for stale in live {
-        let stale_name = stale.name_any();
-        if apply::delete(&config_maps, &stale_name, "ConfigMap").await? {
-            events.push(deleted::<ConfigMap>(ns, &stale_name));
-        }
-    }
-    Ok(Some(deployment))
-}
-
-/// An optional child object of one InferenceService: named like it, controlled by its `uid`.
-struct Child<'a> {
+/// The children of one InferenceService: named like it, controlled by its `uid`.
+struct Children<'a> {
+    ctx: &'a Context,
     ns: &'a str,
     name: &'a str,
     uid: &'a str,
+    /// The ServiceMonitor cache, when the CRD is installed.
+    monitors: Option<&'a Store<PartialObjectMeta<ServiceMonitor>>>,
 }
 
-impl Child<'_> {
-    /// Applies `desired`, or, when it is `None` and `prune`, deletes the object this
-    /// InferenceService controls; records an event for whatever changed.
+impl Children<'_> {
+    fn api<K: Resource<Scope = k8s_openapi::NamespaceResourceScope>>(&self) -> Api<K>
+    where
+        K::DynamicType: Default,
+    {
+        Api::namespaced(self.ctx.client.clone(), self.ns)
+    }
+
+    /// Applies every desired object and deletes the ones no longer wanted. Returns the
+    /// Deployment as last written or cached.
+    async fn apply_all(
+        &self,
+        desired: Desired,
+        events: &mut Events,
+    ) -> Result<Option<Arc<Deployment>>, Error> {
+        let (ns, name, caches) = (self.ns, self.name, &self.ctx.caches);
+        let memo = &self.ctx.applied;
+        let live = cached(&caches.deployments, ns, name);
+        let (written, change) = apply::ensure(
+            &self.api::<Deployment>(),
+            memo,
+            desired.deployment,
+            live.as_ref().map(|d| &d.metadata),
+        )
+        .await?;
+        record::<Deployment>(events, change, ns, name);
+        let deployment = written.map(Arc::new).or(live);
+        let live = cached_meta(&caches.services, ns, name);
+        let (_, change) = apply::ensure(&self.api(), memo, desired.service, live.as_ref()).await?;
+        record::<k8s_openapi::api::core::v1::Service>(events, change, ns, name);
+
+        self.converge(desired.pdb, cached_meta(&caches.pdbs, ns, name), events)
+            .await?;
+        self.converge(desired.hpa, cached_meta(&caches.hpas, ns, name), events)
+            .await?;
+        // Without the CRD there is no ServiceMonitor to apply or to prune.
+        if let Some(store) = self.monitors {
+            self.converge(
+                desired.service_monitor,
+                cached_meta(store, ns, name),
+                events,
+            )
+            .await?;
+        }
+
+        // Dashboards vary in number: apply the wanted, delete the rest of ours.
+        let mut live: Vec<ObjectMeta> = caches
+            .config_maps
+            .state()
+            .into_iter()
+            .map(|c| c.metadata.clone())
+            .filter(|m| {
+                let labels = m.labels.as_ref();
+                m.namespace.as_deref() == Some(ns)
+                    && labels
+                        .and_then(|l| l.get(COMPONENT_LABEL))
+                        .map(String::as_str)
+                        == Some(DASHBOARD_COMPONENT)
+                    && labels
+                        .and_then(|l| l.get(INSTANCE_LABEL))
+                        .map(String::as_str)
+                        == Some(name)
+                    && apply::controlled_by(m, self.uid)
+            })
+            .collect();
+        let config_maps: Api<ConfigMap> = self.api();
+        for cm in desired.dashboards {
+            let cm_name = cm.name_any();
+            let existing = live
+                .iter()
+                .position(|l| l.name.as_deref() == Some(cm_name.as_str()))
+                .map(|i| live.swap_remove(i));
+            let (_, change) = apply::ensure(&config_maps, memo, cm, existing.as_ref()).await?;
+            record::<ConfigMap>(events, change, ns, &cm_name);
+        }
+        for stale in live {
+            if apply::remove(&config_maps, memo, Some(&stale), self.uid).await? {
+                events.push(deleted::<ConfigMap>(
+                    ns,
+                    stale.name.as_deref().unwrap_or_default(),
+                ));
+            }
+        }
+        Ok(deployment)
+    }
+
+    /// Applies `desired`, or, when it is `None`, deletes the object (as `live` shows it) if
+    /// this InferenceService controls it; records an event for whatever changed.
     async fn converge<K>(
         &self,
-        api: &Api<K>,
         desired: Option<K>,
-        prune: bool,
+        live: Option<ObjectMeta>,
         events: &mut Events,
     ) -> Result<(), Error>
     where
-        K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + Debug,
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + Serialize
+            + DeserializeOwned
+            + Debug,
     {
+        let api: Api<K> = self.api();
         match desired {
             Some(obj) => {
-                let (_, change) = apply::ensure(api, obj).await?;
+                let (_, change) =
+                    apply::ensure(&api, &self.ctx.applied, obj, live.as_ref()).await?;
                 record::<K>(events, change, self.ns, self.name);
             }
-            None if prune && apply::remove(api, self.name, self.uid).await? => {
+            None if apply::remove(&api, &self.ctx.applied, live.as_ref(), self.uid).await? => {
                 events.push(deleted::<K>(self.ns, self.name));
             }
             None => {}

@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 
 pub mod apiserver;
+pub mod chart;
+pub mod e2e;
 pub mod operator;
 pub mod prometheus;
 pub mod servers;

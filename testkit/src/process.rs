@@ -1,0 +1,191 @@
+//! Child processes that cannot outlive the test that started them, free loopback ports, and
+//! polling with a deadline.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::mpsc;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// A port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);
+
+/// Children are forked from one thread that lives as long as the process, with
+/// `PR_SET_PDEATHSIG`: the kernel kills them when this process dies, however it dies (a test
+/// timeout's SIGKILL included), so no etcd or apiserver is ever left behind. A signal tied to
+/// a short-lived thread (a tokio worker) would fire too early.
+fn keeper() -> &'static Mutex<mpsc::Sender<SpawnRequest>> {
+    static KEEPER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+    KEEPER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("testkit-keeper".into())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(spawn_dying_with_parent(&mut cmd));
+                }
+            })
+            .expect("keeper thread");
+        Mutex::new(tx)
+    })
+}
+
+fn spawn_dying_with_parent(cmd: &mut Command) -> std::io::Result<Child> {
+    use std::os::unix::process::CommandExt as _;
+    // SAFETY: prctl is async-signal-safe and touches only the calling (child) process.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
+/// A child process killed (SIGKILL) and reaped when dropped, and when this process dies.
+#[derive(Debug)]
+pub struct Guard {
+    pub name: String,
+    pub child: Child,
+}
+
+impl Guard {
+    /// Spawns `cmd` so that it dies with this process.
+    pub fn spawn(name: &str, cmd: Command) -> std::io::Result<Guard> {
+        let (tx, rx) = mpsc::channel();
+        keeper()
+            .lock()
+            .map_err(|_| std::io::Error::other("keeper poisoned"))?
+            .send((cmd, tx))
+            .map_err(|_| std::io::Error::other("keeper gone"))?;
+        let child = rx
+            .recv()
+            .map_err(|_| std::io::Error::other("keeper gone"))??;
+        Ok(Guard {
+            name: name.to_string(),
+            child,
+        })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether it has exited (and how).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Sends `signal` (e.g. `libc::SIGTERM`).
+    pub fn signal(&self, signal: i32) {
+        let Ok(pid) = i32::try_from(self.child.id()) else {
+            return;
+        };
+        // SAFETY: kill(2) on a pid we spawned and have not reaped.
+        unsafe {
+            libc::kill(pid, signal);
+        }
+    }
+
+    /// SIGTERM, then the exit status if it exits within `timeout`.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        self.signal(libc::SIGTERM);
+        self.wait_timeout(timeout)
+    }
+
+    /// Waits up to `timeout` for it to exit.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.exited() {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A directory removed when dropped.
+#[derive(Debug)]
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// A new, empty directory under the system's temp dir.
+    pub fn new(prefix: &str) -> TempDir {
+        let dir =
+            std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), unique()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        TempDir(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::env::var_os("FERRITE_TEST_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// A short string unique within this process and unlikely to repeat across processes.
+pub fn unique() -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!(
+        "{:x}{:x}{}",
+        std::process::id() & 0xffff,
+        nanos & 0xfff,
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Polls `f` every 100 ms until it returns `Some`, for at most `timeout`; panics naming `what`.
+pub async fn eventually<T>(
+    timeout: Duration,
+    what: &str,
+    mut f: impl AsyncFnMut() -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
