@@ -50,7 +50,9 @@ struct Args {
     /// This replica's identity in the Lease.
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
-    /// Lease duration in seconds; a standby takes over this long after the leader vanishes.
+    /// Lease duration in seconds. A standby takes over within this plus one 2 s retry after the
+    /// leader vanishes, and within one retry after it hands the Lease back on SIGTERM; a leader
+    /// that cannot renew for two thirds of it exits.
     #[arg(long, default_value_t = 15)]
     lease_seconds: u64,
     /// Log as JSON lines instead of text.
@@ -237,12 +239,18 @@ fn hostname() -> String {
         .unwrap_or_else(|_| format!("ferrite-operator-{}", std::process::id()))
 }
 
+/// How often candidates try for the Lease and the leader renews it: client-go's 2 s, or a
+/// third of a shorter Lease.
+fn retry_period(lease: Duration) -> Duration {
+    (lease / 3).min(Duration::from_secs(2))
+}
+
 /// How long a replica that lost its Lease gives in-flight reconciles before it exits.
 const LOST_GRACE: Duration = Duration::from_secs(5);
 
-/// Waits for the Lease, then reconciles while renewing it. Renewal retries every third of
-/// the Lease duration; when none has succeeded for two thirds of it (client-go's renew
-/// deadline), the Lease is lost: `/healthz` fails, reconciling stops, and this returns an
+/// Waits for the Lease, then reconciles while renewing it. Renewal retries every
+/// [`retry_period`]; when none has succeeded for two thirds of the Lease duration (client-go's
+/// renew deadline), the Lease is lost: `/healthz` fails, reconciling stops, and this returns an
 /// error, so the process exits rather than idle as a leader that no longer leads. While it
 /// waits, the autoscaler observes without acting, so this replica's External Metrics API
 /// serves the same signals as the leader's.
@@ -254,7 +262,7 @@ async fn lead(
     metrics: &Metrics,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let retry = settings.lease_duration / 3;
+    let retry = retry_period(settings.lease_duration);
     let mut elector = LeaderElector::new(client, settings.clone());
     loop {
         if *stop.borrow() {

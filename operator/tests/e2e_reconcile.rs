@@ -245,3 +245,223 @@ async fn with_the_service_monitor_crd_monitors_are_made_and_pruned() {
     assert!(monitors.get_opt("llama-8b").await.expect("read").is_some());
     drop(op);
 }
+
+fn isvcs_api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
+    let ar = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("ferrite.dev", "v1alpha1", "InferenceService"),
+        "inferenceservices",
+    );
+    Api::namespaced_with(client.clone(), ns, &ar)
+}
+
+/// The image of the Deployment's server container.
+async fn image(deployments: &Api<Deployment>, name: &str) -> Option<String> {
+    deployments
+        .get_opt(name)
+        .await
+        .ok()
+        .flatten()?
+        .spec?
+        .template
+        .spec?
+        .containers
+        .first()?
+        .image
+        .clone()
+}
+
+/// Notes of the events recorded about `name` in `ns`.
+async fn event_notes(client: &kube::Client, ns: &str) -> Vec<String> {
+    use k8s_openapi::api::events::v1::Event;
+    Api::<Event>::namespaced(client.clone(), ns)
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items.into_iter().filter_map(|e| e.note).collect())
+        .unwrap_or_default()
+}
+
+/// Children come back when deleted, lose hand edits to fields the operator owns at once, and
+/// are garbage-collected with their InferenceService.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn children_are_healed_restored_and_garbage_collected() {
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let release = install(&cluster, &json!({}), "heal").await;
+    let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let ns = cluster.namespace("heal").await;
+    let mut applier = Applier::new(client.clone()).await;
+    applier
+        .apply(&common::e2e::isvc(
+            &ns,
+            "chat",
+            json!({"model": {"source": "/models/smol.gguf"}}),
+        ))
+        .await;
+    let obj = observed(&client, &ns, "chat").await;
+    let uid = obj["metadata"]["uid"].as_str().expect("uid").to_string();
+    children(&client, &ns, "chat", &uid, false).await;
+
+    // A deleted Service comes back (its watch fires).
+    let services = Api::<Service>::namespaced(client.clone(), &ns);
+    let before = services.get("chat").await.expect("Service").metadata.uid;
+    services
+        .delete("chat", &Default::default())
+        .await
+        .expect("delete Service");
+    eventually(WAIT, "the Service to come back", async || {
+        let s = services.get_opt("chat").await.ok()??;
+        (s.metadata.uid != before).then_some(())
+    })
+    .await;
+
+    // A hand edit of the image (as `kubectl edit` would make it) is reverted.
+    let deployments = Api::<Deployment>::namespaced(client.clone(), &ns);
+    let original = image(&deployments, "chat").await.expect("image");
+    let edit = json!({"spec": {"template": {"spec": {"containers": [
+        {"name": "server", "image": "registry.example/mine:1"}]}}}});
+    deployments
+        .patch("chat", &PatchParams::default(), &Patch::Strategic(edit))
+        .await
+        .expect("hand edit");
+    eventually(
+        Duration::from_secs(20),
+        "the hand-edited image to be restored",
+        async || (image(&deployments, "chat").await? == original).then_some(()),
+    )
+    .await;
+    let notes = event_notes(&client, &ns).await;
+    assert!(
+        notes
+            .iter()
+            .any(|n| n == "restored Deployment chat, which was changed outside the operator"),
+        "{notes:?}"
+    );
+
+    // Deleting the InferenceService garbage-collects every child.
+    isvcs_api(&client, &ns)
+        .delete("chat", &Default::default())
+        .await
+        .expect("delete InferenceService");
+    eventually(
+        WAIT,
+        "the garbage collector to remove the children",
+        async || {
+            let d = deployments.get_opt("chat").await.ok()?;
+            let s = services.get_opt("chat").await.ok()?;
+            let cms = Api::<ConfigMap>::namespaced(client.clone(), &ns)
+                .list(&ListParams::default().labels("ferrite.dev/inferenceservice=chat"))
+                .await
+                .ok()?;
+            (d.is_none() && s.is_none() && cms.items.is_empty()).then_some(())
+        },
+    )
+    .await;
+    assert!(!op.log().contains("reconcile failed"), "{}", op.log());
+}
+
+/// Pods the ReplicaSet cannot create (a missing PriorityClass, an exceeded ResourceQuota)
+/// make the InferenceService Degraded with the API server's reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_that_cannot_be_created_show_as_degraded() {
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let release = install(&cluster, &json!({}), "degraded").await;
+    let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let ns = cluster.namespace("degraded").await;
+    let mut applier = Applier::new(client.clone()).await;
+    applier
+        .apply(&common::e2e::isvc(
+            &ns,
+            "no-class",
+            json!({"model": {"source": "/models/smol.gguf"},
+                   "scheduling": {"priorityClassName": "missing"}}),
+        ))
+        .await;
+    let quota_ns = cluster.namespace("quota").await;
+    applier
+        .apply(&json!({"apiVersion": "v1", "kind": "ResourceQuota",
+            "metadata": {"name": "no-pods", "namespace": quota_ns},
+            "spec": {"hard": {"pods": "0"}}}))
+        .await;
+    applier
+        .apply(&common::e2e::isvc(
+            &quota_ns,
+            "over-quota",
+            json!({"model": {"source": "/models/smol.gguf"}}),
+        ))
+        .await;
+    for (ns, name, cause) in [
+        (
+            &ns,
+            "no-class",
+            "no PriorityClass with name missing was found",
+        ),
+        (&quota_ns, "over-quota", "exceeded quota"),
+    ] {
+        let d = eventually(WAIT, &format!("{name} to be Degraded"), async || {
+            condition(&client, ns, name, "Degraded")
+                .await
+                .filter(|c| c.0 == "True")
+        })
+        .await;
+        assert_eq!(d.1, "ReplicaFailure", "{name}: {d:?}\n{}", op.log());
+        assert!(d.2.contains(cause), "{name}: {d:?}");
+        let ready = condition(&client, ns, name, "Ready").await.expect("Ready");
+        assert_eq!(ready.0, "False");
+    }
+}
+
+/// A claim that does not exist blocks the spec (Degraded, nothing applied); creating it lets
+/// the reconcile go on at once, through the claim's watch, not the minute-long retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_claim_blocks_until_it_is_created() {
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let release = install(&cluster, &json!({}), "claim").await;
+    let _op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let ns = cluster.namespace("claim").await;
+    let mut applier = Applier::new(client.clone()).await;
+    applier
+        .apply(&common::e2e::isvc(
+            &ns,
+            "chat",
+            json!({"model": {"source": "pvc://weights/smol.gguf"}}),
+        ))
+        .await;
+    let d = eventually(WAIT, "Degraded for the missing claim", async || {
+        condition(&client, &ns, "chat", "Degraded")
+            .await
+            .filter(|c| c.0 == "True")
+    })
+    .await;
+    assert_eq!(d.1, "PersistentVolumeClaimNotFound");
+    assert!(d.2.contains(&format!("{ns}/weights")), "{d:?}");
+    let deployments = Api::<Deployment>::namespaced(client.clone(), &ns);
+    assert!(deployments.get_opt("chat").await.expect("read").is_none());
+
+    applier
+        .apply(&json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "weights", "namespace": ns},
+            "spec": {"accessModes": ["ReadOnlyMany"],
+                     "resources": {"requests": {"storage": "1Gi"}}}}))
+        .await;
+    eventually(
+        Duration::from_secs(20),
+        "the Deployment once the claim exists",
+        async || deployments.get_opt("chat").await.ok()?,
+    )
+    .await;
+    let d = eventually(WAIT, "Degraded to clear", async || {
+        condition(&client, &ns, "chat", "Degraded")
+            .await
+            .filter(|c| c.0 == "False")
+    })
+    .await;
+    assert_eq!(d.1, "AsExpected");
+}

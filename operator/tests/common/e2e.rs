@@ -154,6 +154,26 @@ pub struct Release {
     pub external_port: u16,
 }
 
+impl Release {
+    /// The operator's ServiceAccount.
+    pub fn service_account(&self) -> String {
+        self.docs
+            .iter()
+            .find(|d| d["kind"] == "Deployment")
+            .and_then(|d| d["spec"]["template"]["spec"]["serviceAccountName"].as_str())
+            .expect("serviceAccountName")
+            .to_string()
+    }
+
+    /// The operator's user name, as the API server (and its audit log) knows it.
+    pub fn operator_user(&self) -> String {
+        format!(
+            "system:serviceaccount:{NAMESPACE}:{}",
+            self.service_account()
+        )
+    }
+}
+
 /// Values every e2e install starts from: leader election on with a short Lease, text logs.
 pub fn base_values() -> Value {
     json!({"logFormat": "text", "logLevel": "info,ferrite_operator=debug",
