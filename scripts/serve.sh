@@ -6,4 +6,4 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 model=${FERRITE_MODEL:-$("$root/scripts/fetch-model.sh")}
 cd "$root"
 cargo build --release -p ferrite-server
-exec "$root/target/release/ferrite-server" --model "$model" --served-model-name "${FERRITE_SERVED_NAME:-SmolLM2-135M-Instruct}" "$@"
+exec "${CARGO_TARGET_DIR:-$root/target}/release/ferrite-server" --model "$model" --served-model-name "${FERRITE_SERVED_NAME:-SmolLM2-135M-Instruct}" "$@"

@@ -10,6 +10,8 @@ export FERRITE_NODE_MODULES="${FERRITE_NODE_MODULES:-$("$root/scripts/node-env.s
 prom_dir="$("$root/scripts/prometheus.sh")"
 export FERRITE_PROMETHEUS="${FERRITE_PROMETHEUS:-$prom_dir/prometheus}"
 export FERRITE_PROMTOOL="${FERRITE_PROMTOOL:-$prom_dir/promtool}"
+# etcd, kube-apiserver and kube-controller-manager for the operator's e2e tests.
+export FERRITE_KUBE_BIN="${FERRITE_KUBE_BIN:-$("$root/scripts/kube-bin.sh")}"
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"

@@ -12,7 +12,6 @@ pub mod certs;
 pub mod config;
 pub mod controller;
 pub mod crd;
-pub mod fake_api;
 pub mod hash;
 pub mod leader;
 pub mod status;

@@ -22,11 +22,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::operator::{ISVCS, Operator, isvc};
+use common::e2e::{Applier, Operator, install, isvc, pods_ready_at};
 use common::prometheus::{Prometheus, tool, unix_now};
 use common::servers::{Server, free_port, start_server_at, wait_healthy};
 use common::validate::{root, run_validator, tool_path};
-use ferrite_operator::fake_api::FakeApi;
+use ferrite_testkit::kube::Cluster;
 use serde_json::{Value, json};
 
 const DASHBOARDS: [&str; 3] = ["overview", "realtime", "autoscaling"];
@@ -730,15 +730,6 @@ fn complete(base: &str, i: usize) -> u16 {
     }
 }
 
-fn pod(name: &str, ip: &str) -> Value {
-    json!({"apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "ml", "labels": {
-            "app.kubernetes.io/component": "server", "ferrite.dev/inferenceservice": "chat"}},
-        "spec": {"containers": [{"name": "server", "image": "x"}]},
-        "status": {"phase": "Running", "podIP": ip,
-            "conditions": [{"type": "Ready", "status": "True"}]}})
-}
-
 fn exposition_names(text: &str) -> BTreeSet<String> {
     text.lines()
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
@@ -780,8 +771,11 @@ fn get_text(url: &str) -> String {
 fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_and_the_operator() {
     let started = Instant::now();
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let api = rt.block_on(FakeApi::start()).expect("fake API server");
-    api.set_simulate_rollouts(true);
+    let Some(cluster) = rt.block_on(Cluster::start()) else {
+        return;
+    };
+    let client = rt.block_on(cluster.client());
+    let release = rt.block_on(install(&cluster, &json!({}), "dashboards"));
 
     // Two replicas of one model, as two pods of a Deployment (same port, two IPs).
     let port = shared_port();
@@ -793,37 +787,53 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
 
     // The operator autoscales "chat" on the two pods (and a third, ready but unreachable, so
     // its scrapes fail), ships the dashboards, and keeps failing to reconcile "broken", whose
-    // claim the API serves malformed: each panel of the operator has something to show.
-    let mut chat = isvc("chat", "/models/smol.gguf");
-    chat["spec"]["model"]["servedName"] = json!("smol");
-    chat["spec"]["runtime"] = json!({"port": port});
-    chat["spec"]["autoscaling"] = json!({"minReplicas": 1, "maxReplicas": 4,
-        "targets": {"queuePerReplica": 1.0, "kvCacheUsage": 0.8}, "scrapeIntervalSeconds": 1,
-        "panicThreshold": 1.5});
-    api.put(ISVCS, chat).expect("chat");
-    for (name, ip) in [
-        ("chat-0", "127.0.0.1"),
-        ("chat-1", "127.0.0.2"),
-        ("chat-2", "127.0.0.3"),
-    ] {
-        api.put("/api/v1/namespaces/ml/pods", pod(name, ip))
-            .expect("pod");
-    }
-    api.put(
-        "/api/v1/namespaces/ml/persistentvolumeclaims",
-        json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-               "metadata": {"name": "garbled", "namespace": "ml"},
-               "spec": {"accessModes": "not a list", "resources": 7}}),
-    )
-    .expect("claim");
-    api.put(ISVCS, isvc("broken", "pvc://garbled/smol.gguf"))
-        .expect("broken");
-    let dashboards_arg = dashboards_dir().display().to_string();
-    let op = Operator::start(
-        &api,
-        "dashboards",
-        &["--no-leader-election", "--dashboards-dir", &dashboards_arg],
+    // namespace's quota forbids its Service: each panel of the operator has something to show.
+    let op = rt.block_on(Operator::launch(
+        &cluster,
+        &release,
+        "ferrite-operator-0",
+        &[],
+    ));
+    let chat = isvc(
+        "ml",
+        "chat",
+        json!({"model": {"source": "/models/smol.gguf", "servedName": "smol"},
+               "runtime": {"port": port}, "replicas": 3,
+               "autoscaling": {"minReplicas": 1, "maxReplicas": 4,
+                   "targets": {"queuePerReplica": 1.0, "kvCacheUsage": 0.8},
+                   "scrapeIntervalSeconds": 1, "panicThreshold": 1.5}}),
     );
+    rt.block_on(async {
+        let mut applier = Applier::new(client.clone()).await;
+        for ns in ["ml", "broken"] {
+            applier
+                .apply(&json!({"apiVersion": "v1", "kind": "Namespace",
+                               "metadata": {"name": ns}}))
+                .await;
+        }
+        common::e2e::quota(&client, "broken", json!({"services": "0"})).await;
+        applier.apply(&chat).await;
+        applier
+            .apply(&isvc(
+                "broken",
+                "broken",
+                json!({"model": {"source": "/models/smol.gguf"}}),
+            ))
+            .await;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while pods_ready_at(
+            &client,
+            "ml",
+            "chat",
+            &["127.0.0.1", "127.0.0.2", "127.0.0.3"],
+        )
+        .await
+            < 3
+        {
+            assert!(Instant::now() < deadline, "chat's 3 pods");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
 
     // Prometheus scrapes the pods with the target labels a Prometheus Operator ServiceMonitor
     // gives them (namespace, pod, service), the operator with honor_labels (its series carry
@@ -839,7 +849,7 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
         target("127.0.0.1", "chat-0"),
         target("127.0.0.2", "chat-1"),
         "  - job_name: ferrite-operator\n    honor_labels: true\n    static_configs:\n".to_string(),
-        format!("      - targets: ['127.0.0.1:{}']\n", op.port),
+        format!("      - targets: ['127.0.0.1:{}']\n", op.http_port),
         "        labels: {namespace: ferrite-system, pod: ferrite-operator-0}\n".to_string(),
         "  - job_name: foreign\n    static_configs:\n      - targets: ['$PROMETHEUS']\n"
             .to_string(),
@@ -907,12 +917,15 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
         assert!(
             conditions.iter().all(|c| *c),
             "after 90 s of load: queue seen {}, swapped seen {}, scaled in panic mode {}, \
-             operator errors {}, 12 requests {}",
+             operator errors {} (reconcile {:?}, scrape {:?}), 12 requests {}\n{}",
             conditions[0],
             conditions[1],
             conditions[2],
             conditions[3],
-            conditions[4]
+            prom.value("sum(ferrite_operator_reconcile_errors_total)"),
+            prom.value("sum(ferrite_operator_autoscaler_scrape_errors_total)"),
+            conditions[4],
+            op.log()
         );
         saw_queue
     });
@@ -1112,19 +1125,19 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
     assert_eq!(fired.len(), 1, "{fired:?}");
     assert_eq!(fired[0]["metric"]["pod"], "chat-1", "{fired:?}");
 
-    // The operator shipped each dashboard for "chat", its model variable preset to "smol".
-    for name in DASHBOARDS {
-        let cm = api
-            .get(&format!(
-                "/api/v1/namespaces/ml/configmaps/chat-dashboard-{name}"
-            ))
+    // The operator shipped each model dashboard the chart gives it (not the cluster-wide
+    // autoscaling one) for "chat", its model variable preset to "smol".
+    let config_maps: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
+        kube::Api::namespaced(client.clone(), "ml");
+    for name in ["overview", "realtime"] {
+        let cm = rt
+            .block_on(config_maps.get_opt(&format!("chat-dashboard-{name}")))
+            .expect("read")
             .unwrap_or_else(|| panic!("no ConfigMap for {name}"));
-        let json: Value = serde_json::from_str(
-            cm["data"][format!("chat-{name}.json")]
-                .as_str()
-                .expect("data"),
-        )
-        .expect("dashboard JSON");
+        let data = cm.data.unwrap_or_default();
+        let json: Value =
+            serde_json::from_str(data.get(&format!("chat-{name}.json")).expect("data"))
+                .expect("dashboard JSON");
         assert_eq!(
             variable(&json, "model_name").expect("var")["current"]["value"],
             "smol"

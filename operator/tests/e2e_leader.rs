@@ -214,3 +214,107 @@ async fn an_api_server_outage_ends_the_leader_instead_of_idling_it() {
     })
     .await;
 }
+
+/// Behind one Service, every operator replica answers the External Metrics API: a standby
+/// scrapes too, serves the same signals as the leader, and exports no per-InferenceService
+/// autoscaler series (so dashboards summing over operator pods count once) until it leads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
+    use common::e2e::{external_client, pods_ready};
+    use common::servers::{start_server_at, wait_healthy};
+    use ferrite_testkit::process::free_port;
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let release = install(
+        &cluster,
+        &json!({"replicaCount": 2, "externalMetrics": {"enabled": true}}),
+        "standby",
+    )
+    .await;
+    let lease = lease_name(&release);
+    let mut a = Operator::launch(&cluster, &release, "op-a", &[]).await;
+    eventually(WAIT, "op-a to lead", async || {
+        holder(&client, &lease).await.filter(|h| h.0 == "op-a")
+    })
+    .await;
+    let b_port = free_port();
+    let b = Operator::launch_on(&cluster, &release, "op-b", &[], b_port).await;
+    let port = free_port();
+    let server = tokio::task::spawn_blocking(move || {
+        let mut s = start_server_at("127.0.0.1", port, &[]);
+        wait_healthy(&mut s);
+        s
+    })
+    .await
+    .expect("server");
+    let ns = cluster.namespace("standby").await;
+    Applier::new(client.clone())
+        .await
+        .apply(&isvc(
+            &ns,
+            "chat",
+            json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"port": port},
+                   "autoscaling": {"mode": "HPA", "minReplicas": 1, "maxReplicas": 4,
+                                   "targets": {"queuePerReplica": 2.0},
+                                   "scrapeIntervalSeconds": 1}}),
+        ))
+        .await;
+    eventually(WAIT, "the stand-in pod", async || {
+        (pods_ready(&client, &ns, "chat", "127.0.0.1").await > 0).then_some(())
+    })
+    .await;
+    let items = |port: u16| {
+        let (agent, base) = external_client(&release, port, None);
+        let url = format!(
+            "{base}/apis/external.metrics.k8s.io/v1beta1/namespaces/{ns}/ferrite_requests_running"
+        );
+        move || -> Option<Vec<serde_json::Value>> {
+            let body: serde_json::Value = agent
+                .get(&url)
+                .query("labelSelector", "ferrite.dev/inferenceservice=chat")
+                .call()
+                .ok()?
+                .into_json()
+                .ok()?;
+            let items = body["items"].as_array()?.clone();
+            (!items.is_empty()).then_some(items)
+        }
+    };
+    let (from_a, from_b) = (items(release.external_port), items(b_port));
+    let leader_items = eventually(WAIT, "the leader's External metric", async || from_a()).await;
+    let standby_items = eventually(WAIT, "the standby's External metric", async || from_b()).await;
+    assert_eq!(standby_items[0]["metricName"], "ferrite_requests_running");
+    assert_eq!(standby_items[0]["value"], leader_items[0]["value"]);
+
+    let signal = r#"ferrite_operator_autoscaler_signal{inferenceservice="chat""#;
+    eventually(WAIT, "the leader to export the signals", async || {
+        a.get("/metrics")?.1.contains(signal).then_some(())
+    })
+    .await;
+    let b_body = b.get("/metrics").map(|(_, body)| body).unwrap_or_default();
+    assert!(
+        !b_body.contains(signal),
+        "a standby exports signals:\n{b_body}"
+    );
+    assert!(b_body.contains("ferrite_operator_leader 0"), "{b_body}");
+
+    // The leader goes; the standby leads, keeps serving, and now exports the signals.
+    let status = tokio::task::spawn_blocking(move || (a.terminate(), a))
+        .await
+        .expect("terminate");
+    assert!(status.0.success());
+    a = status.1;
+    drop(a);
+    eventually(WAIT, "op-b to lead, still serving", async || {
+        let leads = holder(&client, &lease).await.is_some_and(|h| h.0 == "op-b");
+        (leads && from_b().is_some()).then_some(())
+    })
+    .await;
+    eventually(WAIT, "op-b to export the signals", async || {
+        b.get("/metrics")?.1.contains(signal).then_some(())
+    })
+    .await;
+    drop(server);
+}

@@ -214,18 +214,14 @@ async fn with_the_service_monitor_crd_monitors_are_made_and_pruned() {
     assert_eq!(full["spec"]["endpoints"][0]["interval"], "10s");
 
     // Monitoring off: the ServiceMonitor goes, the condition follows.
-    let ar = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("ferrite.dev", "v1alpha1", "InferenceService"),
-        "inferenceservices",
-    );
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);
-    api.patch(
-        "smollm2",
-        &PatchParams::default(),
-        &Patch::Merge(json!({"spec": {"monitoring": {"serviceMonitor": {"enabled": false}}}})),
-    )
-    .await
-    .expect("monitoring off");
+    common::e2e::isvc_api(&client, &ns)
+        .patch(
+            "smollm2",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"monitoring": {"serviceMonitor": {"enabled": false}}}})),
+        )
+        .await
+        .expect("monitoring off");
     eventually(WAIT, "the ServiceMonitor to be pruned", async || {
         monitors
             .get_opt("smollm2")
@@ -244,14 +240,6 @@ async fn with_the_service_monitor_crd_monitors_are_made_and_pruned() {
     // The other one keeps its monitor.
     assert!(monitors.get_opt("llama-8b").await.expect("read").is_some());
     drop(op);
-}
-
-fn isvcs_api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
-    let ar = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("ferrite.dev", "v1alpha1", "InferenceService"),
-        "inferenceservices",
-    );
-    Api::namespaced_with(client.clone(), ns, &ar)
 }
 
 /// The image of the Deployment's server container.
@@ -340,7 +328,7 @@ async fn children_are_healed_restored_and_garbage_collected() {
     );
 
     // Deleting the InferenceService garbage-collects every child.
-    isvcs_api(&client, &ns)
+    common::e2e::isvc_api(&client, &ns)
         .delete("chat", &Default::default())
         .await
         .expect("delete InferenceService");
@@ -359,6 +347,31 @@ async fn children_are_healed_restored_and_garbage_collected() {
     )
     .await;
     assert!(!op.log().contains("reconcile failed"), "{}", op.log());
+
+    // Its own probes and metrics, then a clean exit on SIGTERM.
+    assert_eq!(op.get("/healthz").map(|r| r.0), Some(200));
+    assert_eq!(op.get("/readyz").map(|r| r.0), Some(200));
+    // One scrape, so both counts describe the same moment.
+    let (_, body) = op.get("/metrics").expect("/metrics");
+    let sample = |name: &str| {
+        body.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let reconciles = sample("ferrite_operator_reconciliations_total").expect("counter");
+    assert!(reconciles >= 4.0, "reconciles: {reconciles}");
+    assert_eq!(
+        sample("ferrite_operator_reconcile_duration_seconds_count"),
+        Some(reconciles),
+        "every reconcile is timed"
+    );
+    assert_eq!(op.metric("ferrite_operator_leader"), Some(1.0));
+    let mut op = op;
+    let status = tokio::task::spawn_blocking(move || op.terminate())
+        .await
+        .expect("terminate");
+    assert!(status.success(), "exit status after SIGTERM: {status}");
 }
 
 /// Pods the ReplicaSet cannot create (a missing PriorityClass, an exceeded ResourceQuota)
@@ -382,11 +395,7 @@ async fn pods_that_cannot_be_created_show_as_degraded() {
         ))
         .await;
     let quota_ns = cluster.namespace("quota").await;
-    applier
-        .apply(&json!({"apiVersion": "v1", "kind": "ResourceQuota",
-            "metadata": {"name": "no-pods", "namespace": quota_ns},
-            "spec": {"hard": {"pods": "0"}}}))
-        .await;
+    common::e2e::quota(&client, &quota_ns, json!({"pods": "0"})).await;
     applier
         .apply(&common::e2e::isvc(
             &quota_ns,

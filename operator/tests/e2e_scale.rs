@@ -22,13 +22,6 @@ use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(60);
 
-fn isvc_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("ferrite.dev", "v1alpha1", "InferenceService"),
-        "inferenceservices",
-    )
-}
-
 /// GET or PATCH on an InferenceService's scale subresource, as `kubectl scale` does.
 async fn scale(client: &kube::Client, ns: &str, name: &str, to: Option<i32>) -> Value {
     let path = format!("/apis/ferrite.dev/v1alpha1/namespaces/{ns}/inferenceservices/{name}/scale");
@@ -111,8 +104,7 @@ async fn the_scale_subresource_works_without_spec_replicas() {
         WAIT,
         "alice to create an InferenceService (edit aggregates ours)",
         async || {
-            let api: Api<DynamicObject> =
-                Api::namespaced_with(as_alice.clone(), &ns, &isvc_resource());
+            let api = common::e2e::isvc_api(&as_alice, &ns);
             let obj: DynamicObject = serde_json::from_value(isvc(
                 &ns,
                 "chat",

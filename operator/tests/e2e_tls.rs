@@ -251,3 +251,60 @@ async fn v1_certificates_at_the_external_metrics_api_are_named() {
     .await;
     assert!(text.contains("reissue it with extensions"), "{text}");
 }
+
+/// The chart's self-signed certificate, as the operator serves it from the chart's Secret,
+/// verifies against the APIService's caBundle under the Service's name, as the aggregator
+/// checks it; under any other name it is refused (so the check is real).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chart_certificate_verifies_for_the_apiservice_name_only() {
+    use base64::Engine as _;
+    use common::e2e::{Operator, external_client, install};
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let release = install(
+        &cluster,
+        &serde_json::json!({"externalMetrics": {"enabled": true}}),
+        "tls",
+    )
+    .await;
+    let api = common::chart::one(&release.docs, "APIService");
+    let secret = release
+        .docs
+        .iter()
+        .find(|d| d["type"] == "kubernetes.io/tls")
+        .expect("Secret");
+    let b64 = |v: &serde_json::Value| {
+        base64::engine::general_purpose::STANDARD
+            .decode(v.as_str().expect("base64"))
+            .expect("base64")
+    };
+    assert_eq!(
+        b64(&api["spec"]["caBundle"]),
+        b64(&secret["data"]["ca.crt"]),
+        "caBundle is the Secret's CA"
+    );
+    let _op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let (agent, base) = external_client(&release, release.external_port, None);
+    let url = format!("{base}/apis/external.metrics.k8s.io/v1beta1");
+    let body: serde_json::Value = eventually(
+        Duration::from_secs(30),
+        "the External Metrics API over TLS",
+        async || agent.get(&url).call().ok()?.into_json().ok(),
+    )
+    .await;
+    assert_eq!(body["groupVersion"], "external.metrics.k8s.io/v1beta1");
+    let (wrong, base) = external_client(
+        &release,
+        release.external_port,
+        Some("ferrite-elsewhere.ferrite-system.svc"),
+    );
+    let err = wrong
+        .get(&format!("{base}/apis/external.metrics.k8s.io/v1beta1"))
+        .call()
+        .err();
+    assert!(
+        err.is_some(),
+        "a name the certificate does not carry was accepted"
+    );
+}

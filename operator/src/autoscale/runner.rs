@@ -326,8 +326,11 @@ async fn evaluate(
     m.panic
         .with_label_values(&[ns, name])
         .set(i64::from(decision.panic));
-    if decision.desired != current {
-        scale(env, &isvcs, &isvc, current, &decision).await?;
+    // spec.replicas itself may lie outside the bounds (the schema defaults it to 1): it is
+    // written whenever it differs from the decision, as an HPA writes minReplicas.
+    let written = isvc.spec.replicas.unwrap_or(1);
+    if decision.desired != written {
+        scale(env, &isvcs, &isvc, written, &decision).await?;
         *last_scale = Some(crate::status::now());
     }
     Ok(Some(builtin_view(

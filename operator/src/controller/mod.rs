@@ -49,6 +49,9 @@ pub enum Error {
     Metadata(&'static str),
     #[error("the {0} cache is not ready")]
     Cache(&'static str),
+    /// A child was refused for good; status shows it as `Degraded`.
+    #[error("{0}")]
+    Refused(String),
 }
 
 impl Error {
@@ -74,6 +77,7 @@ impl Error {
             Error::Serialize(_) => "serialize",
             Error::Unnamed | Error::Metadata(_) => "invalid_object",
             Error::Cache(_) => "cache",
+            Error::Refused(_) => "refused",
         }
     }
 }

@@ -136,7 +136,10 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
         }
     };
 
-    // Apply, or leave the running workload alone when the spec cannot be applied.
+    // Apply, or leave the running workload alone when the spec cannot be applied. A child the
+    // API server refuses (invalid, forbidden, over quota) blocks the spec like a build error,
+    // so status says why; the reconcile still fails afterwards, to be retried with backoff.
+    let mut refused = None;
     let deployment = match (&blocked, desired) {
         (None, Some(desired)) => {
             let children = Children {
@@ -146,7 +149,15 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
                 uid: &uid,
                 monitors: monitors.as_ref(),
             };
-            children.apply_all(desired, &mut events).await?
+            match children.apply_all(desired, &mut events).await {
+                Ok(d) => d,
+                Err(e) => {
+                    let finding = refusal(&e).ok_or(e)?;
+                    blocked = Some(finding);
+                    refused = Some(());
+                    cached(&caches.deployments, &ns, &name)
+                }
+            }
         }
         _ => cached(&caches.deployments, &ns, &name),
     };
@@ -216,6 +227,11 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
             .map_err(Error::kube("InferenceService status", &name))?;
     }
 
+    if refused.is_some()
+        && let Some(b) = blocked
+    {
+        return Err(Error::Refused(b.message));
+    }
     let t = &ctx.timing;
     Ok(Action::requeue(if blocked.is_some() {
         t.blocked
@@ -224,6 +240,22 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     } else {
         t.progressing
     }))
+}
+
+/// A finding for a child the API server refused for good (400 invalid, 403 forbidden or over
+/// quota, 422 unprocessable): retrying alone will not fix it, so status must say it.
+fn refusal(e: &Error) -> Option<Finding> {
+    match e {
+        Error::Kube {
+            kind,
+            name,
+            source: kube::Error::Api(s),
+        } if matches!(s.code, 400 | 403 | 422) => Some(Finding::new(
+            "ChildRefused",
+            format!("the API server refused {kind} {name}: {}", s.message),
+        )),
+        _ => None,
+    }
 }
 
 /// `ns/name` from a cache.

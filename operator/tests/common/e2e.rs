@@ -301,12 +301,25 @@ fn mount_volumes(
 
 impl Operator {
     /// Starts the operator binary as the chart's Deployment would run it, as `identity` (its
-    /// pod name), with `extra` arguments appended.
+    /// pod name), with `extra` arguments appended. Its External Metrics API (if enabled)
+    /// listens where the APIService points.
     pub async fn launch(
         cluster: &Cluster,
         release: &Release,
         identity: &str,
         extra: &[&str],
+    ) -> Operator {
+        Self::launch_on(cluster, release, identity, extra, release.external_port).await
+    }
+
+    /// [`Operator::launch`], with the External Metrics API on `external_port` (a second
+    /// replica's, which the APIService does not reach).
+    pub async fn launch_on(
+        cluster: &Cluster,
+        release: &Release,
+        identity: &str,
+        extra: &[&str],
+        external_port: u16,
     ) -> Operator {
         let docs = &release.docs;
         let deployment = docs
@@ -335,10 +348,7 @@ impl Operator {
                 if a.starts_with("--http-addr=") {
                     a = format!("--http-addr=127.0.0.1:{http_port}");
                 } else if a.starts_with("--external-metrics-addr=") && !a.ends_with("=off") {
-                    a = format!(
-                        "--external-metrics-addr=127.0.0.1:{}",
-                        release.external_port
-                    );
+                    a = format!("--external-metrics-addr=127.0.0.1:{external_port}");
                 }
                 for (mount, local) in &mounts {
                     a = a.replace(mount.as_str(), &local.display().to_string());
@@ -422,20 +432,53 @@ pub fn operator_binary() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ferrite-operator")))
 }
 
+/// An HTTPS client for an operator's External Metrics API on `port`, verifying it as the
+/// aggregator does (the chart's CA, the Service's `NAME.NAMESPACE.svc` name), and the base URL
+/// to use with it (`host` overrides that name, to see a wrong one refused).
+pub fn external_client(release: &Release, port: u16, host: Option<&str>) -> (ureq::Agent, String) {
+    let secret = release
+        .docs
+        .iter()
+        .find(|d| d["kind"] == "Secret" && d["type"] == "kubernetes.io/tls")
+        .expect("the External Metrics TLS Secret");
+    let ca = String::from_utf8(decode(&secret["data"], "ca.crt", true)).expect("PEM");
+    let service = release
+        .docs
+        .iter()
+        .find(|d| d["kind"] == "APIService")
+        .and_then(|a| a["spec"]["service"]["name"].as_str())
+        .expect("the APIService's Service");
+    let host = host.map_or_else(|| format!("{service}.{NAMESPACE}.svc"), String::from);
+    let resolve = move |_: &str| -> std::io::Result<Vec<std::net::SocketAddr>> {
+        Ok(vec![std::net::SocketAddr::from(([127, 0, 0, 1], port))])
+    };
+    let agent = ureq::AgentBuilder::new()
+        .tls_config(std::sync::Arc::new(super::tls::client_config(&ca, None)))
+        .resolver(resolve)
+        .timeout(Duration::from_secs(5))
+        .build();
+    (agent, format!("https://{host}"))
+}
+
 /// An InferenceService object.
 pub fn isvc(ns: &str, name: &str, spec: Value) -> Value {
     json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
            "metadata": {"name": name, "namespace": ns}, "spec": spec})
 }
 
-/// The InferenceService `ns/name` as the API server holds it.
-pub async fn get_isvc(client: &kube::Client, ns: &str, name: &str) -> Option<Value> {
+/// The InferenceServices of `ns`, as dynamic objects.
+pub fn isvc_api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
     let ar = ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("ferrite.dev", "v1alpha1", "InferenceService"),
         "inferenceservices",
     );
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
-    api.get_opt(name)
+    Api::namespaced_with(client.clone(), ns, &ar)
+}
+
+/// The InferenceService `ns/name` as the API server holds it.
+pub async fn get_isvc(client: &kube::Client, ns: &str, name: &str) -> Option<Value> {
+    isvc_api(client, ns)
+        .get_opt(name)
         .await
         .ok()
         .flatten()
@@ -465,6 +508,11 @@ pub async fn condition(
 /// Makes every pod of the InferenceService `name` look like it runs and is ready, at `ip`
 /// (where a real server listens, or nothing): what a kubelet would report.
 pub async fn pods_ready(client: &kube::Client, ns: &str, name: &str, ip: &str) -> usize {
+    pods_ready_at(client, ns, name, &[ip]).await
+}
+
+/// [`pods_ready`], the pods (by name) at `ips` in turn; the last IP serves the rest.
+pub async fn pods_ready_at(client: &kube::Client, ns: &str, name: &str, ips: &[&str]) -> usize {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let list = pods
         .list(
@@ -474,40 +522,65 @@ pub async fn pods_ready(client: &kube::Client, ns: &str, name: &str, ip: &str) -
         .await
         .expect("listing pods");
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    let mut n = 0;
-    for p in list.items {
-        if p.metadata.deletion_timestamp.is_some() {
-            continue;
-        }
+    let mut live: Vec<Pod> = list
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect();
+    live.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    for (i, p) in live.iter().enumerate() {
+        let ip = ips[i.min(ips.len() - 1)];
         let pod_name = p.metadata.name.clone().expect("pod name");
         let containers: Vec<Value> = p
             .spec
-            .as_ref()
-            .map(|s| {
-                s.containers
-                    .iter()
-                    .map(|c| c.name.clone())
-                    .collect::<Vec<_>>()
-            })
-            .unwrap_or_default()
-            .into_iter()
+            .iter()
+            .flat_map(|s| s.containers.iter())
             .map(|c| {
-                json!({"name": c, "image": "stand-in", "imageID": "", "ready": true,
-                            "started": true, "restartCount": 0,
-                            "state": {"running": {"startedAt": now}}})
+                json!({"name": c.name, "image": "stand-in", "imageID": "", "ready": true,
+                       "started": true, "restartCount": 0,
+                       "state": {"running": {"startedAt": now}}})
             })
             .collect();
         let cond = |t: &str| json!({"type": t, "status": "True", "lastTransitionTime": now});
         let status = json!({"status": {
-            "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": ip, "startTime": now,
-            "conditions": [cond("PodScheduled"), cond("Initialized"), cond("ContainersReady"), cond("Ready")],
+            "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": ip,
+            "startTime": now,
+            "conditions": [cond("PodScheduled"), cond("Initialized"), cond("ContainersReady"),
+                           cond("Ready")],
             "containerStatuses": containers}});
         pods.patch_status(&pod_name, &PatchParams::default(), &Patch::Merge(&status))
             .await
             .unwrap_or_else(|e| panic!("patching pod {pod_name}'s status: {e}"));
-        n += 1;
     }
-    n
+    live.len()
+}
+
+/// Creates a ResourceQuota of `hard` limits in `ns` and waits until the quota controller has
+/// counted it: until then, admission does not enforce a just-created quota.
+pub async fn quota(client: &kube::Client, ns: &str, hard: Value) {
+    use k8s_openapi::api::core::v1::ResourceQuota;
+    Applier::new(client.clone())
+        .await
+        .apply(&json!({"apiVersion": "v1", "kind": "ResourceQuota",
+            "metadata": {"name": "quota", "namespace": ns}, "spec": {"hard": hard}}))
+        .await;
+    let api: Api<ResourceQuota> = Api::namespaced(client.clone(), ns);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while api
+        .get("quota")
+        .await
+        .ok()
+        .and_then(|q| q.status?.used)
+        .is_none()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the quota in {ns} was never counted"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Admission reads quotas from its own cache, which may lag the status by a moment.
+    tokio::time::sleep(Duration::from_millis(500)).await;
 }
 
 /// Creates `obj` (not apply), for objects a test wants created exactly once.

@@ -132,14 +132,18 @@ async fn start(bins: &Binaries, dir: &Path) -> u16 {
     let script = dir.join("run.sh");
     std::fs::write(&script, supervisor_script(&plan)).expect("run.sh written");
     let log = File::create(dir.join("supervisor.log")).expect("supervisor log");
-    Command::new("setsid")
+    // `--fork` detaches the supervisor from this test process: `setsid`
+    // itself exits at once (reaped here), and the supervisor outlives us.
+    let status = Command::new("setsid")
+        .arg("--fork")
         .arg("bash")
         .arg(&script)
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("log"))
         .stderr(log)
-        .spawn()
-        .expect("setsid bash run.sh (util-linux)");
+        .status()
+        .expect("setsid --fork bash run.sh (util-linux)");
+    assert!(status.success(), "setsid --fork failed: {status}");
     wait_ready(&dir.join("admin.kubeconfig"), None, dir).await;
     std::fs::write(
         dir.join("state.json"),
