@@ -13,5 +13,5 @@ for spec in "18290 5" "18291 5" "18292 0"; do
   serve "$port" "/tmp/bench-aa-$port.log" --disable-log-stats --compute-nice "$nice"
 done
 for port in 18290 18291 18292; do wait_health "$port"; done
-target/release/bench-serve --model default --target nice5a=http://127.0.0.1:18290 \
+"$target"/release/bench-serve --model default --target nice5a=http://127.0.0.1:18290 \
   --target nice5b=http://127.0.0.1:18291 --target nice0=http://127.0.0.1:18292 "$@"

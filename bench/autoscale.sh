@@ -9,4 +9,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p ferrite-bench --bin bench-autoscale
-exec target/release/bench-autoscale "$@"
+exec "${CARGO_TARGET_DIR:-target}"/release/bench-autoscale "$@"

@@ -5,6 +5,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 model="${FERRITE_MODEL:-$(scripts/fetch-model.sh)}"
 cargo build --release -q -p ferrite-server -p ferrite-bench
+# Where cargo put them (CI shares one target directory across clones).
+target=${CARGO_TARGET_DIR:-$root/target}
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
@@ -18,10 +20,10 @@ wait_health() { # port
   exit 1
 }
 
-serve() { # port, log file, extra flags...; does not wait for health
+serve() { # port, log file, extra flags...; does not wait for health (SERVER_BIN: another build)
   local port=$1 log=$2
   shift 2
-  target/release/ferrite-server --model "$model" --host 127.0.0.1 --port "$port" \
+  "${SERVER_BIN:-$target/release/ferrite-server}" --model "$model" --host 127.0.0.1 --port "$port" \
     --served-model-name default ${FERRITE_ARGS:-} "$@" >"$log" 2>&1 &
   pids+=($!)
 }

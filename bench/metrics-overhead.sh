@@ -29,11 +29,11 @@ for i in $(seq 1 "$runs"); do
   reverse=() order="in order"
   if (( (i - 1) / 2 % 2 )); then reverse=(--reverse) order="in reverse order"; fi
   echo "== run $i of $runs: started $( (( i % 2 )) && echo "quiet first" || echo "$name first"), loaded $order"
-  target/release/bench-serve --model default \
+  "$target"/release/bench-serve --model default \
     --target "quiet=http://127.0.0.1:18190" --target "$name=http://127.0.0.1:18191" \
     "${scrape[@]}" "${reverse[@]}" --save "$out/run-$i.json" "$@"
   stop_servers
 done
 echo
-target/release/bench-serve --pool "$out"/run-*.json
+"$target"/release/bench-serve --pool "$out"/run-*.json
 [ "${AA:-0}" = 1 ] || echo "stats lines logged by the observed servers: $(cat "$out"/observed-*.log | grep -c 'Avg prompt throughput')"

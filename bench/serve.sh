@@ -12,6 +12,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 model="${FERRITE_MODEL:-$(scripts/fetch-model.sh)}"
 cargo build --release -q -p ferrite-server -p ferrite-bench
+target=${CARGO_TARGET_DIR:-$root/target}
 threads="${THREADS:-$(nproc)}"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
@@ -34,11 +35,11 @@ if [ -n "${LLAMA_SERVER:-}" ]; then
   wait_health 18180
   targets+=(--target "llama.cpp=http://127.0.0.1:18180")
 fi
-target/release/ferrite-server --model "$model" --host 127.0.0.1 --port 18181 ${FERRITE_ARGS:-} \
+"$target"/release/ferrite-server --model "$model" --host 127.0.0.1 --port 18181 ${FERRITE_ARGS:-} \
   --served-model-name default >/tmp/bench-ferrite-server.log 2>&1 &
 pids+=($!)
 wait_health 18181
 targets+=(--target "ferrite=http://127.0.0.1:18181")
 
 # The servers take turns: only one is under load at any time.
-target/release/bench-serve "${targets[@]}" --model default "$@"
+"$target"/release/bench-serve "${targets[@]}" --model default "$@"

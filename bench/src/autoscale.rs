@@ -19,8 +19,9 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use ferrite_bench::stats::percentile;
-use ferrite_operator::autoscale::algorithm::{PodMetrics, PodSample, Policy, ScalerState};
+use ferrite_operator::autoscale::algorithm::{Policy, ScalerState};
 use ferrite_operator::crd::AutoscalingSpec;
+use ferrite_operator::signal::{PodMetrics, PodSample};
 use serde_json::{Value, json};
 
 #[derive(Debug, Parser)]

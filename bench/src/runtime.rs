@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use ferrite_server::kv::{BlockId, KvCache, KvCacheConfig, blocks_for_tokens};
-use ferrite_server::model::driver::argmax_rows;
-use ferrite_server::model::{self, LoadOptions, SeqInput, WeightMode};
+use ferrite_runtime::kv::{BlockId, KvCache, KvCacheConfig, blocks_for_tokens};
+use ferrite_runtime::model::driver::argmax_rows;
+use ferrite_runtime::model::{self, LoadOptions, SeqInput, WeightMode};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -31,16 +31,6 @@ struct Args {
     /// Repetitions of each measurement; the best is reported.
     #[arg(long, default_value_t = 2)]
     reps: usize,
-}
-
-fn default_model() -> Result<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = std::process::Command::new("bash")
-        .arg(root.join("scripts/fetch-model.sh"))
-        .output()
-        .context("running scripts/fetch-model.sh")?;
-    anyhow::ensure!(out.status.success(), "fetch-model.sh failed");
-    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
 }
 
 struct Seq {
@@ -147,7 +137,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let path = match &args.model {
         Some(p) => p.clone(),
-        None => default_model()?,
+        None => ferrite_testkit::model::default_model(),
     };
     let opts = LoadOptions {
         weight_mode: args.weights,

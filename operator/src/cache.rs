@@ -6,7 +6,8 @@
 //! Children are cached as metadata only (their desired-state hash, owner, generation): the
 //! dashboards alone would otherwise hold megabytes. Deployments and pods keep what status
 //! reads. Every change of a child, a pod or a claim is turned into a [`Touch`] naming the
-//! InferenceService it concerns, which the controller turns into a reconcile.
+//! InferenceService it concerns, which the controller turns into a reconcile. Changes of the
+//! InferenceServices themselves go to the autoscaler as well, which follows them on its own.
 
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -24,12 +25,9 @@ use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
-use crate::build::INSTANCE_LABEL;
 use crate::build::monitor::ServiceMonitor;
 use crate::crd::InferenceService;
-
-/// Label every object the operator makes carries (children and pods alike).
-pub const MANAGED_SELECTOR: &str = "app.kubernetes.io/managed-by=ferrite-operator";
+use crate::labels::{INSTANCE_LABEL, MANAGED_SELECTOR};
 
 /// Something changed that may concern InferenceServices.
 #[derive(Debug, Clone)]
@@ -75,6 +73,15 @@ impl std::fmt::Debug for Caches {
 struct Starter {
     client: Client,
     touch: mpsc::UnboundedSender<Touch>,
+}
+
+/// Where the caches report changes.
+#[derive(Debug)]
+pub struct Feeds {
+    /// Every [`Touch`], for the controller.
+    pub controller: mpsc::UnboundedReceiver<Touch>,
+    /// InferenceServices applied or deleted, for the autoscaler.
+    pub autoscaler: mpsc::UnboundedReceiver<Touch>,
 }
 
 /// Writers of hand-filled caches (tests): apply `watcher::Event`s to them.
@@ -150,12 +157,13 @@ enum Seen {
     Deleted,
 }
 
-/// Drives a watch into a store, sending a [`Touch`] per change; retries with backoff forever.
+/// Drives a watch into a store, sending a [`Touch`] per change to each of `sinks` (until all
+/// of them are closed); retries with backoff forever.
 fn reflect<K>(
     kind: &'static str,
     stream: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
     writer: Writer<K>,
-    touch: mpsc::UnboundedSender<Touch>,
+    sinks: Vec<mpsc::UnboundedSender<Touch>>,
     map: impl Fn(&K, Seen) -> Option<Touch> + Send + 'static,
 ) where
     K: Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
@@ -175,10 +183,11 @@ fn reflect<K>(
                     continue;
                 }
             };
-            if let Some(t) = map(obj, seen)
-                && touch.send(t).is_err()
-            {
-                return;
+            if let Some(t) = map(obj, seen) {
+                let delivered = sinks.iter().filter(|s| s.send(t.clone()).is_ok()).count();
+                if delivered == 0 {
+                    return;
+                }
             }
         }
     });
@@ -212,14 +221,21 @@ where
         config,
     )
     .modify(slim_meta);
-    reflect(kind, stream, writer, starter.touch.clone(), owner_touch);
+    reflect(
+        kind,
+        stream,
+        writer,
+        vec![starter.touch.clone()],
+        owner_touch,
+    );
     store
 }
 
 impl Caches {
-    /// Starts every watch; their changes arrive on the returned channel.
-    pub fn start(client: Client) -> (Caches, mpsc::UnboundedReceiver<Touch>) {
+    /// Starts every watch; their changes arrive on the returned feeds.
+    pub fn start(client: Client) -> (Caches, Feeds) {
         let (touch, rx) = mpsc::unbounded_channel();
+        let (follow, follow_rx) = mpsc::unbounded_channel();
         let starter = Starter {
             client: client.clone(),
             touch: touch.clone(),
@@ -236,7 +252,7 @@ impl Caches {
             "InferenceService",
             stream,
             writer,
-            touch.clone(),
+            vec![touch.clone(), follow],
             |i, seen| {
                 Some(match seen {
                     Seen::Deleted => Touch::Deleted(ObjectRef::from_obj(i)),
@@ -248,16 +264,28 @@ impl Caches {
         let (deployments, writer) = reflector::store();
         let stream = watcher(Api::<Deployment>::all(client.clone()), managed.clone())
             .modify(slim_deployment);
-        reflect("Deployment", stream, writer, touch.clone(), owner_touch);
+        reflect(
+            "Deployment",
+            stream,
+            writer,
+            vec![touch.clone()],
+            owner_touch,
+        );
 
         // Pods are owned by ReplicaSets; the instance label names their InferenceService.
         let (pods, writer) = reflector::store();
         let stream = watcher(Api::<Pod>::all(client.clone()), managed.clone()).modify(slim_pod);
-        reflect("Pod", stream, writer, touch.clone(), |p: &Pod, seen| {
-            let ns = p.namespace()?;
-            let name = p.labels().get(INSTANCE_LABEL)?;
-            (seen != Seen::Listed).then(|| Touch::Owner(ObjectRef::new(name).within(&ns)))
-        });
+        reflect(
+            "Pod",
+            stream,
+            writer,
+            vec![touch.clone()],
+            |p: &Pod, seen| {
+                let ns = p.namespace()?;
+                let name = p.labels().get(INSTANCE_LABEL)?;
+                (seen != Seen::Listed).then(|| Touch::Owner(ObjectRef::new(name).within(&ns)))
+            },
+        );
 
         let claims = {
             let (store, writer) = reflector::store();
@@ -270,7 +298,7 @@ impl Caches {
                 "PersistentVolumeClaim",
                 stream,
                 writer,
-                touch.clone(),
+                vec![touch.clone()],
                 |c: &PartialObjectMeta<PersistentVolumeClaim>, seen| {
                     (seen != Seen::Listed).then(|| Touch::Claim {
                         namespace: c.namespace().unwrap_or_default(),
@@ -301,7 +329,11 @@ impl Caches {
             monitors: Arc::new(OnceLock::new()),
             starter: Some(starter),
         };
-        (caches, rx)
+        let feeds = Feeds {
+            controller: rx,
+            autoscaler: follow_rx,
+        };
+        (caches, feeds)
     }
 
     /// Empty caches filled by hand through the returned writers (tests).

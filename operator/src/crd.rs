@@ -10,6 +10,28 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// Default HTTP port of both runtimes.
+pub const DEFAULT_PORT: i32 = 8000;
+
+/// What the spec implies, read the same way by the build step, the status step and the
+/// autoscaler.
+impl InferenceService {
+    /// Replicas to run: spec.replicas (the schema defaults it to 1), brought within
+    /// autoscaling.minReplicas..maxReplicas when autoscaling is on, as an HPA does.
+    pub fn desired_replicas(&self) -> i32 {
+        let replicas = self.spec.replicas.unwrap_or(1);
+        match &self.spec.autoscaling {
+            Some(a) => replicas.clamp(a.min_replicas, a.max_replicas.max(a.min_replicas)),
+            None => replicas,
+        }
+    }
+
+    /// The runtime's HTTP port.
+    pub fn port(&self) -> i32 {
+        self.spec.runtime.port.unwrap_or(DEFAULT_PORT)
+    }
+}
+
 /// Desired state of an InferenceService.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(

@@ -9,10 +9,12 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use ferrite_operator::autoscale::external::{ServerTls, TlsSettings, serve_tls, service_names};
+use ferrite_operator::autoscale::runner::{Autoscaler, Views};
+use ferrite_operator::autoscale::store::SignalStore;
 use ferrite_operator::cache::Caches;
 use ferrite_operator::config::{OperatorConfig, load_dashboards};
 use ferrite_operator::controller::{self, Context, Timing};
+use ferrite_operator::external_metrics::{ServerTls, TlsSettings, serve_tls, service_names};
 use ferrite_operator::leader::{LeaderElector, LeaseSettings, Role};
 use ferrite_operator::telemetry::{self, Health, Metrics};
 use tokio::sync::watch;
@@ -164,21 +166,37 @@ async fn main() -> anyhow::Result<()> {
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API")?;
-    let (caches, touches) = Caches::start(client.clone());
+    let (caches, feeds) = Caches::start(client.clone());
+    let views = Views::default();
     let ctx = Arc::new(Context::new(
         client.clone(),
         operator_config,
         metrics.clone(),
         Timing::default(),
         caches,
+        views.clone(),
     ));
-    tokio::spawn(controller::dispatch(touches, ctx.clone()));
-    let external = external_metrics(&args, &ctx, stopped(stop_rx.clone())).await?;
+    // The autoscaler follows the InferenceServices on its own; the controller only reads
+    // what it publishes.
+    let autoscaler = Arc::new(Autoscaler::new(
+        client.clone(),
+        Arc::new(SignalStore::new()),
+        metrics.autoscaler.clone(),
+        ctx.recorder.clone(),
+        ctx.caches.clone(),
+        ctx.triggers.clone(),
+        views,
+    ));
+    tokio::spawn(autoscaler.clone().follow(feeds.autoscaler));
+    tokio::spawn(controller::dispatch(feeds.controller, ctx.clone()));
+    let external = external_metrics(&args, autoscaler.store(), stopped(stop_rx.clone())).await?;
 
     if args.no_leader_election {
         health.ready.store(true, Ordering::Relaxed);
         metrics.leader.set(1);
+        autoscaler.set_acting(true);
         controller::run(ctx, stopped(stop_rx.clone())).await?;
+        autoscaler.set_acting(false);
     } else {
         let identity = match &args.identity {
             Some(i) => i.clone(),
@@ -192,7 +210,13 @@ async fn main() -> anyhow::Result<()> {
         };
         // Losing the Lease returns an error: the process exits non-zero at once (its
         // /healthz already failing), and the kubelet restarts it as a standby.
-        lead(client, settings, ctx, &health, &metrics, stop_rx.clone()).await?;
+        let leader = Leader {
+            ctx,
+            autoscaler,
+            health: &health,
+            metrics: &metrics,
+        };
+        lead(client, settings, leader, stop_rx.clone()).await?;
     }
     let _ = http.await;
     if let Some(e) = external {
@@ -204,7 +228,7 @@ async fn main() -> anyhow::Result<()> {
 /// Starts the External Metrics API over TLS, unless turned off.
 async fn external_metrics(
     args: &Args,
-    ctx: &Context,
+    store: &Arc<SignalStore>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
     if args.external_metrics_addr == "off" {
@@ -225,7 +249,7 @@ async fn external_metrics(
         .await
         .with_context(|| format!("binding {addr}"))?;
     tracing::info!(%addr, "serving the External Metrics API (external.metrics.k8s.io/v1beta1)");
-    let store = ctx.autoscaler.store().clone();
+    let store = store.clone();
     Ok(Some(tokio::spawn(async move {
         if let Err(e) = serve_tls(listener, tls, store, shutdown).await {
             tracing::error!(error = %e, "External Metrics API server failed");
@@ -254,14 +278,26 @@ const LOST_GRACE: Duration = Duration::from_secs(5);
 /// error, so the process exits rather than idle as a leader that no longer leads. While it
 /// waits, the autoscaler observes without acting, so this replica's External Metrics API
 /// serves the same signals as the leader's.
+/// What runs while this replica leads.
+struct Leader<'a> {
+    ctx: Arc<Context>,
+    autoscaler: Arc<Autoscaler>,
+    health: &'a Health,
+    metrics: &'a Metrics,
+}
+
 async fn lead(
     client: kube::Client,
     settings: LeaseSettings,
-    ctx: Arc<Context>,
-    health: &Health,
-    metrics: &Metrics,
+    leader: Leader<'_>,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
+    let Leader {
+        ctx,
+        autoscaler,
+        health,
+        metrics,
+    } = leader;
     let retry = retry_period(settings.lease_duration);
     let mut elector = LeaderElector::new(client, settings.clone());
     loop {
@@ -329,6 +365,7 @@ async fn lead(
             }
         }
     };
+    autoscaler.set_acting(true);
     let run = controller::run(ctx, shutdown);
     let mut run = std::pin::pin!(run);
     let mut lost = lost_rx.clone();
@@ -345,6 +382,7 @@ async fn lead(
             }
         }
     };
+    autoscaler.set_acting(false);
     metrics.leader.set(0);
     let _ = done_tx.send(true);
     let lost = *lost_rx.borrow();

@@ -15,6 +15,8 @@ use prometheus::{
     Opts, Registry, TextEncoder,
 };
 
+use crate::signal::Signal;
+
 /// Reconcile duration buckets (seconds): fine below 100 ms, where a healthy reconcile sits.
 const DURATION_BUCKETS: &[f64] = &[
     0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
@@ -34,8 +36,7 @@ pub struct Metrics {
 /// Per-InferenceService autoscaler series, labelled `namespace` and `inferenceservice`.
 #[derive(Debug, Clone)]
 pub struct AutoscalerMetrics {
-    /// The signals last read, by `signal` (queue_per_replica, kv_cache_usage, requests_waiting,
-    /// requests_running).
+    /// The signals last read, by `signal` (`Signal::label`).
     pub signal: GaugeVec,
     /// The raw recommendation and the decided replica count.
     pub recommended: IntGaugeVec,
@@ -137,7 +138,7 @@ impl AutoscalerMetrics {
         for v in [&self.recommended, &self.desired, &self.panic] {
             let _ = v.remove_label_values(&[namespace, name]);
         }
-        for signal in SIGNALS {
+        for signal in Signal::ALL.map(Signal::label) {
             let _ = self.signal.remove_label_values(&[namespace, name, signal]);
             let _ = self.target.remove_label_values(&[namespace, name, signal]);
         }
@@ -154,13 +155,6 @@ impl AutoscalerMetrics {
     }
 }
 
-/// Values of the `signal` label.
-pub const SIGNALS: [&str; 4] = [
-    "queue_per_replica",
-    "kv_cache_usage",
-    "requests_waiting",
-    "requests_running",
-];
 /// Values of the scrape errors' `error` label (`ScrapeError::kind`).
 pub const SCRAPE_ERROR_KINDS: [&str; 5] =
     ["connect", "status", "timeout", "parse", "missing_metric"];

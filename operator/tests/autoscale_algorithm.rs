@@ -3,10 +3,9 @@
 
 use std::time::Duration;
 
-use ferrite_operator::autoscale::algorithm::{
-    Limit, PodMetrics, PodSample, Policy, ScalerState, replicas_for,
-};
+use ferrite_operator::autoscale::algorithm::{Limit, Policy, ScalerState, replicas_for};
 use ferrite_operator::crd::{AutoscalingSpec, AutoscalingTargets, ScalingBehavior};
+use ferrite_operator::signal::{PodMetrics, PodSample};
 use proptest::prelude::*;
 
 fn policy() -> Policy {

@@ -11,6 +11,7 @@ use std::time::Duration;
 use common::apiserver::{
     self, Reply, Step, Transcript, deleted, echo, not_found, ok, status_reply, step,
 };
+use ferrite_operator::autoscale::runner::Views;
 use ferrite_operator::cache::{Caches, Writers};
 use ferrite_operator::config::{Dashboard, OperatorConfig};
 use ferrite_operator::controller::{Context, Error, Timing, error_policy, reconcile};
@@ -122,7 +123,14 @@ fn fill(w: &mut Writers, world: &[Value]) {
 fn context(client: kube::Client, world: &[Value], metrics: Arc<Metrics>) -> Arc<Context> {
     let (caches, mut writers) = Caches::manual();
     fill(&mut writers, world);
-    Arc::new(Context::new(client, config(), metrics, timing(), caches))
+    Arc::new(Context::new(
+        client,
+        config(),
+        metrics,
+        timing(),
+        caches,
+        Views::default(),
+    ))
 }
 
 /// One reconcile of `isvc` with the caches holding `world`, against `script`.
@@ -320,7 +328,14 @@ async fn a_hand_edited_deployment_is_restored() {
     let (caches, mut writers) = Caches::manual();
     fill(&mut writers, &[deployment.clone(), service, dashboard]);
     let metrics = Arc::new(Metrics::new().expect("metrics"));
-    let ctx = Arc::new(Context::new(client, config(), metrics, timing(), caches));
+    let ctx = Arc::new(Context::new(
+        client,
+        config(),
+        metrics,
+        timing(),
+        caches,
+        Views::default(),
+    ));
     reconcile(settled.clone(), ctx.clone())
         .await
         .expect("baseline");

@@ -23,10 +23,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::e2e::{Applier, Operator, install, isvc, pods_ready_at};
-use common::prometheus::{Prometheus, tool, unix_now};
 use common::servers::{Server, free_port, start_server_at, wait_healthy};
 use common::validate::{root, run_validator, tool_path};
 use ferrite_testkit::kube::Cluster;
+use ferrite_testkit::prometheus::{Prometheus, tool, unix_now};
 use serde_json::{Value, json};
 
 const DASHBOARDS: [&str; 3] = ["overview", "realtime", "autoscaling"];

@@ -5,8 +5,8 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use ferrite_operator::build::BuildError;
-use ferrite_operator::build::hpa::hpa_for;
+use ferrite_operator::build::{BuildError, ClusterCapabilities, build};
+use ferrite_operator::config::OperatorConfig;
 use ferrite_operator::crd::InferenceService;
 use k8s_openapi::api::autoscaling::v2::{HPAScalingRules, HorizontalPodAutoscaler, MetricSpec};
 use serde_json::{Value, json};
@@ -18,6 +18,14 @@ fn isvc(autoscaling: Value) -> InferenceService {
         "spec": {"model": {"source": "/models/m.gguf"}, "autoscaling": autoscaling},
     }))
     .expect("valid InferenceService")
+}
+
+/// The HPA the build step makes for `isvc`, if any.
+fn hpa_for(isvc: &InferenceService) -> Result<Option<HorizontalPodAutoscaler>, BuildError> {
+    let caps = ClusterCapabilities {
+        service_monitor_crd: false,
+    };
+    build(isvc, &OperatorConfig::default(), caps).map(|d| d.hpa)
 }
 
 fn built(autoscaling: Value) -> HorizontalPodAutoscaler {

@@ -3,9 +3,9 @@
 mod common;
 
 use candle_core::Device;
-use ferrite_server::kv::{KvCache, KvCacheConfig};
-use ferrite_server::model::driver::{GreedySeq, run_greedy};
-use ferrite_server::model::{self, LoadOptions, WeightMode};
+use ferrite_runtime::kv::{KvCache, KvCacheConfig};
+use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
+use ferrite_runtime::model::{self, LoadOptions, WeightMode};
 
 const NEW_TOKENS: usize = 24;
 

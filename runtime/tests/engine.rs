@@ -6,11 +6,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use ferrite_server::engine::core::{EngineHandle, Event, FinishReason, Request, spawn};
-use ferrite_server::engine::sampler::SamplingParams;
-use ferrite_server::engine::scheduler::SchedulerConfig;
-use ferrite_server::kv::{KvCache, KvCacheConfig};
-use ferrite_server::model::{self, LoadOptions, Tokenizer, WeightMode};
+use ferrite_runtime::engine::core::{EngineHandle, Event, FinishReason, Request, spawn};
+use ferrite_runtime::engine::sampler::SamplingParams;
+use ferrite_runtime::engine::scheduler::SchedulerConfig;
+use ferrite_runtime::engine::stats::NoStats;
+use ferrite_runtime::kv::{KvCache, KvCacheConfig};
+use ferrite_runtime::model::{self, LoadOptions, Tokenizer, WeightMode};
 use tokio::sync::mpsc;
 
 struct Output {
@@ -41,9 +42,7 @@ fn engine(blocks: usize, host: usize, max_num_seqs: usize) -> (EngineHandle, Tok
         chunked_prefill: true,
         watermark_blocks: 1,
     };
-    let metrics =
-        ferrite_server::metrics::EngineMetrics::standalone("test", 8192).expect("metrics");
-    let (h, _join) = spawn(m, cache, cfg, metrics).expect("spawn");
+    let (h, _join) = spawn(m, cache, cfg, Box::new(NoStats)).expect("spawn");
     (h, tok)
 }
 

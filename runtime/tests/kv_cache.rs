@@ -1,7 +1,7 @@
 //! Block pools and the host swap pool, on synthetic data (no model).
 
 use candle_core::{DType, Device, Tensor};
-use ferrite_server::kv::{KvCache, KvCacheConfig, KvError};
+use ferrite_runtime::kv::{KvCache, KvCacheConfig, KvError};
 
 fn cfg(num_blocks: usize, host: usize) -> KvCacheConfig {
     KvCacheConfig {

@@ -8,9 +8,9 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
-use ferrite_server::kv::{KvCache, KvCacheConfig};
-use ferrite_server::model::driver::{GreedySeq, run_greedy};
-use ferrite_server::model::{self, LoadOptions, LoadedModel, ModelError, WeightMode};
+use ferrite_runtime::kv::{KvCache, KvCacheConfig};
+use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
+use ferrite_runtime::model::{self, LoadOptions, LoadedModel, ModelError, WeightMode};
 
 const HIDDEN: usize = 256;
 const FFN: usize = 512;
@@ -289,7 +289,7 @@ fn hugging_face_folder_matches_the_gguf_it_was_converted_from() {
         } else {
             t
         };
-        let hf = ferrite_server::model::safetensors::hf_name(name).expect("mapped name");
+        let hf = ferrite_runtime::model::safetensors::hf_name(name).expect("mapped name");
         tensors.insert(hf, t);
     }
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).expect("save");
@@ -325,12 +325,12 @@ fn hugging_face_folder_matches_the_gguf_it_was_converted_from() {
     let hf = load(&dir, WeightMode::Auto).expect("load HF folder");
     assert_eq!(
         hf.model.config().rope_style,
-        ferrite_server::model::RopeStyle::Half
+        ferrite_runtime::model::RopeStyle::Half
     );
     let text = "Hello world! 12345 fn main() { println!(\"hi\"); } 🦀";
     let ids = gguf.tokenizer.encode(text, false).expect("enc");
     assert_eq!(hf.tokenizer.encode(text, false).expect("enc"), ids);
-    let msgs = vec![ferrite_server::model::ChatMessage {
+    let msgs = vec![ferrite_runtime::model::ChatMessage {
         role: "user".into(),
         content: "Hi".into(),
     }];

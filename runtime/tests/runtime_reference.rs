@@ -5,8 +5,8 @@
 mod common;
 
 use common::{diffs, ours, prompt_ids, reference};
-use ferrite_server::model::WeightMode;
-use ferrite_server::model::attention::AttentionBackend;
+use ferrite_runtime::model::WeightMode;
+use ferrite_runtime::model::attention::AttentionBackend;
 
 /// With the generic attention path our forward performs the same floating-point operations as
 /// the reference, through block tables and per-token positions, so it must match exactly.

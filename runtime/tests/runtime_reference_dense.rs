@@ -5,8 +5,8 @@
 mod common;
 
 use common::{diffs, ours, prompt_ids, reference};
-use ferrite_server::model::WeightMode;
-use ferrite_server::model::attention::AttentionBackend;
+use ferrite_runtime::model::WeightMode;
+use ferrite_runtime::model::attention::AttentionBackend;
 
 #[test]
 fn default_dense_runtime_matches_dequantized_quantized_llama() {

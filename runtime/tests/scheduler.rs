@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
-use ferrite_server::engine::scheduler::{Preemption, Scheduler, SchedulerConfig, SeqId, StepPlan};
-use ferrite_server::kv::{BlockSpace, CountingBlocks};
+use ferrite_runtime::engine::scheduler::{Preemption, Scheduler, SchedulerConfig, SeqId, StepPlan};
+use ferrite_runtime::kv::{BlockSpace, CountingBlocks};
 use proptest::prelude::*;
 
 fn cfg() -> SchedulerConfig {

@@ -4,9 +4,9 @@
 mod common;
 
 use candle_core::Device;
-use ferrite_server::kv::{BlockId, KvCache, KvCacheConfig, blocks_for_tokens};
-use ferrite_server::model::driver::argmax_rows;
-use ferrite_server::model::{self, LoadOptions, LoadedModel, SeqInput};
+use ferrite_runtime::kv::{BlockId, KvCache, KvCacheConfig, blocks_for_tokens};
+use ferrite_runtime::model::driver::argmax_rows;
+use ferrite_runtime::model::{self, LoadOptions, LoadedModel, SeqInput};
 
 const NEW_TOKENS: usize = 20;
 const SWAP_AT: usize = 8;

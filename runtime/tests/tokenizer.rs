@@ -2,7 +2,7 @@
 
 mod common;
 
-use ferrite_server::model::{self, ChatMessage, LoadOptions, LoadedModel};
+use ferrite_runtime::model::{self, ChatMessage, LoadOptions, LoadedModel};
 
 fn model() -> LoadedModel {
     model::load(&common::default_model(), &LoadOptions::default()).expect("load")
@@ -115,7 +115,7 @@ fn chat_template_renders_a_two_turn_conversation() {
 
 #[test]
 fn chat_templates_get_python_string_methods_and_raise_exception() {
-    let t = ferrite_server::model::ChatTemplate::new(
+    let t = ferrite_runtime::model::ChatTemplate::new(
         "{% for m in messages %}{% if m.role not in ['user'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}{{ bos_token }}{{ m.content.strip().upper() }}{% endfor %}",
         "<s>".into(),
         "</s>".into(),
@@ -132,7 +132,7 @@ fn chat_templates_get_python_string_methods_and_raise_exception() {
     }];
     let e = t.render(&bad, false).expect_err("raise_exception");
     assert!(e.to_string().contains("bad role tool"), "{e}");
-    let e = ferrite_server::model::ChatTemplate::new("{% for %}", String::new(), String::new())
+    let e = ferrite_runtime::model::ChatTemplate::new("{% for %}", String::new(), String::new())
         .expect_err("syntax error");
     assert!(e.to_string().contains("does not compile"), "{e}");
 }

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use crate::model::WeightMode;
+use ferrite_runtime::model::WeightMode;
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -74,7 +74,7 @@ pub struct ServerArgs {
     pub disable_log_stats: bool,
     /// How many nice levels the engine and compute threads run below the HTTP threads, so
     /// probes, scrapes and token streams get a core promptly under load (0 turns it off).
-    #[arg(long, default_value_t = crate::priority::COMPUTE_NICE, value_parser = clap::value_parser!(i32).range(0..=19))]
+    #[arg(long, default_value_t = ferrite_runtime::priority::COMPUTE_NICE, value_parser = clap::value_parser!(i32).range(0..=19))]
     pub compute_nice: i32,
 }
 

@@ -1,13 +1,7 @@
-//! ferrite-server: an OpenAI-compatible LLM server on candle with a paged KV cache.
-//!
-//! Layers, each knowing only the one below: `model` (tensors), `kv` (blocks), and the serving
-//! engine and API built on top of them.
+//! ferrite-server: the OpenAI-compatible HTTP API and the vLLM metrics protocol on top of
+//! `ferrite-runtime`. `api` knows requests, never tensors; `metrics` turns the engine's plain
+//! stats records into Prometheus series and the stats log line.
 
 pub mod api;
 pub mod config;
-pub mod device;
-pub mod engine;
-pub mod kv;
 pub mod metrics;
-pub mod model;
-pub mod priority;

@@ -8,15 +8,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use ferrite_runtime::device::parse_device;
+use ferrite_runtime::engine::core as engine;
+use ferrite_runtime::engine::scheduler::SchedulerConfig;
+use ferrite_runtime::engine::stats::StatsSink;
+use ferrite_runtime::kv::{KvCache, KvCacheConfig};
+use ferrite_runtime::model::{self, LoadOptions, SeqInput};
 use ferrite_server::api::{self, state::AppState, state::Serving};
 use ferrite_server::config::ServerArgs;
-use ferrite_server::device::parse_device;
-use ferrite_server::engine::core as engine;
-use ferrite_server::engine::scheduler::SchedulerConfig;
-use ferrite_server::kv::{KvCache, KvCacheConfig};
 use ferrite_server::metrics::http::HttpMetrics;
 use ferrite_server::metrics::{self, CacheInfo, EngineMetrics, stats_log};
-use ferrite_server::model::{self, LoadOptions, SeqInput};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -29,7 +30,7 @@ async fn main() -> Result<()> {
         )
         .init();
     let args = ServerArgs::parse();
-    if let Err(e) = ferrite_server::priority::init_compute_pool(args.compute_nice) {
+    if let Err(e) = ferrite_runtime::priority::init_compute_pool(args.compute_nice) {
         warn!(error = %e, "compute threads keep the default priority");
     }
     let served = args.served_model_name.clone().unwrap_or_else(|| {
@@ -101,14 +102,24 @@ async fn main() -> Result<()> {
         cache_dtype: "auto".into(),
         swap_space_gib: args.swap_space,
     };
-    let metrics = EngineMetrics::new(&registry, &served, max_model_len, &cache_info)?;
+    // Two consumers of the engine's stats records: Prometheus, and the stats log line.
+    let mut sinks: Vec<Box<dyn StatsSink>> = vec![Box::new(EngineMetrics::new(
+        &registry,
+        &served,
+        max_model_len,
+        &cache_info,
+    )?)];
+    let log_sink = stats_log::LogSink::default();
+    if !args.disable_log_stats {
+        sinks.push(Box::new(log_sink.clone()));
+    }
     let tokenizer = loaded.tokenizer.clone();
     let chat_template = loaded.chat_template.take();
     let (handle, engine_thread) =
-        engine::spawn(loaded, cache, sched, metrics.clone()).context("starting the engine")?;
+        engine::spawn(loaded, cache, sched, Box::new(sinks)).context("starting the engine")?;
     if !args.disable_log_stats {
         let every = Duration::from_secs_f64(args.log_stats_interval);
-        stats_log::spawn(&registry, &served, metrics, handle.clone(), every)?;
+        stats_log::spawn(&registry, &served, log_sink, handle.clone(), every)?;
     }
     state.set_serving(Serving {
         engine: handle.clone(),

@@ -32,7 +32,7 @@ fn openai_python_client_suite() {
         .arg(&dir)
         .current_dir(&dir)
         .env("FERRITE_SERVER_BIN", env!("CARGO_BIN_EXE_ferrite-server"))
-        .env("FERRITE_MODEL", common::default_model())
+        .env("FERRITE_MODEL", ferrite_testkit::model::default_model())
         .output()
         .expect("run pytest");
     let stdout = String::from_utf8_lossy(&out.stdout);

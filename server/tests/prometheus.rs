@@ -6,13 +6,14 @@ mod common;
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use common::server::{Server, SseReader, free_port, start};
+use common::server::{Server, SseReader, start};
+use ferrite_testkit::prometheus::{Prometheus, tool, unix_now};
 use serde_json::{Value, json};
 
 /// TTFT buckets of the protocol, to compare the client's median with the server's.
@@ -21,124 +22,11 @@ const TTFT_BUCKETS: &[f64] = &[
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
-/// A Debian-packaged tool, from `$env` or the PATH; fails with what to install otherwise.
-fn tool(env: &str, name: &str) -> PathBuf {
-    if let Ok(p) = std::env::var(env) {
-        return PathBuf::from(p);
-    }
-    for dir in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
-        let p = dir.join(name);
-        if p.is_file() {
-            return p;
-        }
-    }
-    panic!(
-        "{name} not found: install Debian's `prometheus` package (scripts/test.sh does) or set {env}"
-    );
-}
-
-struct Prometheus {
-    child: Child,
-    base: String,
-    dir: PathBuf,
-}
-
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-impl Prometheus {
-    /// Starts Prometheus scraping `target` (host:port) every second.
-    fn start(target: &str) -> Self {
-        let port = free_port();
-        let dir = std::env::temp_dir().join(format!("ferrite-prom-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("prometheus dir");
-        let config = dir.join("prometheus.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
-                 scrape_configs:\n  - job_name: ferrite\n    static_configs:\n      \
-                 - targets: ['{target}']\n"
-            ),
-        )
-        .expect("write config");
-        let child = Command::new(tool("FERRITE_PROMETHEUS", "prometheus"))
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .arg("--log.level=warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn prometheus");
-        let p = Self {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-            dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while ureq::get(&format!("{}/-/ready", p.base)).call().is_err() {
-            assert!(Instant::now() < deadline, "prometheus not ready");
-            thread::sleep(Duration::from_millis(100));
-        }
-        p
-    }
-
-    /// An instant query, at `at` (unix seconds) or now; the result vector.
-    fn query(&self, promql: &str, at: Option<f64>) -> Vec<Value> {
-        let mut req = ureq::get(&format!("{}/api/v1/query", self.base)).query("query", promql);
-        if let Some(t) = at {
-            req = req.query("time", &format!("{t:.3}"));
-        }
-        let r: Value = req
-            .call()
-            .unwrap_or_else(|e| panic!("query {promql}: {e}"))
-            .into_json()
-            .expect("json");
-        assert_eq!(r["status"], "success", "{promql}: {r}");
-        r["data"]["result"].as_array().cloned().unwrap_or_default()
-    }
-
-    /// The single value of a query, `None` when the result is empty.
-    fn value(&self, promql: &str, at: Option<f64>) -> Option<f64> {
-        let result = self.query(promql, at);
-        assert!(result.len() <= 1, "{promql} returned {result:?}");
-        result
-            .first()
-            .and_then(|s| s["value"][1].as_str())
-            .and_then(|v| v.parse().ok())
-    }
-
-    /// Waits until `promql` has a value for which `ok` holds; returns it.
-    fn wait_for(&self, promql: &str, within: Duration, ok: impl Fn(f64) -> bool) -> f64 {
-        let deadline = Instant::now() + within;
-        loop {
-            let v = self.value(promql, None);
-            if let Some(v) = v.filter(|v| ok(*v)) {
-                return v;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{promql} is {v:?} after {within:?}"
-            );
-            thread::sleep(Duration::from_millis(200));
-        }
-    }
-}
-
-fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
+/// Prometheus scraping `target` (host:port) every second as job `ferrite`.
+fn scraping(target: &str) -> Prometheus {
+    Prometheus::start(&format!(
+        "  - job_name: ferrite\n    static_configs:\n      - targets: ['{target}']\n"
+    ))
 }
 
 fn bucket_index(v: f64) -> usize {
@@ -178,7 +66,7 @@ fn stream_one(s: &Server, i: usize) -> (f64, u64) {
 fn prometheus_scrapes_the_server_under_load_and_promql_matches_the_clients() {
     let mut s = start(&["--max-num-seqs", "4", "--max-model-len", "256"]);
     s.wait_ready();
-    let prom = Prometheus::start(&target(&s));
+    let prom = scraping(&target(&s));
     prom.wait_for("up{job=\"ferrite\"}", Duration::from_secs(30), |v| v == 1.0);
     // Two scrapes before the load, so every rate() window starts from zeroed counters.
     thread::sleep(Duration::from_millis(2200));
@@ -195,13 +83,13 @@ fn prometheus_scrapes_the_server_under_load_and_promql_matches_the_clients() {
             let (mut waiting, mut kv) = (None, None);
             while !done.load(Ordering::SeqCst) && (waiting.is_none() || kv.is_none()) {
                 if waiting.is_none() {
-                    waiting = prom.value("vllm:num_requests_waiting > 0", None);
+                    waiting = prom.value("vllm:num_requests_waiting > 0");
                     if waiting.is_some() {
                         check_adapter_rules(&prom);
                     }
                 }
                 if kv.is_none() {
-                    kv = prom.value("vllm:kv_cache_usage_perc > 0", None);
+                    kv = prom.value("vllm:kv_cache_usage_perc > 0");
                 }
                 thread::sleep(Duration::from_millis(250));
             }
@@ -251,7 +139,7 @@ fn prometheus_scrapes_the_server_under_load_and_promql_matches_the_clients() {
     let window = format!("{}s", (eval_at - load_start).ceil() as u64 + 2);
 
     let rate = prom
-        .value(
+        .value_at(
             &format!("rate(vllm:generation_tokens_total[{window}])"),
             Some(eval_at),
         )
@@ -264,7 +152,7 @@ fn prometheus_scrapes_the_server_under_load_and_promql_matches_the_clients() {
     );
 
     let p90 = prom
-        .value(
+        .value_at(
             &format!(
                 "histogram_quantile(0.9, sum by (le) \
                  (rate(vllm:time_to_first_token_seconds_bucket[{window}])))"
@@ -276,7 +164,7 @@ fn prometheus_scrapes_the_server_under_load_and_promql_matches_the_clients() {
 
     // Fidelity: the client's TTFT median and the histogram's fall within one bucket.
     let server_p50 = prom
-        .value(
+        .value_at(
             &format!(
                 "histogram_quantile(0.5, sum by (le) \
                  (rate(vllm:time_to_first_token_seconds_bucket[{window}])))"
@@ -322,9 +210,13 @@ fn check_adapter_rules(prom: &Prometheus) {
             .replace("<<.GroupBy>>", "job");
         // Both at one instant, so a scrape in between cannot make them differ.
         let at = Some(unix_now());
-        let got = prom.query(&query, at);
+        let got = prom
+            .query_at(&query, at)
+            .unwrap_or_else(|e| panic!("{query}: {e}"));
         assert_eq!(got.len(), 1, "{as_name}: {query} returned {got:?}");
-        let raw = prom.query(&format!("{series}{{job=\"ferrite\"}}"), at);
+        let raw = prom
+            .query_at(&format!("{series}{{job=\"ferrite\"}}"), at)
+            .expect("raw series");
         assert_eq!(raw.len(), 1, "{series}");
         let value = |v: &Value| v["value"][1].as_str().and_then(|s| s.parse::<f64>().ok());
         assert_eq!(value(&got[0]), value(&raw[0]), "{as_name}: {query}");

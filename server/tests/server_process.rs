@@ -56,7 +56,7 @@ fn cuda_device_without_the_feature_is_refused() {
     if cfg!(feature = "cuda") {
         return;
     }
-    let model = common::default_model();
+    let model = ferrite_testkit::model::default_model();
     let err = run_failing(&[
         "--model",
         model.to_str().expect("utf-8"),

@@ -1,5 +1,9 @@
 //! Test support for the workspace's tests and benchmarks (a dev-dependency only): child
-//! processes that die with the test, free ports, polling, and a real Kubernetes control plane.
+//! processes that die with the test, free ports, polling, the default model, the Prometheus
+//! runner, and a real Kubernetes control plane.
 
 pub mod kube;
+pub mod model;
 pub mod process;
+pub mod prometheus;
+pub mod server;

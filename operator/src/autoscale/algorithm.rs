@@ -8,6 +8,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::crd::AutoscalingSpec;
+use crate::signal::{PodSample, Signal, Signals};
 
 /// Default seconds between scrapes.
 pub const DEFAULT_SCRAPE_SECONDS: u64 = 5;
@@ -36,6 +37,17 @@ pub struct Policy {
     pub panic_threshold: Option<f64>,
     /// With `min_replicas == 0`: how long without any request before scaling to zero.
     pub idle_timeout: Option<Duration>,
+}
+
+impl Policy {
+    /// The spec's target for `signal`, where it has one.
+    pub fn target(&self, signal: Signal) -> Option<f64> {
+        match signal {
+            Signal::QueuePerReplica => self.queue_target,
+            Signal::KvCacheUsage => self.kv_target,
+            Signal::RequestsWaiting | Signal::RequestsRunning => None,
+        }
+    }
 }
 
 /// The window rate policies look back over.
@@ -68,88 +80,18 @@ impl Policy {
     }
 }
 
-/// What one pod said, after scraping.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum PodSample {
-    /// A ready pod whose `/metrics` was read.
-    Ready(PodMetrics),
-    /// A ready pod whose scrape failed or lacked a signal's metric: counted, but its value is
-    /// unknown.
-    Missing,
-    /// A pod that is starting or not ready: no traffic reaches it yet.
-    Unready,
-}
-
-/// The signals of one pod.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct PodMetrics {
-    /// `vllm:num_requests_waiting`.
-    pub waiting: f64,
-    /// `vllm:num_requests_running`.
-    pub running: f64,
-    /// `vllm:kv_cache_usage_perc` (or `vllm:gpu_cache_usage_perc`), 0..1; `None` when the pod
-    /// exports neither.
-    pub kv_usage: Option<f64>,
-}
-
-/// The averaged signals of one evaluation, for status, metrics and the External Metrics API.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Signals {
-    /// Waiting requests per pod that reported, averaged.
-    pub queue_per_replica: Option<f64>,
-    /// KV-cache usage averaged over the pods that reported it.
-    pub kv_usage: Option<f64>,
-    /// Sums over the pods that reported.
-    pub waiting: f64,
-    pub running: f64,
-    /// Pods whose metrics were read.
-    pub reporting: usize,
-    /// Ready pods whose scrape failed.
-    pub missing: usize,
-    pub unready: usize,
-}
-
-impl Signals {
-    pub fn of(samples: &[PodSample]) -> Self {
-        let mut s = Signals::default();
-        let (mut kv_sum, mut kv_n) = (0.0, 0usize);
-        for sample in samples {
-            match sample {
-                PodSample::Ready(m) => {
-                    s.reporting += 1;
-                    s.waiting += m.waiting;
-                    s.running += m.running;
-                    if let Some(kv) = m.kv_usage {
-                        kv_sum += kv;
-                        kv_n += 1;
-                    }
-                }
-                PodSample::Missing => s.missing += 1,
-                PodSample::Unready => s.unready += 1,
-            }
-        }
-        if s.reporting > 0 {
-            s.queue_per_replica = Some(s.waiting / s.reporting as f64);
-        }
-        if kv_n > 0 {
-            s.kv_usage = Some(kv_sum / kv_n as f64);
-        }
-        s
-    }
-}
-
 /// Which signal drove a recommendation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Signal {
+pub enum Driver {
     Queue,
     KvCache,
 }
 
-impl Signal {
+impl Driver {
     pub fn as_str(self) -> &'static str {
         match self {
-            Signal::Queue => "queue",
-            Signal::KvCache => "kv_cache",
+            Driver::Queue => "queue",
+            Driver::KvCache => "kv_cache",
         }
     }
 }
@@ -196,7 +138,7 @@ pub struct Decision {
     /// The raw recommendation: the highest any signal asked for, clamped to [min, max].
     pub recommendation: i32,
     /// The signal behind the recommendation, when one asked for a change.
-    pub driver: Option<Signal>,
+    pub driver: Option<Driver>,
     pub signals: Signals,
     /// Why `desired` differs from `recommendation`, if it does.
     pub limit: Option<Limit>,
@@ -304,11 +246,11 @@ impl ScalerState {
         let mut raw: Option<i32> = None;
         let per_signal = [
             (
-                Signal::Queue,
+                Driver::Queue,
                 policy.queue_target,
                 signals.queue_per_replica,
             ),
-            (Signal::KvCache, policy.kv_target, signals.kv_usage),
+            (Driver::KvCache, policy.kv_target, signals.kv_usage),
         ];
         for (signal, target, _) in per_signal {
             let Some(target) = target else { continue };
@@ -316,8 +258,8 @@ impl ScalerState {
                 .iter()
                 .filter_map(|s| match s {
                     PodSample::Ready(m) => Some(match signal {
-                        Signal::Queue => Some(m.waiting),
-                        Signal::KvCache => m.kv_usage,
+                        Driver::Queue => Some(m.waiting),
+                        Driver::KvCache => m.kv_usage,
                     }),
                     PodSample::Missing => Some(None),
                     PodSample::Unready => None,

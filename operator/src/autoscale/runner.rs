@@ -1,9 +1,10 @@
-//! The autoscaler loop: one task per autoscaled InferenceService, kept in step with the
-//! InferenceServices by the watch caches. Every scrape interval it finds the pods (in the pod
-//! cache), scrapes the ready ones, and in Builtin mode decides and writes the scale
-//! subresource. The signals go to the [`SignalStore`] (for the External Metrics API) and a view
-//! goes to the status step; the reconcile that writes status is triggered from here, so status
-//! keeps one writer.
+//! The autoscaler loop: one task per autoscaled InferenceService. The autoscaler follows the
+//! InferenceServices itself ([`Autoscaler::follow`], fed by the watch caches) and starts, updates
+//! or stops the tasks. Every scrape interval a task finds the pods (in the pod cache), scrapes
+//! the ready ones, and in Builtin mode decides and writes the scale subresource. The signals go
+//! to the [`SignalStore`] (for the External Metrics API) and a view to [`Views`], which the
+//! status step reads; the reconcile that writes status is triggered from here, so status keeps
+//! one writer. Nothing in the controller calls into the autoscaler.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,18 +18,18 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
-use super::algorithm::{Decision, Policy, ScalerState, Signals};
+use super::algorithm::{Decision, Policy, ScalerState};
 use super::scrape::{PodResult, PodTarget, Scraper};
 use super::store::{Key, SignalStore, Snapshot};
-use crate::build::{desired_replicas, port};
-use crate::cache::{Caches, Triggers};
+use crate::cache::{Caches, Touch, Triggers};
 use crate::config::FIELD_MANAGER;
 use crate::crd::{AutoscalingMode, CurrentMetrics, InferenceService};
+use crate::signal::{Signal, Signals};
 use crate::status::{AutoscaleView, Finding};
-use crate::telemetry::{AutoscalerMetrics, SIGNALS};
+use crate::telemetry::AutoscalerMetrics;
 
 /// How often metrics-only status changes are published (decisions publish at once).
 const STATUS_REFRESH: Duration = Duration::from_secs(15);
@@ -47,6 +48,34 @@ struct Task {
     abort: AbortHandle,
 }
 
+/// The autoscaler's published view of each InferenceService, for the status step: a read-only
+/// handle, cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct Views(Arc<Mutex<HashMap<Key, AutoscaleView>>>);
+
+impl Views {
+    /// The view of `key`: the last evaluation, or pending before the first.
+    pub fn get(&self, key: &Key) -> AutoscaleView {
+        self.0
+            .lock()
+            .ok()
+            .and_then(|v| v.get(key).cloned())
+            .unwrap_or_else(AutoscaleView::pending)
+    }
+
+    fn put(&self, key: Key, view: AutoscaleView) {
+        if let Ok(mut v) = self.0.lock() {
+            v.insert(key, view);
+        }
+    }
+
+    fn remove(&self, key: &Key) {
+        if let Ok(mut v) = self.0.lock() {
+            v.remove(key);
+        }
+    }
+}
+
 /// The registry of autoscaler tasks, shared by every reconcile.
 pub struct Autoscaler {
     client: Client,
@@ -55,7 +84,7 @@ pub struct Autoscaler {
     recorder: Recorder,
     scraper: Scraper,
     tasks: Mutex<HashMap<Key, Task>>,
-    views: Arc<Mutex<HashMap<Key, AutoscaleView>>>,
+    views: Views,
     caches: Caches,
     triggers: Arc<Triggers>,
     /// False on a standby replica: tasks scrape and feed the External Metrics API, but decide,
@@ -70,8 +99,9 @@ impl std::fmt::Debug for Autoscaler {
 }
 
 impl Autoscaler {
-    /// Reads InferenceServices and pods from `caches`; asks `triggers` for a reconcile when
-    /// what the status shows changes (so status keeps one writer).
+    /// Reads InferenceServices and pods from `caches`; publishes into `views`, and asks
+    /// `triggers` for a reconcile when what the status shows changes (so status keeps one
+    /// writer).
     pub fn new(
         client: Client,
         store: Arc<SignalStore>,
@@ -79,6 +109,7 @@ impl Autoscaler {
         recorder: Recorder,
         caches: Caches,
         triggers: Arc<Triggers>,
+        views: Views,
     ) -> Self {
         Self {
             client,
@@ -87,7 +118,7 @@ impl Autoscaler {
             recorder,
             scraper: Scraper::new(Duration::from_secs(2)),
             tasks: Mutex::new(HashMap::new()),
-            views: Arc::new(Mutex::new(HashMap::new())),
+            views,
             caches,
             triggers,
             acting: Arc::new(AtomicBool::new(false)),
@@ -103,9 +134,23 @@ impl Autoscaler {
         &self.store
     }
 
-    /// Starts, updates or stops the task of `isvc` to match its spec. Called for every change
-    /// the InferenceService cache sees; cheap when nothing changed.
-    pub fn sync(&self, isvc: &InferenceService) {
+    /// Follows the InferenceServices for the life of the process (leader and standby alike),
+    /// keeping one task per autoscaled one.
+    pub async fn follow(self: Arc<Self>, mut changes: mpsc::UnboundedReceiver<Touch>) {
+        while let Some(t) = changes.recv().await {
+            match t {
+                Touch::Applied(isvc) => self.sync(&isvc),
+                Touch::Deleted(r) => {
+                    self.remove(&Key::new(r.namespace.unwrap_or_default(), r.name));
+                }
+                Touch::Owner(_) | Touch::Claim { .. } => {}
+            }
+        }
+    }
+
+    /// Starts, updates or stops the task of `isvc` to match its spec; cheap when nothing
+    /// changed.
+    fn sync(&self, isvc: &InferenceService) {
         let Some(ns) = isvc.namespace() else { return };
         let key = Key::new(ns, isvc.name_any());
         let wanted = (isvc.metadata.deletion_timestamp.is_none())
@@ -114,7 +159,7 @@ impl Autoscaler {
             .map(|a| TaskConfig {
                 mode: a.mode,
                 policy: Policy::from_spec(a),
-                port: port(isvc),
+                port: isvc.port(),
                 labels: isvc.labels().clone(),
             });
         let Ok(mut tasks) = self.tasks.lock() else {
@@ -155,21 +200,12 @@ impl Autoscaler {
     }
 
     /// Stops the task of an InferenceService that is gone.
-    pub fn remove(&self, key: &Key) {
+    fn remove(&self, key: &Key) {
         let task = self.tasks.lock().ok().and_then(|mut t| t.remove(key));
         if let Some(t) = task {
             t.abort.abort();
             self.forget(key);
         }
-    }
-
-    /// The status view of `key`: the last evaluation, or pending before the first.
-    pub fn view(&self, key: &Key) -> AutoscaleView {
-        self.views
-            .lock()
-            .ok()
-            .and_then(|v| v.get(key).cloned())
-            .unwrap_or_else(AutoscaleView::pending)
     }
 
     fn task_env(&self, key: Key) -> TaskEnv {
@@ -190,16 +226,9 @@ impl Autoscaler {
 
 /// Drops everything kept about an InferenceService that is no longer autoscaled: its signals,
 /// its status view and its metric series.
-fn forget(
-    store: &SignalStore,
-    views: &Mutex<HashMap<Key, AutoscaleView>>,
-    metrics: &AutoscalerMetrics,
-    key: &Key,
-) {
+fn forget(store: &SignalStore, views: &Views, metrics: &AutoscalerMetrics, key: &Key) {
     store.remove(key);
-    if let Ok(mut v) = views.lock() {
-        v.remove(key);
-    }
+    views.remove(key);
     metrics.forget(&key.namespace, &key.name);
 }
 
@@ -211,7 +240,7 @@ struct TaskEnv {
     metrics: AutoscalerMetrics,
     recorder: Recorder,
     scraper: Scraper,
-    views: Arc<Mutex<HashMap<Key, AutoscaleView>>>,
+    views: Views,
     caches: Caches,
     triggers: Arc<Triggers>,
     acting: Arc<AtomicBool>,
@@ -236,9 +265,7 @@ async fn run_task(env: TaskEnv, mut config: watch::Receiver<TaskConfig>) {
                 let stale = published.as_ref().is_none_or(|(v, at)| {
                     !same_outcome(v, &view) || at.elapsed() >= STATUS_REFRESH
                 });
-                if let Ok(mut views) = env.views.lock() {
-                    views.insert(env.key.clone(), view.clone());
-                }
+                env.views.put(env.key.clone(), view.clone());
                 // Only the leader's reconciles write status; a standby's would pile up unread.
                 if stale && env.acting() {
                     published = Some((view, Instant::now()));
@@ -314,7 +341,7 @@ async fn evaluate(
     if cfg.mode == AutoscalingMode::Hpa || !env.acting() {
         return Ok(Some(hpa_view(&signals, &results)));
     }
-    let current = desired_replicas(&isvc);
+    let current = isvc.desired_replicas();
     let decision = state.decide(&cfg.policy, epoch.elapsed(), current, &samples);
     let m = &env.metrics;
     m.recommended
@@ -389,19 +416,15 @@ async fn scale(
 fn publish_signals(env: &TaskEnv, cfg: &TaskConfig, signals: &Signals) {
     let (ns, name) = (&env.key.namespace, &env.key.name);
     let reporting = signals.reporting > 0;
-    // In the order of `SIGNALS`, the `signal` label's values.
-    let values = [
-        signals.queue_per_replica,
-        signals.kv_usage,
-        reporting.then_some(signals.waiting),
-        reporting.then_some(signals.running),
-    ];
     // The leader alone exports them, so dashboards that sum over operator pods count once.
     if env.acting() {
-        let targets = [cfg.policy.queue_target, cfg.policy.kv_target, None, None];
-        for ((signal, value), target) in SIGNALS.into_iter().zip(values).zip(targets) {
-            let labels = [ns.as_str(), name.as_str(), signal];
-            for (vec, v) in [(&env.metrics.signal, value), (&env.metrics.target, target)] {
+        for signal in Signal::ALL {
+            let labels = [ns.as_str(), name.as_str(), signal.label()];
+            let target = cfg.policy.target(signal);
+            for (vec, v) in [
+                (&env.metrics.signal, signal.value(signals)),
+                (&env.metrics.target, target),
+            ] {
                 match v {
                     Some(v) => vec.with_label_values(&labels).set(v),
                     None => {

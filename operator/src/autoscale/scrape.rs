@@ -10,14 +10,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use super::algorithm::{PodMetrics, PodSample};
 use super::exposition;
-
-/// Waiting requests, as vLLM and ferrite-server name it.
-pub const WAITING: &str = "vllm:num_requests_waiting";
-pub const RUNNING: &str = "vllm:num_requests_running";
-/// KV-cache usage: the current name, then the name vLLM used before v0.10.
-pub const KV_USAGE: [&str; 2] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"];
+use crate::signal::{KV_USAGE, PodMetrics, PodSample, RUNNING, WAITING};
 
 /// Largest exposition read from one pod; a vLLM pod's is well under 1 MiB.
 const MAX_BODY: usize = 8 << 20;

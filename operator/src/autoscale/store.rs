@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::RwLock;
 use std::time::SystemTime;
 
-use super::algorithm::Signals;
+use crate::signal::Signals;
 
 /// Namespace and name of an InferenceService.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]

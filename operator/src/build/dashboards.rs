@@ -7,10 +7,11 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::ConfigMap;
 use serde_json::Value;
 
-use super::{BuildError, COMPONENT_LABEL, Owner, served_name};
+use super::{BuildError, Owner, served_name};
 use crate::config::OperatorConfig;
 use crate::crd::InferenceService;
 use crate::hash::fnv1a;
+use crate::labels::COMPONENT_LABEL;
 
 /// `app.kubernetes.io/component` of the dashboard ConfigMaps, so the operator can list (and
 /// prune) exactly its own.

@@ -15,7 +15,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::model::model_mount;
-use super::{BuildError, DEFAULT_SHUTDOWN_SECONDS, Owner, desired_replicas, port, served_name};
+use super::{DEFAULT_SHUTDOWN_SECONDS, Validated, served_name};
 use crate::config::OperatorConfig;
 use crate::crd::{InferenceService, RuntimeKind};
 
@@ -66,7 +66,7 @@ fn shutdown_seconds(isvc: &InferenceService) -> i32 {
 }
 
 /// The runtime's command-line arguments, derived from the spec, then the user's own.
-pub fn args(isvc: &InferenceService, model_arg: &str) -> Result<Vec<String>, BuildError> {
+fn args(isvc: &InferenceService, model_arg: &str, kv_cache_bytes: Option<u64>) -> Vec<String> {
     let e = &isvc.spec.runtime.engine;
     let kind = isvc.spec.runtime.kind;
     let mut a: Vec<String> = vec![
@@ -77,7 +77,7 @@ pub fn args(isvc: &InferenceService, model_arg: &str) -> Result<Vec<String>, Bui
         "--host".into(),
         "0.0.0.0".into(),
         "--port".into(),
-        port(isvc).to_string(),
+        isvc.port().to_string(),
     ];
     let mut flag = |name: &str, v: Option<String>| {
         if let Some(v) = v {
@@ -88,14 +88,7 @@ pub fn args(isvc: &InferenceService, model_arg: &str) -> Result<Vec<String>, Bui
     flag("--max-model-len", e.max_model_len.map(|v| v.to_string()));
     flag("--max-num-seqs", e.max_num_seqs.map(|v| v.to_string()));
     flag("--block-size", e.block_size.map(|v| v.to_string()));
-    let kv = match &e.kv_cache_memory {
-        Some(q) => Some(
-            quantity_bytes(q)
-                .ok_or_else(|| BuildError::KvCacheMemory(q.clone()))?
-                .to_string(),
-        ),
-        None => None,
-    };
+    let kv = kv_cache_bytes.map(|b| b.to_string());
     match kind {
         RuntimeKind::Ferrite => {
             flag("--kv-cache-memory", kv);
@@ -115,7 +108,7 @@ pub fn args(isvc: &InferenceService, model_arg: &str) -> Result<Vec<String>, Bui
         }
     }
     a.extend(isvc.spec.runtime.args.iter().cloned());
-    Ok(a)
+    a
 }
 
 fn image(isvc: &InferenceService, config: &OperatorConfig) -> String {
@@ -197,15 +190,12 @@ fn volume_mount(name: &str, path: &str) -> VolumeMount {
     }
 }
 
-pub(crate) fn deployment(
-    isvc: &InferenceService,
-    config: &OperatorConfig,
-    owner: &Owner,
-) -> Result<Deployment, BuildError> {
+pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployment {
+    let (isvc, owner) = (v.isvc, &v.owner);
     let kind = isvc.spec.runtime.kind;
     let security = container_security(kind);
-    let model = model_mount(isvc, &config.downloader_image, &security)?;
-    let port = port(isvc);
+    let model = model_mount(isvc, &v.model, &config.downloader_image, &security);
+    let port = isvc.port();
 
     let mut volumes = vec![empty_dir("tmp", false)];
     let mut mounts = vec![volume_mount("tmp", "/tmp")];
@@ -227,7 +217,7 @@ pub(crate) fn deployment(
     let container = Container {
         name: "server".into(),
         image: Some(image(isvc, config)),
-        args: Some(args(isvc, &model.model_arg)?),
+        args: Some(args(isvc, &model.model_arg, v.kv_cache_bytes)),
         ports: Some(vec![ContainerPort {
             name: Some("http".into()),
             container_port: port,
@@ -282,10 +272,10 @@ pub(crate) fn deployment(
         ("prometheus.io/port".to_string(), port.to_string()),
         ("prometheus.io/path".to_string(), "/metrics".to_string()),
     ]);
-    Ok(Deployment {
+    Deployment {
         metadata: owner.meta(owner.name.clone(), &BTreeMap::new()),
         spec: Some(DeploymentSpec {
-            replicas: Some(desired_replicas(isvc)),
+            replicas: Some(isvc.desired_replicas()),
             selector: LabelSelector {
                 match_labels: Some(owner.selector_labels()),
                 ..LabelSelector::default()
@@ -310,5 +300,5 @@ pub(crate) fn deployment(
             ..DeploymentSpec::default()
         }),
         ..Deployment::default()
-    })
+    }
 }

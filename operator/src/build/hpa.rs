@@ -1,6 +1,6 @@
 //! The HorizontalPodAutoscaler for `autoscaling.mode: HPA`: the stock HPA scales the
 //! InferenceService (through its scale subresource) on the metrics the operator serves on the
-//! External Metrics API (`crate::autoscale::external`), with the spec's behaviour translated to
+//! External Metrics API (`crate::external_metrics`), with the spec's behaviour translated to
 //! HPA policies.
 //!
 //! - `queuePerReplica` → External `ferrite_requests_waiting` (the sum over pods) with an
@@ -22,9 +22,10 @@ use k8s_openapi::api::autoscaling::v2::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::Resource;
 
-use super::{BuildError, INSTANCE_LABEL, Owner};
-use crate::autoscale::external::{Metric, quantity};
+use super::Owner;
 use crate::crd::{AutoscalingMode, InferenceService, ScalingBehavior};
+use crate::labels::INSTANCE_LABEL;
+use crate::signal::{Signal, quantity};
 
 /// Defaults, matching the built-in autoscaler's (`autoscale::algorithm::Policy`).
 pub const DEFAULT_SCALE_UP_STABILIZATION_SECONDS: i32 = 0;
@@ -33,21 +34,6 @@ pub const DEFAULT_MAX_SCALE_UP_PERCENT: i32 = 100;
 pub const DEFAULT_MAX_SCALE_DOWN_PERCENT: i32 = 50;
 /// The rate policies' period: the spec's limits are per minute.
 const POLICY_PERIOD_SECONDS: i32 = 60;
-
-/// The HPA for `isvc`: `Ok(None)` unless autoscaling.mode is `HPA`.
-pub fn hpa_for(isvc: &InferenceService) -> Result<Option<HorizontalPodAutoscaler>, BuildError> {
-    if !is_hpa_mode(isvc) {
-        return Ok(None);
-    }
-    Ok(hpa(isvc, &Owner::of(isvc)?))
-}
-
-fn is_hpa_mode(isvc: &InferenceService) -> bool {
-    isvc.spec
-        .autoscaling
-        .as_ref()
-        .is_some_and(|a| a.mode == AutoscalingMode::Hpa)
-}
 
 /// The HPA, named and labelled like the InferenceService's other children. `None` unless the
 /// mode is `HPA`, and also without any target: an HPA with no metrics gets the API server's
@@ -62,7 +48,7 @@ pub(crate) fn hpa(isvc: &InferenceService, owner: &Owner) -> Option<HorizontalPo
     let mut metrics = Vec::new();
     if let Some(target) = spec.targets.queue_per_replica.and_then(quantity) {
         metrics.push(external(
-            Metric::RequestsWaiting,
+            Signal::RequestsWaiting,
             &owner.name,
             MetricTarget {
                 type_: "AverageValue".into(),
@@ -73,7 +59,7 @@ pub(crate) fn hpa(isvc: &InferenceService, owner: &Owner) -> Option<HorizontalPo
     }
     if let Some(target) = spec.targets.kv_cache_usage.and_then(quantity) {
         metrics.push(external(
-            Metric::KvCacheUsage,
+            Signal::KvCacheUsage,
             &owner.name,
             MetricTarget {
                 type_: "Value".into(),
@@ -104,12 +90,12 @@ pub(crate) fn hpa(isvc: &InferenceService, owner: &Owner) -> Option<HorizontalPo
 }
 
 /// An External metric selecting this InferenceService's series.
-fn external(metric: Metric, name: &str, target: MetricTarget) -> MetricSpec {
+fn external(metric: Signal, name: &str, target: MetricTarget) -> MetricSpec {
     MetricSpec {
         type_: "External".into(),
         external: Some(ExternalMetricSource {
             metric: MetricIdentifier {
-                name: metric.name().into(),
+                name: metric.external_name().into(),
                 selector: Some(LabelSelector {
                     match_labels: Some(BTreeMap::from([(
                         INSTANCE_LABEL.to_string(),

@@ -1,5 +1,7 @@
-//! The build step: a pure function from an `InferenceService` (and the operator's config) to the
-//! objects that should exist. No API calls here, so every field is unit-tested without a cluster.
+//! The validate and build steps, both pure. [`validate`] checks what the CRD schema cannot and
+//! parses the spec once into a [`Validated`]; [`desired`] turns that (and the operator's config)
+//! into the objects that should exist. No API calls here, so every field is unit-tested
+//! without a cluster.
 
 pub mod dashboards;
 pub mod deployment;
@@ -19,14 +21,10 @@ use kube::{Resource, ResourceExt};
 
 use crate::config::OperatorConfig;
 use crate::crd::InferenceService;
+use crate::labels::{COMPONENT_LABEL, INSTANCE_LABEL};
+use model::ModelSource;
 use monitor::ServiceMonitor;
 
-/// Label carrying the owning InferenceService's name on everything the operator makes.
-pub const INSTANCE_LABEL: &str = "ferrite.dev/inferenceservice";
-/// The standard component label; pods carry `server`, dashboard ConfigMaps `dashboard`.
-pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
-/// Default HTTP port of both runtimes.
-pub const DEFAULT_PORT: i32 = 8000;
 /// Default drain time, matching ferrite-server's `--shutdown-timeout`.
 pub const DEFAULT_SHUTDOWN_SECONDS: i32 = 30;
 
@@ -152,20 +150,6 @@ pub fn served_name(isvc: &InferenceService) -> String {
         .unwrap_or_else(|| isvc.name_any())
 }
 
-/// Replicas to run: spec.replicas (the schema defaults it to 1), brought within
-/// autoscaling.minReplicas..maxReplicas when autoscaling is on, as an HPA does.
-pub fn desired_replicas(isvc: &InferenceService) -> i32 {
-    let replicas = isvc.spec.replicas.unwrap_or(1);
-    match &isvc.spec.autoscaling {
-        Some(a) => replicas.clamp(a.min_replicas, a.max_replicas.max(a.min_replicas)),
-        None => replicas,
-    }
-}
-
-pub fn port(isvc: &InferenceService) -> i32 {
-    isvc.spec.runtime.port.unwrap_or(DEFAULT_PORT)
-}
-
 /// The pods' label selector as a string (status.selector, and for listing the pods).
 pub fn selector(name: &str) -> String {
     format!("{COMPONENT_LABEL}=server,{INSTANCE_LABEL}={name}")
@@ -177,29 +161,75 @@ pub fn url(isvc: &InferenceService) -> String {
         "http://{}.{}.svc.cluster.local:{}",
         isvc.name_any(),
         isvc.namespace().unwrap_or_default(),
-        port(isvc)
+        isvc.port()
     )
 }
 
-/// Builds every desired object.
+/// A spec that passed [`validate`], with what build needs parsed once.
+#[derive(Debug, Clone)]
+pub struct Validated<'a> {
+    pub isvc: &'a InferenceService,
+    pub(crate) owner: Owner,
+    /// `spec.model.source`, parsed.
+    pub model: ModelSource,
+    /// `spec.runtime.engine.kvCacheMemory` in bytes.
+    pub kv_cache_bytes: Option<u64>,
+}
+
+impl Validated<'_> {
+    /// The PersistentVolumeClaims the spec mounts, each with the field that names it.
+    pub fn claims(&self) -> Vec<(&'static str, String)> {
+        model::claims(Some(&self.model), self.isvc)
+    }
+}
+
+/// Checks what the schema cannot (metadata, the model source's form, the KV-cache size) and
+/// parses it, once.
+pub fn validate(isvc: &InferenceService) -> Result<Validated<'_>, BuildError> {
+    let owner = Owner::of(isvc)?;
+    let model = ModelSource::parse(&isvc.spec.model.source)?;
+    let kv_cache_bytes = match &isvc.spec.runtime.engine.kv_cache_memory {
+        Some(q) => Some(
+            deployment::quantity_bytes(q).ok_or_else(|| BuildError::KvCacheMemory(q.clone()))?,
+        ),
+        None => None,
+    };
+    Ok(Validated {
+        isvc,
+        owner,
+        model,
+        kv_cache_bytes,
+    })
+}
+
+/// Validates, then builds every desired object.
 pub fn build(
     isvc: &InferenceService,
     config: &OperatorConfig,
     caps: ClusterCapabilities,
 ) -> Result<Desired, BuildError> {
-    let owner = Owner::of(isvc)?;
-    let deployment = deployment::deployment(isvc, config, &owner)?;
-    let service = service::service(isvc, &owner);
-    let pdb = (desired_replicas(isvc) > 1).then(|| service::pdb(&owner));
+    desired(&validate(isvc)?, config, caps)
+}
+
+/// Builds every desired object of a validated spec.
+pub fn desired(
+    v: &Validated<'_>,
+    config: &OperatorConfig,
+    caps: ClusterCapabilities,
+) -> Result<Desired, BuildError> {
+    let (isvc, owner) = (v.isvc, &v.owner);
+    let deployment = deployment::deployment(v, config);
+    let service = service::service(isvc, owner);
+    let pdb = (isvc.desired_replicas() > 1).then(|| service::pdb(owner));
     let sm = &isvc.spec.monitoring.service_monitor;
     let service_monitor =
-        (sm.enabled && caps.service_monitor_crd).then(|| monitor::service_monitor(sm, &owner));
+        (sm.enabled && caps.service_monitor_crd).then(|| monitor::service_monitor(sm, owner));
     let dashboards = if isvc.spec.monitoring.dashboards.enabled {
-        dashboards::config_maps(isvc, config, &owner)?
+        dashboards::config_maps(isvc, config, owner)?
     } else {
         Vec::new()
     };
-    let hpa = hpa::hpa(isvc, &owner);
+    let hpa = hpa::hpa(isvc, owner);
     let selector = selector(&owner.name);
     let url = url(isvc);
     Ok(Desired {

@@ -69,17 +69,27 @@ impl ModelSource {
     }
 }
 
-/// The PersistentVolumeClaims the spec mounts, each with the field that names it. They must
-/// exist before the Deployment may reference them.
-pub fn claims(isvc: &InferenceService) -> Vec<(&'static str, String)> {
+/// The PersistentVolumeClaims the spec mounts, each with the field that names it: the model's
+/// (from its parsed source, when it parsed) and the model cache's. They must exist before the
+/// Deployment may reference them.
+pub fn claims(model: Option<&ModelSource>, isvc: &InferenceService) -> Vec<(&'static str, String)> {
     let mut claims = Vec::new();
-    if let Ok(ModelSource::Pvc { claim, .. }) = ModelSource::parse(&isvc.spec.model.source) {
-        claims.push(("model.source", claim));
+    if let Some(ModelSource::Pvc { claim, .. }) = model {
+        claims.push(("model.source", claim.clone()));
     }
     if let Some(c) = &isvc.spec.model_cache {
         claims.push(("modelCache.claimName", c.claim_name.clone()));
     }
     claims
+}
+
+/// The claims `isvc` names, whether or not the rest of its spec validates (a claim appearing
+/// later concerns it either way).
+pub fn claims_of(isvc: &InferenceService) -> Vec<(&'static str, String)> {
+    claims(
+        ModelSource::parse(&isvc.spec.model.source).ok().as_ref(),
+        isvc,
+    )
 }
 
 /// What the pod template needs for the model.
@@ -121,14 +131,14 @@ fn download_volume(isvc: &InferenceService) -> Volume {
     }
 }
 
-/// Resolves the model for `isvc`'s runtime.
+/// Resolves the parsed `source` for `isvc`'s runtime.
 pub fn model_mount(
     isvc: &InferenceService,
+    source: &ModelSource,
     downloader_image: &str,
     security: &k8s_openapi::api::core::v1::SecurityContext,
-) -> Result<ModelMount, BuildError> {
-    let source = ModelSource::parse(&isvc.spec.model.source)?;
-    Ok(match source {
+) -> ModelMount {
+    match source.clone() {
         ModelSource::Path(p) => ModelMount {
             model_arg: p,
             ..ModelMount::default()
@@ -217,7 +227,7 @@ pub fn model_mount(
                 ..ModelMount::default()
             }
         }
-    })
+    }
 }
 
 #[cfg(test)]

@@ -47,7 +47,7 @@ pub(crate) fn service_monitor(settings: &MonitorSettings, owner: &Owner) -> Serv
         // The Service carries the owner's labels; select it by the instance label only.
         selector: LabelSelector {
             match_labels: std::collections::BTreeMap::from([(
-                super::INSTANCE_LABEL.to_string(),
+                crate::labels::INSTANCE_LABEL.to_string(),
                 owner.name.clone(),
             )]),
         },

@@ -8,7 +8,7 @@ use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec}
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use super::{Owner, port};
+use super::Owner;
 use crate::crd::InferenceService;
 
 pub(crate) fn service(isvc: &InferenceService, owner: &Owner) -> Service {
@@ -19,7 +19,7 @@ pub(crate) fn service(isvc: &InferenceService, owner: &Owner) -> Service {
             selector: Some(owner.selector_labels()),
             ports: Some(vec![ServicePort {
                 name: Some("http".into()),
-                port: port(isvc),
+                port: isvc.port(),
                 target_port: Some(IntOrString::String("http".into())),
                 protocol: Some("TCP".into()),
                 app_protocol: Some("http".into()),

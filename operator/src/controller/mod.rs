@@ -20,9 +20,8 @@ use tokio::sync::mpsc;
 
 pub use reconcile::reconcile;
 
-use crate::autoscale::runner::Autoscaler;
-use crate::autoscale::store::{Key, SignalStore};
-use crate::build::model::claims;
+use crate::autoscale::runner::Views;
+use crate::build::model::claims_of;
 use crate::cache::{Caches, Touch, Triggers};
 use crate::config::{FIELD_MANAGER, OperatorConfig};
 use crate::crd::InferenceService;
@@ -123,8 +122,8 @@ pub struct Context {
     pub caches: Caches,
     /// Where requests for reconciles go (the controller's queue while this replica leads).
     pub triggers: Arc<Triggers>,
-    /// The autoscaler tasks, kept in step with the InferenceServices by [`dispatch`].
-    pub autoscaler: Arc<Autoscaler>,
+    /// What the autoscaler publishes for the status step; reconciles only read it.
+    pub autoscale: Views,
     /// What each child looked like after the operator last wrote it (drift detection).
     pub applied: apply::Memo,
     failures: Mutex<HashMap<String, u32>>,
@@ -146,6 +145,7 @@ impl Context {
         metrics: Arc<Metrics>,
         timing: Timing,
         caches: Caches,
+        autoscale: Views,
     ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.into(),
@@ -153,17 +153,9 @@ impl Context {
         };
         let recorder = Recorder::new(client.clone(), reporter);
         let triggers = Arc::new(Triggers::default());
-        let autoscaler = Autoscaler::new(
-            client.clone(),
-            Arc::new(SignalStore::new()),
-            metrics.autoscaler.clone(),
-            recorder.clone(),
-            caches.clone(),
-            triggers.clone(),
-        );
         Self {
             recorder,
-            autoscaler: Arc::new(autoscaler),
+            autoscale,
             caches,
             triggers,
             applied: apply::Memo::default(),
@@ -220,25 +212,21 @@ pub fn error_policy(isvc: Arc<InferenceService>, error: &Error, ctx: Arc<Context
     Action::requeue(delay)
 }
 
-/// Turns cache changes into autoscaler updates and reconcile requests, for the life of the
-/// process (leader and standby alike; a standby's requests go nowhere).
+/// Turns cache changes into reconcile requests, for the life of the process (leader and
+/// standby alike; a standby's requests go nowhere).
 pub async fn dispatch(mut touches: mpsc::UnboundedReceiver<Touch>, ctx: Arc<Context>) {
     while let Some(t) = touches.recv().await {
         match t {
-            Touch::Applied(isvc) => {
-                ctx.autoscaler.sync(&isvc);
-                ctx.triggers.reconcile(ObjectRef::from_obj(&*isvc));
-            }
+            Touch::Applied(isvc) => ctx.triggers.reconcile(ObjectRef::from_obj(&*isvc)),
             Touch::Deleted(r) => {
                 let ns = r.namespace.clone().unwrap_or_default();
-                ctx.autoscaler.remove(&Key::new(&ns, &r.name));
                 ctx.applied.forget_owner(&ns, &r.name);
             }
             Touch::Owner(r) => ctx.triggers.reconcile(r),
             Touch::Claim { namespace, name } => {
                 for isvc in ctx.caches.isvcs.state() {
                     if isvc.metadata.namespace.as_deref() == Some(namespace.as_str())
-                        && claims(&isvc).iter().any(|(_, c)| *c == name)
+                        && claims_of(&isvc).iter().any(|(_, c)| *c == name)
                     {
                         ctx.triggers.reconcile(ObjectRef::from_obj(&*isvc));
                     }
@@ -250,7 +238,7 @@ pub async fn dispatch(mut touches: mpsc::UnboundedReceiver<Touch>, ctx: Arc<Cont
 
 /// Runs the controller until `shutdown` resolves, then lets in-flight reconciles finish.
 /// Every InferenceService is reconciled once at the start; after that, whatever the caches
-/// and the autoscaler report.
+/// and the autoscaler report. The caller says when the autoscaler acts (it leads).
 pub async fn run(
     ctx: Arc<Context>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
@@ -267,9 +255,7 @@ pub async fn run(
         r = ctx.caches.ready() => r.map_err(|e| anyhow::anyhow!("watch caches: {e}"))?,
         _ = shutdown.clone() => return Ok(()),
     }
-    ctx.autoscaler.set_acting(true);
     for isvc in ctx.caches.isvcs.state() {
-        ctx.autoscaler.sync(&isvc);
         ctx.triggers.reconcile(ObjectRef::from_obj(&*isvc));
     }
     let requests = futures::stream::unfold(requests, |mut rx| async move {
@@ -287,6 +273,5 @@ pub async fn run(
         })
         .await;
     ctx.triggers.detach();
-    ctx.autoscaler.set_acting(false);
     Ok(())
 }

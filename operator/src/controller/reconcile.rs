@@ -1,4 +1,6 @@
-//! One reconcile of one InferenceService.
+//! One reconcile of one InferenceService, as named steps: dereference (what the cluster
+//! offers) → validate (the spec parsed once, its claims present) → build (pure) → apply
+//! (server-side apply, prune) → status (pure, then written with the events).
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -20,14 +22,12 @@ use super::apply::{self, Change};
 use super::{Context, Error};
 use crate::autoscale::store::Key;
 use crate::build::dashboards::DASHBOARD_COMPONENT;
-use crate::build::model::claims;
+use crate::build::model::claims_of;
 use crate::build::monitor::ServiceMonitor;
-use crate::build::{
-    COMPONENT_LABEL, ClusterCapabilities, Desired, INSTANCE_LABEL, build, desired_replicas,
-    selector, url,
-};
+use crate::build::{self, ClusterCapabilities, Desired, Validated, selector, url};
 use crate::cache::Caches;
 use crate::crd::{InferenceService, InferenceServiceStatus};
+use crate::labels::{COMPONENT_LABEL, INSTANCE_LABEL};
 use crate::status::{self, DEGRADED, Finding, MonitorState, Observation, READY};
 
 /// How long a reconcile waits for the ServiceMonitor cache's first listing.
@@ -99,15 +99,48 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     if isvc.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    let ns = isvc.namespace().ok_or(Error::Metadata("namespace"))?;
-    let name = isvc.name_any();
-    let uid = isvc.uid().ok_or(Error::Metadata("uid"))?;
-    let caches = &ctx.caches;
-    caches.ready().await.map_err(|_| Error::Cache("watch"))?;
+    let id = Identity::of(isvc)?;
+    ctx.caches
+        .ready()
+        .await
+        .map_err(|_| Error::Cache("watch"))?;
+    let cluster = dereference(ctx).await?;
+    let desired =
+        validate(isvc, &ctx.caches, &id.ns).and_then(|v| build_step(&v, ctx, cluster.caps));
     let mut events = Events::new();
+    let applied = apply_step(ctx, &id, &cluster, desired, &mut events).await?;
+    let new_status = status_step(isvc, ctx, &id, &cluster, &applied);
+    transition_events(isvc.status.as_ref(), &new_status, &mut events);
+    publish(ctx, isvc, &id, &new_status, &events).await?;
+    next_action(ctx, applied)
+}
 
-    // Dereference: what the cluster offers and what the spec points at.
-    let monitor_wanted = isvc.spec.monitoring.service_monitor.enabled;
+/// Who is being reconciled.
+struct Identity {
+    ns: String,
+    name: String,
+    uid: String,
+}
+
+impl Identity {
+    fn of(isvc: &InferenceService) -> Result<Self, Error> {
+        Ok(Self {
+            ns: isvc.namespace().ok_or(Error::Metadata("namespace"))?,
+            name: isvc.name_any(),
+            uid: isvc.uid().ok_or(Error::Metadata("uid"))?,
+        })
+    }
+}
+
+/// What the cluster offers this reconcile, read once before validation.
+struct Cluster {
+    caps: ClusterCapabilities,
+    /// The ServiceMonitor cache, when the CRD is installed.
+    monitors: Option<Store<PartialObjectMeta<ServiceMonitor>>>,
+}
+
+/// Dereference: the optional APIs the cluster serves, and their caches.
+async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
     let service_monitor_crd = ctx
         .discovery
         .service_monitor_crd(&ctx.client)
@@ -115,73 +148,134 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
         .map_err(Error::Discovery)?;
     let monitors = match service_monitor_crd {
         true => Some(
-            caches
+            ctx.caches
                 .monitors(MONITOR_CACHE_WAIT)
                 .await
                 .ok_or(Error::Cache("ServiceMonitor"))?,
         ),
         false => None,
     };
-    let mut blocked = missing_claim(isvc, caches, &ns);
+    Ok(Cluster {
+        caps: ClusterCapabilities {
+            service_monitor_crd,
+        },
+        monitors,
+    })
+}
 
-    // Validate and build (pure).
-    let caps = ClusterCapabilities {
-        service_monitor_crd,
+/// Validate: the spec parsed once, and the claims it names present. A missing claim is
+/// reported before anything wrong with the spec itself: it is the likelier thing to fix.
+fn validate<'a>(
+    isvc: &'a InferenceService,
+    caches: &Caches,
+    ns: &str,
+) -> Result<Validated<'a>, Finding> {
+    let valid = build::validate(isvc);
+    let claims = match &valid {
+        Ok(v) => v.claims(),
+        Err(_) => claims_of(isvc),
     };
-    let desired = match build(isvc, &ctx.config, caps) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            blocked.get_or_insert_with(|| Finding::new(e.reason(), e.to_string()));
-            None
+    if let Some(missing) = missing_claim(&claims, caches, ns) {
+        return Err(missing);
+    }
+    valid.map_err(|e| Finding::new(e.reason(), e.to_string()))
+}
+
+/// Build (pure): the objects that should exist.
+fn build_step(
+    v: &Validated<'_>,
+    ctx: &Context,
+    caps: ClusterCapabilities,
+) -> Result<Desired, Finding> {
+    build::desired(v, &ctx.config, caps).map_err(|e| Finding::new(e.reason(), e.to_string()))
+}
+
+/// What applying left behind, for the status step.
+struct Applied {
+    /// The Deployment as last written or cached.
+    deployment: Option<Arc<Deployment>>,
+    /// Why the spec could not be applied, if it could not.
+    blocked: Option<Finding>,
+    /// The API server refused a child (the reconcile fails after status is written).
+    refused: bool,
+}
+
+/// Apply, or leave the running workload alone when the spec cannot be applied. A child the
+/// API server refuses (invalid, forbidden, over quota) blocks the spec like a build error, so
+/// status says why; the reconcile still fails afterwards, to be retried with backoff.
+async fn apply_step(
+    ctx: &Context,
+    id: &Identity,
+    cluster: &Cluster,
+    desired: Result<Desired, Finding>,
+    events: &mut Events,
+) -> Result<Applied, Error> {
+    let cached_deployment = || cached(&ctx.caches.deployments, &id.ns, &id.name);
+    let desired = match desired {
+        Ok(d) => d,
+        Err(blocked) => {
+            return Ok(Applied {
+                deployment: cached_deployment(),
+                blocked: Some(blocked),
+                refused: false,
+            });
         }
     };
-
-    // Apply, or leave the running workload alone when the spec cannot be applied. A child the
-    // API server refuses (invalid, forbidden, over quota) blocks the spec like a build error,
-    // so status says why; the reconcile still fails afterwards, to be retried with backoff.
-    let mut refused = None;
-    let deployment = match (&blocked, desired) {
-        (None, Some(desired)) => {
-            let children = Children {
-                ctx,
-                ns: &ns,
-                name: &name,
-                uid: &uid,
-                monitors: monitors.as_ref(),
-            };
-            match children.apply_all(desired, &mut events).await {
-                Ok(d) => d,
-                Err(e) => {
-                    let finding = refusal(&e).ok_or(e)?;
-                    blocked = Some(finding);
-                    refused = Some(());
-                    cached(&caches.deployments, &ns, &name)
-                }
-            }
-        }
-        _ => cached(&caches.deployments, &ns, &name),
+    let children = Children {
+        ctx,
+        ns: &id.ns,
+        name: &id.name,
+        uid: &id.uid,
+        monitors: cluster.monitors.as_ref(),
     };
+    match children.apply_all(desired, events).await {
+        Ok(deployment) => Ok(Applied {
+            deployment,
+            blocked: None,
+            refused: false,
+        }),
+        Err(e) => Ok(Applied {
+            blocked: Some(refusal(&e).ok_or(e)?),
+            deployment: cached_deployment(),
+            refused: true,
+        }),
+    }
+}
 
+/// Status (pure once observed): what was applied, the rollout, the pods while it is
+/// incomplete, monitoring and the autoscaler's published view.
+fn status_step(
+    isvc: &InferenceService,
+    ctx: &Context,
+    id: &Identity,
+    cluster: &Cluster,
+    applied: &Applied,
+) -> InferenceServiceStatus {
+    let (ns, name) = (id.ns.as_str(), id.name.as_str());
+    let deployment = applied.deployment.as_deref();
     // Observe pods only while the rollout is incomplete: that is when they explain why.
-    let rollout = deployment.as_deref().map(status::rollout);
-    let pod_failure = match rollout {
+    let pod_failure = match deployment.map(status::rollout) {
         Some(r) if !r.complete => {
-            let pods = caches.pods_of(&ns, &name);
+            let pods = ctx.caches.pods_of(ns, name);
             let pods: Vec<_> = pods.iter().map(|p| (**p).clone()).collect();
             status::pod_failure(&pods)
         }
         _ => None,
     };
-
-    let monitor = match (monitor_wanted, service_monitor_crd, &blocked) {
+    let monitor = match (
+        isvc.spec.monitoring.service_monitor.enabled,
+        cluster.caps.service_monitor_crd,
+        &applied.blocked,
+    ) {
         (false, _, _) => MonitorState::Disabled,
         (true, false, _) => MonitorState::CrdMissing,
         (true, true, None) => MonitorState::Applied,
         (true, true, Some(b)) => {
-            let earlier = monitors
+            let earlier = cluster
+                .monitors
                 .as_ref()
-                .and_then(|m| cached(m, &ns, &name))
-                .is_some_and(|m| apply::controlled_by(&m.metadata, &uid));
+                .and_then(|m| cached(m, ns, name))
+                .is_some_and(|m| apply::controlled_by(&m.metadata, &id.uid));
             MonitorState::NotApplied {
                 earlier,
                 why: b.message.clone(),
@@ -190,52 +284,70 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     };
     let obs = Observation {
         generation: isvc.metadata.generation,
-        blocked: blocked.clone(),
-        desired_replicas: desired_replicas(isvc),
-        deployment: deployment.as_deref(),
+        blocked: applied.blocked.clone(),
+        desired_replicas: isvc.desired_replicas(),
+        deployment,
         pod_failure,
         monitor,
-        selector: Some(selector(&name)),
+        selector: Some(selector(name)),
         url: Some(url(isvc)),
         autoscaling: isvc
             .spec
             .autoscaling
             .as_ref()
-            .map(|_| ctx.autoscaler.view(&Key::new(&ns, &name))),
+            .map(|_| ctx.autoscale.get(&Key::new(ns, name))),
     };
-    let now = status::now();
-    let new_status = status::compute(&obs, isvc.status.as_ref(), &now);
-    transition_events(isvc.status.as_ref(), &new_status, &mut events);
+    status::compute(&obs, isvc.status.as_ref(), &status::now())
+}
 
-    for e in &events {
+/// Records the events, then writes status if it changed.
+async fn publish(
+    ctx: &Context,
+    isvc: &InferenceService,
+    id: &Identity,
+    new_status: &InferenceServiceStatus,
+    events: &Events,
+) -> Result<(), Error> {
+    for e in events {
         // Events are best effort: a failure to record one must not fail the reconcile.
         if let Err(err) = ctx.recorder.publish(e, &isvc.object_ref(&())).await {
-            tracing::warn!(namespace = %ns, name = %name, error = %err, "publishing an event");
+            tracing::warn!(namespace = %id.ns, name = %id.name, error = %err, "publishing an event");
         }
     }
-    if isvc.status.as_ref() != Some(&new_status) {
-        let isvcs: Api<InferenceService> = Api::namespaced(ctx.client.clone(), &ns);
-        let body = json!({
-            "apiVersion": InferenceService::api_version(&()),
-            "kind": InferenceService::kind(&()),
-            "metadata": {"name": name},
-            "status": new_status,
-        });
-        isvcs
-            .patch_status(&name, &apply::apply_params(), &Patch::Apply(&body))
-            .await
-            .map_err(Error::kube("InferenceService status", &name))?;
+    if isvc.status.as_ref() == Some(new_status) {
+        return Ok(());
     }
+    let isvcs: Api<InferenceService> = Api::namespaced(ctx.client.clone(), &id.ns);
+    let body = json!({
+        "apiVersion": InferenceService::api_version(&()),
+        "kind": InferenceService::kind(&()),
+        "metadata": {"name": id.name},
+        "status": new_status,
+    });
+    isvcs
+        .patch_status(&id.name, &apply::apply_params(), &Patch::Apply(&body))
+        .await
+        .map_err(Error::kube("InferenceService status", &id.name))?;
+    Ok(())
+}
 
-    if refused.is_some()
-        && let Some(b) = blocked
+/// When to look again: soon while a rollout is under way, rarely once settled; a refused child
+/// fails the reconcile so that it is retried with backoff.
+fn next_action(ctx: &Context, applied: Applied) -> Result<Action, Error> {
+    if applied.refused
+        && let Some(b) = applied.blocked
     {
         return Err(Error::Refused(b.message));
     }
     let t = &ctx.timing;
-    Ok(Action::requeue(if blocked.is_some() {
+    let complete = applied
+        .deployment
+        .as_deref()
+        .map(status::rollout)
+        .is_some_and(|r| r.complete);
+    Ok(Action::requeue(if applied.blocked.is_some() {
         t.blocked
-    } else if rollout.is_some_and(|r| r.complete) {
+    } else if complete {
         t.settled
     } else {
         t.progressing
@@ -275,10 +387,10 @@ where
     cached(store, ns, name).map(|m| m.metadata.clone())
 }
 
-/// The first claim the spec names that does not exist.
-fn missing_claim(isvc: &InferenceService, caches: &Caches, ns: &str) -> Option<Finding> {
-    claims(isvc).into_iter().find_map(|(field, claim)| {
-        cached(&caches.claims, ns, &claim).is_none().then(|| {
+/// The first of `claims` that does not exist.
+fn missing_claim(claims: &[(&'static str, String)], caches: &Caches, ns: &str) -> Option<Finding> {
+    claims.iter().find_map(|(field, claim)| {
+        cached(&caches.claims, ns, claim).is_none().then(|| {
             Finding::new(
                 "PersistentVolumeClaimNotFound",
                 format!("{field} names PersistentVolumeClaim {ns}/{claim}, which does not exist"),

@@ -4,7 +4,6 @@
 pub mod apiserver;
 pub mod chart;
 pub mod e2e;
-pub mod prometheus;
 pub mod servers;
 pub mod tls;
 pub mod validate;

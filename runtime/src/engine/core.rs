@@ -1,6 +1,8 @@
 //! The engine loop: owns the model, the KV cache and the scheduler on its own thread, takes
-//! requests over a channel and streams events back per request. It is the only place that sees
-//! whole steps, so iteration statistics come from here and nowhere else.
+//! requests over a channel and streams events back per request. Each step is schedule (the
+//! scheduler's plan) → execute (one forward) → process outputs (sample, then the output
+//! processor). It is the only place that sees whole steps, so it alone fills the statistics
+//! records, which a [`StatsSink`] consumes.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,13 +13,14 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use super::detok::IncrementalDecoder;
+use candle_core::Tensor;
+
+use super::output::{OutputProcessor, RequestOutput};
 use super::sampler::{Rng, SamplingParams, sample};
-use super::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId};
-use super::stop::{StopChecker, StopUpdate};
+use super::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId, StepPlan};
+use super::stats::{IterationStats, SchedulerStats, StatsSink};
 use crate::kv::KvCache;
-use crate::metrics::EngineMetrics;
-use crate::model::{LoadedModel, SeqInput};
+use crate::model::{LlamaModel, SeqInput};
 
 /// One sequence to generate.
 #[derive(Debug)]
@@ -42,8 +45,8 @@ pub struct Request {
 pub struct RequestGroup {
     pub n: usize,
     pub max_tokens: usize,
-    remaining: AtomicUsize,
-    max_generated: AtomicUsize,
+    pub(crate) remaining: AtomicUsize,
+    pub(crate) max_generated: AtomicUsize,
 }
 
 impl RequestGroup {
@@ -106,24 +109,12 @@ enum Command {
     Shutdown,
 }
 
-/// Engine state published after every step; reading it never waits for a step.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct EngineStats {
-    pub num_running: usize,
-    pub num_waiting: usize,
-    pub num_swapped: usize,
-    pub num_preemptions: u64,
-    pub blocks_used: usize,
-    pub blocks_total: usize,
-    pub host_blocks_used: usize,
-    pub steps: u64,
-}
-
 /// The HTTP side's handle: cheap to clone, sends requests to the engine thread.
 #[derive(Debug, Clone)]
 pub struct EngineHandle {
     tx: std_mpsc::Sender<Command>,
-    stats: Arc<Mutex<EngineStats>>,
+    /// Published after every step; reading it never waits for a step.
+    stats: Arc<Mutex<SchedulerStats>>,
     /// Requests sent but not yet taken in by the engine: with the published waiting count this
     /// gives a queue depth that is right between steps too.
     pending: Arc<AtomicUsize>,
@@ -152,7 +143,7 @@ impl EngineHandle {
         self.pending.load(Ordering::SeqCst) + self.stats().num_waiting
     }
 
-    pub fn stats(&self) -> EngineStats {
+    pub fn stats(&self) -> SchedulerStats {
         self.stats.lock().map(|s| *s).unwrap_or_default()
     }
 
@@ -162,40 +153,37 @@ impl EngineHandle {
     }
 }
 
+/// One sequence the engine holds.
 struct SeqData {
+    /// Prompt and output tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
     req: Request,
     rng: Rng,
-    stop: StopChecker,
-    decoder: IncrementalDecoder,
-    /// Output text decoded so far (what the stop checker scans).
-    text: String,
-    /// Whether the prompt's tokens were added to the prompt-token counter (once per request,
-    /// however often it is recomputed).
-    prompt_counted: bool,
-    first_scheduled: Option<Instant>,
-    first_token: Option<Instant>,
-    last_token: Option<Instant>,
+    output: RequestOutput,
 }
 
-/// Starts the engine thread.
+/// Starts the engine thread. `sink` receives the statistics records.
 pub fn spawn(
-    model: LoadedModel,
+    model: crate::model::LoadedModel,
     cache: KvCache,
     cfg: SchedulerConfig,
-    metrics: EngineMetrics,
+    sink: Box<dyn StatsSink>,
 ) -> Result<(EngineHandle, JoinHandle<()>), SchedulerError> {
     let scheduler = Scheduler::new(cfg, cache.allocator().num_blocks())?;
     let (tx, rx) = std_mpsc::channel();
-    let stats = Arc::new(Mutex::new(EngineStats::default()));
+    let stats = Arc::new(Mutex::new(SchedulerStats::default()));
     let pending = Arc::new(AtomicUsize::new(0));
+    let output = OutputProcessor::new(model.tokenizer, model.eos_token_ids, model.model.max_len());
     let engine = Engine {
-        metrics,
+        sink,
+        iteration: IterationStats::default(),
+        outbox: Vec::new(),
         pending: pending.clone(),
         stats: stats.clone(),
         steps: 0,
-        model,
+        model: model.model,
+        output,
         cache,
         scheduler,
         seqs: HashMap::new(),
@@ -211,22 +199,27 @@ pub fn spawn(
 }
 
 struct Engine {
-    model: LoadedModel,
+    model: LlamaModel,
+    output: OutputProcessor,
     cache: KvCache,
     scheduler: Scheduler,
     seqs: HashMap<SeqId, SeqData>,
     next_id: SeqId,
     rx: std_mpsc::Receiver<Command>,
     accepting: bool,
-    stats: Arc<Mutex<EngineStats>>,
+    stats: Arc<Mutex<SchedulerStats>>,
     pending: Arc<AtomicUsize>,
     steps: u64,
-    metrics: EngineMetrics,
+    sink: Box<dyn StatsSink>,
+    /// This pass's records, handed to the sink at its end.
+    iteration: IterationStats,
+    /// This pass's events, sent after the sink has recorded them.
+    outbox: Vec<(mpsc::UnboundedSender<Event>, Event)>,
 }
 
 impl Engine {
-    fn publish(&self) {
-        let s = EngineStats {
+    fn scheduler_stats(&self) -> SchedulerStats {
+        SchedulerStats {
             num_running: self.scheduler.num_running(),
             num_waiting: self.scheduler.num_waiting(),
             num_swapped: self.scheduler.num_swapped(),
@@ -234,20 +227,28 @@ impl Engine {
             blocks_used: self.cache.allocator().num_used(),
             blocks_total: self.cache.allocator().num_blocks(),
             host_blocks_used: self.cache.host_allocator().num_used(),
+            kv_cache_usage: self.cache.allocator().usage(),
+            cpu_cache_usage: self.cache.host_allocator().usage(),
             steps: self.steps,
-        };
-        let m = &self.metrics;
-        m.num_requests_running.set(s.num_running as i64);
-        m.num_requests_waiting.set(s.num_waiting as i64);
-        m.num_requests_swapped.set(s.num_swapped as i64);
-        let usage = self.cache.allocator().usage();
-        m.kv_cache_usage_perc.set(usage);
-        m.gpu_cache_usage_perc.set(usage);
-        m.cpu_cache_usage_perc
-            .set(self.cache.host_allocator().usage());
+        }
+    }
+
+    /// Ends a pass of the loop: publishes the state, hands the records to the sink, then
+    /// sends the pass's events.
+    fn publish(&mut self) {
+        let s = self.scheduler_stats();
         if let Ok(mut g) = self.stats.lock() {
             *g = s;
         }
+        self.sink.record(&s, &self.iteration);
+        self.iteration = IterationStats::default();
+        for (to, event) in self.outbox.drain(..) {
+            let _ = to.send(event);
+        }
+    }
+
+    fn send(&mut self, to: &mpsc::UnboundedSender<Event>, event: Event) {
+        self.outbox.push((to.clone(), event));
     }
 
     fn run(mut self) {
@@ -283,9 +284,8 @@ impl Engine {
             Command::Add(req) => {
                 self.pending.fetch_sub(1, Ordering::SeqCst);
                 if !self.accepting {
-                    let _ = req
-                        .events
-                        .send(Event::Failed("the server is shutting down".into()));
+                    let failed = Event::Failed("the server is shutting down".into());
+                    self.send(&req.events, failed);
                     return;
                 }
                 let id = self.next_id;
@@ -296,19 +296,12 @@ impl Engine {
                     .map(Rng::new)
                     .unwrap_or_else(Rng::from_entropy);
                 self.scheduler.add(id, req.prompt.len());
-                let stop = StopChecker::new(req.stop.clone());
                 let data = SeqData {
                     tokens: req.prompt.clone(),
                     prompt_len: req.prompt.len(),
+                    output: RequestOutput::new(&req),
                     req: *req,
                     rng,
-                    stop,
-                    decoder: IncrementalDecoder::default(),
-                    text: String::new(),
-                    prompt_counted: false,
-                    first_scheduled: None,
-                    first_token: None,
-                    last_token: None,
                 };
                 self.seqs.insert(id, data);
             }
@@ -332,57 +325,18 @@ impl Engine {
         if let Err(e) = self.scheduler.finish(id, &mut self.cache) {
             tracing::error!(seq = id, error = %e, "freeing a finished sequence failed");
         }
-        self.metrics.request_finished(reason);
         if let Some(d) = self.seqs.remove(&id) {
-            if !d.prompt_counted {
-                self.metrics.prompt_tokens.inc_by(d.prompt_len as u64);
-            }
             let generated = d.tokens.len() - d.prompt_len;
-            self.observe_finished(&d, generated);
-            let _ = d.req.events.send(Event::Finished {
+            let event = d.output.finished(
+                &d.req,
+                d.prompt_len,
+                generated,
                 reason,
                 text,
-                prompt_tokens: d.prompt_len,
-                completion_tokens: generated,
-            });
+                &mut self.iteration,
+            );
+            self.send(&d.req.events, event);
         }
-    }
-
-    /// Per-request histograms, from the request's own timestamps.
-    fn observe_finished(&self, d: &SeqData, generated: usize) {
-        let m = &self.metrics;
-        let now = Instant::now();
-        let secs = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64();
-        m.e2e_request_latency.observe(secs(d.req.arrival, now));
-        if let Some(sched) = d.first_scheduled {
-            m.request_inference_time.observe(secs(sched, now));
-            if let Some(first) = d.first_token {
-                m.request_prefill_time.observe(secs(sched, first));
-            }
-        }
-        if let (Some(first), Some(last)) = (d.first_token, d.last_token) {
-            m.request_decode_time.observe(secs(first, last));
-            if generated > 1 {
-                m.request_time_per_output_token
-                    .observe(secs(first, last) / (generated - 1) as f64);
-            }
-        }
-        m.request_prompt_tokens.observe(d.prompt_len as f64);
-        m.request_generation_tokens.observe(generated as f64);
-        let (n, max_tokens, longest) = match &d.req.group {
-            None => (1, d.req.max_tokens, generated),
-            Some(g) => {
-                g.max_generated.fetch_max(generated, Ordering::SeqCst);
-                if g.remaining.fetch_sub(1, Ordering::SeqCst) != 1 {
-                    return;
-                }
-                (g.n, g.max_tokens, g.max_generated.load(Ordering::SeqCst))
-            }
-        };
-        m.request_max_num_generation_tokens.observe(longest as f64);
-        m.request_params_n.observe(n as f64);
-        m.request_params_best_of.observe(n as f64);
-        m.request_params_max_tokens.observe(max_tokens as f64);
     }
 
     fn fail_all(&mut self, msg: &str) {
@@ -390,24 +344,52 @@ impl Engine {
         for id in ids {
             let _ = self.scheduler.finish(id, &mut self.cache);
             if let Some(d) = self.seqs.remove(&id) {
-                let _ = d.req.events.send(Event::Failed(msg.to_string()));
+                self.send(&d.req.events, Event::Failed(msg.to_string()));
             }
         }
     }
 
+    /// One step: schedule → execute → process outputs.
     fn step(&mut self) -> Result<(), Box<dyn std::error::Error>> {
         let started = Instant::now();
+        let Some(plan) = self.schedule()? else {
+            return Ok(());
+        };
+        let logits = self.execute(&plan)?;
+        for sch in &plan.scheduled {
+            if let Some(d) = self.seqs.get_mut(&sch.id) {
+                self.output
+                    .scheduled(&mut d.output, started, &mut self.iteration);
+            }
+        }
+        self.iteration.batch_tokens = Some(plan.num_tokens());
+        self.steps += 1;
+        self.scheduler.commit(&plan);
+        self.process_outputs(&plan, &logits)?;
+        tracing::trace!(
+            tokens = plan.num_tokens(),
+            secs = started.elapsed().as_secs_f64(),
+            "step"
+        );
+        Ok(())
+    }
+
+    /// The scheduler's plan for this step; `None` when nothing fits right now.
+    fn schedule(&mut self) -> Result<Option<StepPlan>, SchedulerError> {
         let plan = self.scheduler.schedule(&mut self.cache)?;
-        self.metrics
-            .num_preemptions
-            .inc_by(plan.preempted.len() as u64);
+        self.iteration.num_preempted += plan.preempted.len() as u64;
         if plan.scheduled.is_empty() {
             // Nothing fits right now (should not persist); wait for a command briefly.
             if let Ok(cmd) = self.rx.recv_timeout(std::time::Duration::from_millis(5)) {
                 self.handle(cmd);
             }
-            return Ok(());
+            return Ok(None);
         }
+        Ok(Some(plan))
+    }
+
+    /// One forward over the plan's tokens: a logit row per scheduled sequence.
+    fn execute(&self, plan: &StepPlan) -> Result<Tensor, Box<dyn std::error::Error>> {
         let tables: Vec<Vec<u32>> = plan
             .scheduled
             .iter()
@@ -428,28 +410,17 @@ impl Engine {
                 block_table: t,
             })
             .collect();
-        let logits = self.model.model.forward(&inputs, &self.cache)?;
-        let scheduled_at = started;
-        for sch in &plan.scheduled {
-            if let Some(d) = self.seqs.get_mut(&sch.id)
-                && d.first_scheduled.is_none()
-            {
-                d.first_scheduled = Some(scheduled_at);
-                self.metrics.request_queue_time.observe(
-                    scheduled_at
-                        .saturating_duration_since(d.req.arrival)
-                        .as_secs_f64(),
-                );
-            }
-        }
-        self.metrics
-            .iteration_tokens
-            .observe(plan.num_tokens() as f64);
-        self.steps += 1;
-        self.scheduler.commit(&plan);
+        Ok(self.model.forward(&inputs, &self.cache)?)
+    }
+
+    /// Samples a token for each sequence that finished its known tokens, and lets the output
+    /// processor turn it into an event and a finish decision.
+    fn process_outputs(
+        &mut self,
+        plan: &StepPlan,
+        logits: &Tensor,
+    ) -> Result<(), Box<dyn std::error::Error>> {
         let rows = logits.to_vec2::<f32>()?;
-        let eos = self.model.eos_token_ids.clone();
-        let max_len = self.model.model.max_len();
         for (row, s) in rows.iter().zip(&plan.scheduled) {
             if !s.samples {
                 continue;
@@ -460,75 +431,21 @@ impl Engine {
             let (prompt, output) = d.tokens.split_at(d.prompt_len);
             let sampled = sample(row, &d.req.sampling, prompt, output, &mut d.rng);
             d.tokens.push(sampled.token);
-            self.metrics.generation_tokens.inc();
-            let now = Instant::now();
-            match d.last_token {
-                None => {
-                    d.first_token = Some(now);
-                    self.metrics
-                        .time_to_first_token
-                        .observe(now.saturating_duration_since(d.req.arrival).as_secs_f64());
-                }
-                Some(prev) => {
-                    let gap = now.saturating_duration_since(prev).as_secs_f64();
-                    self.metrics.inter_token_latency.observe(gap);
-                    self.metrics.time_per_output_token.observe(gap);
-                }
-            }
-            d.last_token = Some(now);
-            if !d.prompt_counted {
-                d.prompt_counted = true;
-                self.metrics.prompt_tokens.inc_by(d.prompt_len as u64);
-            }
-            let n_out = d.tokens.len() - d.prompt_len;
-            let is_eos = !d.req.ignore_eos && eos.contains(&sampled.token);
-            let is_stop_id = d.req.stop_token_ids.contains(&sampled.token);
-            let mut finish = None;
-            let mut text = String::new();
-            if is_eos || is_stop_id {
-                finish = Some(FinishReason::Stop);
-            } else {
-                let delta = d
-                    .decoder
-                    .next(&self.model.tokenizer, &d.tokens[d.prompt_len..])?;
-                d.text.push_str(&delta);
-                match d.stop.update(&d.text) {
-                    StopUpdate::Delta(t) => text = t,
-                    StopUpdate::Stopped(t) => {
-                        text = t;
-                        finish = Some(FinishReason::Stop);
-                    }
-                }
-            }
-            if finish.is_none() && (n_out >= d.req.max_tokens || d.tokens.len() >= max_len) {
-                finish = Some(FinishReason::Length);
-            }
-            let _ = d.req.events.send(Event::Token {
-                token: sampled.token,
-                text,
-                logprob: sampled.logprob,
-                top_logprobs: sampled.top,
-            });
-            match finish {
-                Some(reason) => {
-                    // Text held back for a stop string that never completed belongs to the
-                    // output, unless a stop string did match.
-                    let stopped_by_string = reason == FinishReason::Stop && !is_eos && !is_stop_id;
-                    let tail = if stopped_by_string {
-                        String::new()
-                    } else {
-                        d.stop.flush()
-                    };
-                    self.finish(s.id, reason, tail);
-                }
+            let out = self.output.token(
+                &mut d.output,
+                &d.req,
+                &d.tokens,
+                d.prompt_len,
+                sampled,
+                &mut self.iteration,
+            )?;
+            let events = d.req.events.clone();
+            self.send(&events, out.event);
+            match out.finish {
+                Some((reason, tail)) => self.finish(s.id, reason, tail),
                 None => self.scheduler.append_token(s.id)?,
             }
         }
-        tracing::trace!(
-            tokens = plan.num_tokens(),
-            secs = started.elapsed().as_secs_f64(),
-            "step"
-        );
         Ok(())
     }
 }

@@ -3,6 +3,8 @@
 //! Everything here works on one request's logit row, so a request's result depends only on its
 //! own logits, parameters and RNG state, never on the rest of the batch.
 
+pub use crate::model::driver::argmax;
+
 /// OpenAI/vLLM sampling parameters of one request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -211,17 +213,6 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
         .ln() as f32
         + max;
     logits.iter().map(|&l| l - lse).collect()
-}
-
-/// Index of the largest value; ties go to the lowest index, so greedy is deterministic.
-pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Picks the next token from one logit row.

@@ -231,18 +231,28 @@ fn copy_blocks(
     Ok(())
 }
 
+/// What the cache needs to know of a model: per layer, how many key/value heads of what width.
+/// The model side provides it (`From<&ModelConfig>`), so the cache never imports the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
 impl KvCacheConfig {
     /// A cache shaped for `model`, in f32.
     pub fn for_model(
-        model: &crate::model::ModelConfig,
+        model: impl Into<KvShape>,
         block_size: usize,
         num_blocks: usize,
         num_host_blocks: usize,
     ) -> Self {
+        let shape = model.into();
         Self {
-            num_layers: model.num_layers,
-            num_kv_heads: model.num_kv_heads,
-            head_dim: model.head_dim,
+            num_layers: shape.num_layers,
+            num_kv_heads: shape.num_kv_heads,
+            head_dim: shape.head_dim,
             block_size,
             num_blocks,
             num_host_blocks,

@@ -6,7 +6,7 @@ mod cache;
 mod space;
 
 pub use allocator::{BlockAllocator, BlockId, blocks_for_tokens};
-pub use cache::{KvCache, KvCacheConfig};
+pub use cache::{KvCache, KvCacheConfig, KvShape};
 pub use space::{BlockSpace, CountingBlocks};
 
 /// Errors of the KV cache. Exhaustion is an ordinary, recoverable condition: the scheduler

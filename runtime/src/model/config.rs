@@ -57,6 +57,16 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
 }
 
+impl From<&ModelConfig> for crate::kv::KvShape {
+    fn from(c: &ModelConfig) -> Self {
+        Self {
+            num_layers: c.num_layers,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        }
+    }
+}
+
 impl ModelConfig {
     /// Rejects configurations the runtime cannot execute, with the offending field named.
     pub fn validate(&self) -> Result<(), ModelError> {

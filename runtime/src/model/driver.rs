@@ -113,6 +113,17 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>, ModelError> {
     Ok(logits
         .to_vec2::<f32>()?
         .iter()
-        .map(|row| crate::engine::sampler::argmax(row))
+        .map(|row| argmax(row))
         .collect())
+}
+
+/// Index of the largest value; ties go to the lowest index, so greedy is deterministic.
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
 }

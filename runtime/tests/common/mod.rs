@@ -1,46 +1,18 @@
 //! Shared helpers for tests that need the default model.
 #![allow(dead_code)]
 
-pub mod server;
-
-use std::path::PathBuf;
-use std::process::Command;
-use std::sync::OnceLock;
-
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
-use ferrite_server::engine::sampler::argmax;
-use ferrite_server::kv::{KvCache, KvCacheConfig};
-use ferrite_server::model::attention::AttentionBackend;
-use ferrite_server::model::driver::{GreedySeq, run_greedy};
-use ferrite_server::model::{self, LoadOptions, WeightMode};
+use ferrite_runtime::engine::sampler::argmax;
+use ferrite_runtime::kv::{KvCache, KvCacheConfig};
+use ferrite_runtime::model::attention::AttentionBackend;
+use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
+use ferrite_runtime::model::{self, LoadOptions, WeightMode};
+pub use ferrite_testkit::model::default_model;
 
 pub const PROMPT: &str =
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
 pub const NEW_TOKENS: usize = 32;
-
-/// Path of the default model, fetched by `scripts/fetch-model.sh` (the same script users run)
-/// unless `FERRITE_MODEL` points elsewhere.
-pub fn default_model() -> PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        if let Ok(p) = std::env::var("FERRITE_MODEL") {
-            return PathBuf::from(p);
-        }
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-        let out = Command::new("bash")
-            .arg(root.join("scripts/fetch-model.sh"))
-            .output()
-            .expect("run scripts/fetch-model.sh");
-        assert!(
-            out.status.success(),
-            "fetch-model.sh failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string())
-    })
-    .clone()
-}
 
 /// Greedy tokens and the first-step logits from quantized_llama.
 pub fn reference(prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {

@@ -4,16 +4,20 @@ use std::sync::Arc;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
-use serde_json::{Value, json};
+use ferrite_runtime::engine::core::FinishReason;
+use ferrite_runtime::model::{self, Tokenizer};
+use serde_json::Value;
 
 use super::completions::token_text;
 use super::error::ApiError;
 use super::extract::JsonBody;
 use super::generate::{self, Generation, StreamItem, TokenLogprob};
 use super::protocol::{ChatCompletionRequest, Content, Message};
-use super::state::AppState;
-use super::state::Serving;
-use crate::model::{ChatMessage, Tokenizer};
+use super::response::{
+    ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessage, ChatTokenLogprob, Envelope,
+    Head,
+};
+use super::state::{AppState, Serving};
 
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
@@ -44,7 +48,7 @@ pub async fn chat_completions(
             "top_logprobs requires logprobs to be true",
         ));
     }
-    let logprobs = want_logprobs.then(|| top.unwrap_or(0));
+    let want = want_logprobs.then(|| top.unwrap_or(0));
     let prompt = chat_prompt(
         serving,
         &req.messages,
@@ -56,7 +60,7 @@ pub async fn chat_completions(
         generate::max_tokens_for(prompt.len(), requested, None, serving.max_model_len)?;
     let (stop, stop_token_ids) = generate::stops(&req.sampling, vocab)?;
     let g = Generation {
-        sampling: generate::sampling_params(&req.sampling, logprobs, vocab)?,
+        sampling: generate::sampling_params(&req.sampling, want, vocab)?,
         n: generate::choices_per_prompt(&req.sampling)?,
         max_tokens: vec![max_tokens],
         stop,
@@ -66,83 +70,73 @@ pub async fn chat_completions(
     };
     generate::admit(&state, serving)?;
     let receivers = generate::submit(serving, &g, arrival)?;
-    let id = format!("chatcmpl-{}", super::random_id());
-    let model = state.served_model_name.clone();
-    let created = super::now_secs();
+    let head = Head::new("chatcmpl", &state.served_model_name);
 
-    if req.sampling.stream.unwrap_or(false) {
-        let include_usage = req
-            .sampling
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
+    if let Some(include_usage) = generate::stream_mode(&req.sampling) {
         let st = state.clone();
-        let render = move |item: StreamItem| -> Option<Value> {
+        let render = move |item: StreamItem| -> Option<Envelope<ChatChunkChoice>> {
             let tok = &st.loaded()?.tokenizer;
-            let base = |choices: Value| {
-                json!({"id": id, "object": "chat.completion.chunk", "created": created,
-                       "model": model, "choices": choices})
-            };
+            let chunk = |choices, usage| head.wrap("chat.completion.chunk", choices, usage);
             match item {
-                StreamItem::Start(i) => Some(base(json!([{
-                    "index": i, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": null, "finish_reason": null}]))),
+                StreamItem::Start(i) => Some(chunk(
+                    vec![ChatChunkChoice {
+                        index: i,
+                        delta: ChatDelta {
+                            role: Some("assistant"),
+                            content: Some(String::new()),
+                        },
+                        logprobs: None,
+                        finish_reason: None,
+                    }],
+                    None,
+                )),
                 StreamItem::Delta {
                     index,
                     text,
                     logprob,
                     finish,
                 } => {
-                    let delta = if text.is_empty() && finish.is_some() {
-                        json!({})
-                    } else {
-                        json!({ "content": text })
-                    };
-                    let lp = logprob.map(|l| logprobs_json(tok, &[l]));
-                    Some(base(
-                        json!([{"index": index, "delta": delta, "logprobs": lp,
-                                      "finish_reason": finish.map(|f| f.as_str())}]),
+                    let content = (!text.is_empty() || finish.is_none()).then_some(text);
+                    Some(chunk(
+                        vec![ChatChunkChoice {
+                            index,
+                            delta: ChatDelta {
+                                role: None,
+                                content,
+                            },
+                            logprobs: logprob.map(|l| logprobs(tok, &[l])),
+                            finish_reason: finish.map(FinishReason::as_str),
+                        }],
+                        None,
                     ))
                 }
-                StreamItem::Usage(u) => {
-                    let mut v = base(json!([]));
-                    v["usage"] = u.to_json();
-                    Some(v)
-                }
+                StreamItem::Usage(u) => Some(chunk(Vec::new(), Some(u))),
             }
         };
         return Ok(
-            generate::sse(receivers, g.n, include_usage, logprobs.is_some(), render)
-                .into_response(),
+            generate::sse(receivers, g.n, include_usage, want.is_some(), render).into_response(),
         );
     }
 
     let (choices, usage) = generate::collect(receivers, g.n).await?;
-    let choices: Vec<Value> = choices
+    let choices = choices
         .into_iter()
         .enumerate()
-        .map(|(i, c)| {
-            json!({
-                "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs.map(|_| logprobs_json(&serving.tokenizer, &c.logprobs)),
-                "finish_reason": c.finish_reason.map(|f| f.as_str()),
-            })
+        .map(|(i, c)| ChatChoice {
+            index: i,
+            logprobs: want.map(|_| logprobs(&serving.tokenizer, &c.logprobs)),
+            message: ChatMessage {
+                role: "assistant",
+                content: c.text,
+            },
+            finish_reason: c.finish_reason.map(FinishReason::as_str),
         })
         .collect();
-    Ok(Json(json!({
-        "id": id,
-        "object": "chat.completion",
-        "created": created,
-        "model": state.served_model_name,
-        "choices": choices,
-        "usage": usage.to_json(),
-    }))
-    .into_response())
+    Ok(Json(head.wrap("chat.completion", choices, Some(usage))).into_response())
 }
 
 /// Messages as the chat template wants them: text content only.
-pub fn template_messages(messages: &[Message]) -> Result<Vec<ChatMessage>, ApiError> {
+pub fn template_messages(messages: &[Message]) -> Result<Vec<model::ChatMessage>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",
@@ -175,7 +169,7 @@ pub fn template_messages(messages: &[Message]) -> Result<Vec<ChatMessage>, ApiEr
                     s
                 }
             };
-            Ok(ChatMessage {
+            Ok(model::ChatMessage {
                 role: m.role.clone(),
                 content,
             })
@@ -203,24 +197,29 @@ pub fn chat_prompt(
         .map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize: {e}")))
 }
 
-fn logprob_entry(tok: &Tokenizer, id: u32, lp: f32) -> Value {
-    let t = token_text(tok, id);
-    json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+fn logprob_entry(tok: &Tokenizer, id: u32, logprob: f32) -> ChatTokenLogprob {
+    let token = token_text(tok, id);
+    ChatTokenLogprob {
+        bytes: token.as_bytes().to_vec(),
+        token,
+        logprob,
+        top_logprobs: None,
+    }
 }
 
 /// The chat `logprobs` object: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
-fn logprobs_json(tok: &Tokenizer, lps: &[TokenLogprob]) -> Value {
-    let content: Vec<Value> = lps
+fn logprobs(tok: &Tokenizer, lps: &[TokenLogprob]) -> ChatLogprobs {
+    let content = lps
         .iter()
-        .map(|l| {
-            let mut e = logprob_entry(tok, l.token, l.logprob);
-            e["top_logprobs"] = l
-                .top
-                .iter()
-                .map(|&(id, lp)| logprob_entry(tok, id, lp))
-                .collect();
-            e
+        .map(|l| ChatTokenLogprob {
+            top_logprobs: Some(
+                l.top
+                    .iter()
+                    .map(|&(id, lp)| logprob_entry(tok, id, lp))
+                    .collect(),
+            ),
+            ..logprob_entry(tok, l.token, l.logprob)
         })
         .collect();
-    json!({ "content": content })
+    ChatLogprobs { content }
 }

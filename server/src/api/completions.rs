@@ -4,14 +4,18 @@ use std::sync::Arc;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
-use serde_json::{Map, Value, json};
+use ferrite_runtime::engine::core::FinishReason;
+use ferrite_runtime::model::Tokenizer;
 
 use super::error::ApiError;
 use super::extract::JsonBody;
-use super::generate::{self, ChoiceOutput, Generation, StreamItem, TokenLogprob};
+use super::generate::{self, Generation, StreamItem, TokenLogprob};
 use super::protocol::{CompletionRequest, Prompt};
+use super::response::{CompletionChoice, CompletionLogprobs, Envelope, Head};
 use super::state::AppState;
-use crate::model::Tokenizer;
+
+/// The `object` of completion responses and chunks alike.
+const OBJECT: &str = "text_completion";
 
 /// OpenAI's default `max_tokens` for completions (vLLM keeps it).
 const DEFAULT_MAX_TOKENS: usize = 16;
@@ -26,9 +30,9 @@ pub async fn completions(
     if req.suffix.is_some() {
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
-    let logprobs = generate::logprobs_count("logprobs", req.logprobs)?;
+    let want_logprobs = generate::logprobs_count("logprobs", req.logprobs)?;
     let echo = req.echo.unwrap_or(false);
-    if echo && logprobs.is_some() {
+    if echo && want_logprobs.is_some() {
         return Err(ApiError::invalid_param(
             "echo",
             "echo together with logprobs (prompt logprobs) is not supported",
@@ -49,7 +53,7 @@ pub async fn completions(
         .collect::<Result<Vec<_>, _>>()?;
     let (stop, stop_token_ids) = generate::stops(&req.sampling, vocab)?;
     let g = Generation {
-        sampling: generate::sampling_params(&req.sampling, logprobs, vocab)?,
+        sampling: generate::sampling_params(&req.sampling, want_logprobs, vocab)?,
         n: generate::choices_per_prompt(&req.sampling)?,
         max_tokens,
         stop,
@@ -67,29 +71,25 @@ pub async fn completions(
         Vec::new()
     };
     let receivers = generate::submit(serving, &g, arrival)?;
-    let id = format!("cmpl-{}", super::random_id());
-    let model = state.served_model_name.clone();
-    let created = super::now_secs();
+    let head = Head::new("cmpl", &state.served_model_name);
 
-    if req.sampling.stream.unwrap_or(false) {
-        let include_usage = req
-            .sampling
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
+    if let Some(include_usage) = generate::stream_mode(&req.sampling) {
         let st = state.clone();
         let n = g.n;
-        let render = move |item: StreamItem| -> Option<Value> {
+        let render = move |item: StreamItem| -> Option<Envelope<CompletionChoice>> {
             let tok = &st.loaded()?.tokenizer;
-            let base = |choices: Value| {
-                json!({"id": id, "object": "text_completion", "created": created,
-                       "model": model, "choices": choices})
+            let choice = |index, text: &str, logprobs, finish: Option<FinishReason>| {
+                vec![CompletionChoice {
+                    index,
+                    text: text.to_string(),
+                    logprobs,
+                    finish_reason: finish.map(FinishReason::as_str),
+                }]
             };
             match item {
                 StreamItem::Start(i) => {
                     let text = echoes.get(i / n)?;
-                    Some(base(json!([{"index": i, "text": text, "logprobs": null,
-                                      "finish_reason": null}])))
+                    Some(head.wrap(OBJECT, choice(i, text, None, None), None))
                 }
                 StreamItem::Delta {
                     index,
@@ -97,58 +97,40 @@ pub async fn completions(
                     logprob,
                     finish,
                 } => {
-                    let lp = logprob.map(|l| logprobs_json(tok, &[l], 0));
-                    Some(base(json!([{"index": index, "text": text, "logprobs": lp,
-                                      "finish_reason": finish.map(|f| f.as_str())}])))
+                    let lp = logprob.map(|l| logprobs(tok, &[l], 0));
+                    Some(head.wrap(OBJECT, choice(index, &text, lp, finish), None))
                 }
-                StreamItem::Usage(u) => {
-                    let mut v = base(json!([]));
-                    v["usage"] = u.to_json();
-                    Some(v)
-                }
+                StreamItem::Usage(u) => Some(head.wrap(OBJECT, Vec::new(), Some(u))),
             }
         };
-        return Ok(
-            generate::sse(receivers, g.n, include_usage, logprobs.is_some(), render)
-                .into_response(),
-        );
+        return Ok(generate::sse(
+            receivers,
+            g.n,
+            include_usage,
+            want_logprobs.is_some(),
+            render,
+        )
+        .into_response());
     }
 
     let (choices, usage) = generate::collect(receivers, g.n).await?;
-    let choices: Vec<Value> = choices
+    let choices = choices
         .into_iter()
         .enumerate()
-        .map(|(i, c)| choice_json(&serving.tokenizer, i, g.n, &echoes, c, logprobs))
+        .map(|(i, c)| {
+            let text = match echoes.get(i / g.n) {
+                Some(e) => format!("{e}{}", c.text),
+                None => c.text,
+            };
+            CompletionChoice {
+                index: i,
+                text,
+                logprobs: want_logprobs.map(|_| logprobs(&serving.tokenizer, &c.logprobs, 0)),
+                finish_reason: c.finish_reason.map(FinishReason::as_str),
+            }
+        })
         .collect();
-    Ok(Json(json!({
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": state.served_model_name,
-        "choices": choices,
-        "usage": usage.to_json(),
-    }))
-    .into_response())
-}
-
-fn choice_json(
-    tok: &Tokenizer,
-    i: usize,
-    n: usize,
-    echoes: &[String],
-    c: ChoiceOutput,
-    logprobs: Option<usize>,
-) -> Value {
-    let text = match echoes.get(i / n) {
-        Some(e) => format!("{e}{}", c.text),
-        None => c.text,
-    };
-    json!({
-        "index": i,
-        "text": text,
-        "logprobs": logprobs.map(|_| logprobs_json(tok, &c.logprobs, 0)),
-        "finish_reason": c.finish_reason.map(|f| f.as_str()),
-    })
+    Ok(Json(head.wrap(OBJECT, choices, Some(usage))).into_response())
 }
 
 /// A token as text, for logprobs (undecodable bytes show as U+FFFD, as in OpenAI's API).
@@ -157,32 +139,23 @@ pub fn token_text(tok: &Tokenizer, id: u32) -> String {
 }
 
 /// The legacy completions `logprobs` object; `offset` is where the first token's text starts.
-fn logprobs_json(tok: &Tokenizer, lps: &[TokenLogprob], offset: usize) -> Value {
-    let mut text_offset = Vec::with_capacity(lps.len());
-    let mut tokens = Vec::with_capacity(lps.len());
+fn logprobs(tok: &Tokenizer, lps: &[TokenLogprob], offset: usize) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
     let mut at = offset;
     for l in lps {
         let t = token_text(tok, l.token);
-        text_offset.push(at);
+        out.text_offset.push(at);
         at += t.len();
-        tokens.push(t);
+        out.tokens.push(t);
+        out.token_logprobs.push(l.logprob);
+        out.top_logprobs.push(
+            l.top
+                .iter()
+                .map(|&(id, lp)| (token_text(tok, id), lp))
+                .collect(),
+        );
     }
-    let top: Vec<Value> = lps
-        .iter()
-        .map(|l| {
-            let mut m = Map::new();
-            for &(id, lp) in &l.top {
-                m.insert(token_text(tok, id), json!(lp));
-            }
-            Value::Object(m)
-        })
-        .collect();
-    json!({
-        "text_offset": text_offset,
-        "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-        "tokens": tokens,
-        "top_logprobs": top,
-    })
+    out
 }
 
 /// Every form of `prompt` as token-id lists.

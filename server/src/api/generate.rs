@@ -8,14 +8,15 @@ use std::time::Instant;
 
 use axum::response::sse::{Event as SseEvent, Sse};
 use futures_util::stream::{self, BoxStream, Stream, StreamExt};
-use serde_json::{Value, json};
+use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::protocol::SamplingFields;
+use super::response::Usage;
 use super::state::{AppState, Serving};
-use crate::engine::core::{Event, FinishReason, Request, RequestGroup};
-use crate::engine::sampler::SamplingParams;
+use ferrite_runtime::engine::core::{Event, FinishReason, Request, RequestGroup};
+use ferrite_runtime::engine::sampler::SamplingParams;
 
 /// Largest `n` accepted, as OpenAI's API.
 pub const MAX_N: usize = 128;
@@ -38,6 +39,14 @@ pub struct Generation {
 
 fn out_of_range(param: &str, msg: String) -> ApiError {
     ApiError::invalid_param(param, msg)
+}
+
+/// `Some(include_usage)` when the client asked for a stream (and whether it ends with a usage
+/// chunk); `None` for a whole response.
+pub fn stream_mode(f: &SamplingFields) -> Option<bool> {
+    f.stream
+        .unwrap_or(false)
+        .then(|| f.stream_options.as_ref().is_some_and(|o| o.include_usage))
 }
 
 /// Reads the shared sampling fields into engine parameters, with vLLM's defaults.
@@ -252,82 +261,21 @@ pub struct ChoiceOutput {
     pub completion_tokens: usize,
 }
 
-/// Token counts of a whole request; the prompt counts once per prompt, not once per choice.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-}
-
-impl Usage {
-    fn add(&mut self, index: usize, n: usize, prompt: usize, completion: usize) {
-        if index.is_multiple_of(n) {
-            self.prompt_tokens += prompt;
-        }
-        self.completion_tokens += completion;
+/// Adds one finished choice to a request's usage; the prompt counts once per prompt (choice
+/// `index` of `n` per prompt), not once per choice.
+fn add_choice(u: &mut Usage, index: usize, n: usize, prompt: usize, completion: usize) {
+    if index.is_multiple_of(n) {
+        u.prompt_tokens += prompt;
     }
-
-    pub fn to_json(self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        })
-    }
+    u.completion_tokens += completion;
+    u.total_tokens = u.prompt_tokens + u.completion_tokens;
 }
 
 fn engine_failed(msg: &str) -> ApiError {
     ApiError::internal(format!("generation failed: {msg}"))
 }
 
-/// Waits for every choice to finish (non-streaming responses).
-pub async fn collect(
-    receivers: Vec<mpsc::UnboundedReceiver<Event>>,
-    n: usize,
-) -> Result<(Vec<ChoiceOutput>, Usage), ApiError> {
-    let mut out = vec![ChoiceOutput::default(); receivers.len()];
-    let mut remaining = receivers.len();
-    let mut usage = Usage::default();
-    let mut events = merge(receivers);
-    while remaining > 0 {
-        let Some((i, ev)) = events.next().await else {
-            return Err(engine_failed("the engine stopped"));
-        };
-        let c = &mut out[i];
-        match ev {
-            Event::Token {
-                token,
-                text,
-                logprob,
-                top_logprobs,
-            } => {
-                c.text.push_str(&text);
-                c.logprobs.push(TokenLogprob {
-                    token,
-                    logprob,
-                    top: top_logprobs,
-                });
-            }
-            Event::Finished {
-                reason,
-                text,
-                prompt_tokens,
-                completion_tokens,
-            } => {
-                c.text.push_str(&text);
-                c.finish_reason = Some(reason);
-                c.prompt_tokens = prompt_tokens;
-                c.completion_tokens = completion_tokens;
-                usage.add(i, n, prompt_tokens, completion_tokens);
-                remaining -= 1;
-            }
-            Event::Failed(msg) => return Err(engine_failed(&msg)),
-        }
-    }
-    Ok((out, usage))
-}
-
-/// What a streaming endpoint turns into one SSE chunk.
+/// What a streaming endpoint turns into one chunk.
 #[derive(Debug, Clone)]
 pub enum StreamItem {
     /// Before any token of a choice (chat sends the assistant role here).
@@ -341,47 +289,164 @@ pub enum StreamItem {
     Usage(Usage),
 }
 
+/// The one fold over a request's merged events, for whole and streamed responses alike: it
+/// counts usage, knows when every choice has finished, and turns an engine failure into an
+/// error. A whole response keeps each choice's output; a stream gets an item per event instead.
+#[derive(Debug)]
+pub struct Fold {
+    n: usize,
+    remaining: usize,
+    usage: Usage,
+    /// `Some` for a whole response: the choices as they grow.
+    outputs: Option<Vec<ChoiceOutput>>,
+    /// Streaming: whether deltas carry log-probabilities.
+    stream_logprobs: bool,
+}
+
+impl Fold {
+    /// For a whole response over `choices` choices, `n` per prompt.
+    pub fn whole(choices: usize, n: usize) -> Self {
+        Self {
+            n,
+            remaining: choices,
+            usage: Usage::default(),
+            outputs: Some(vec![ChoiceOutput::default(); choices]),
+            stream_logprobs: false,
+        }
+    }
+
+    /// For a stream over `choices` choices, `n` per prompt.
+    pub fn stream(choices: usize, n: usize, logprobs: bool) -> Self {
+        Self {
+            n,
+            remaining: choices,
+            usage: Usage::default(),
+            outputs: None,
+            stream_logprobs: logprobs,
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.remaining == 0
+    }
+
+    pub fn usage(&self) -> Usage {
+        self.usage
+    }
+
+    /// Applies one event of choice `index`; returns what to stream, if anything.
+    pub fn apply(&mut self, index: usize, ev: Event) -> Result<Option<StreamItem>, ApiError> {
+        match ev {
+            Event::Token {
+                token,
+                text,
+                logprob,
+                top_logprobs,
+            } => {
+                let lp = TokenLogprob {
+                    token,
+                    logprob,
+                    top: top_logprobs,
+                };
+                if let Some(c) = self.outputs.as_mut().and_then(|o| o.get_mut(index)) {
+                    c.text.push_str(&text);
+                    c.logprobs.push(lp);
+                    return Ok(None);
+                }
+                let logprob = self.stream_logprobs.then_some(lp);
+                Ok(
+                    (!text.is_empty() || logprob.is_some()).then_some(StreamItem::Delta {
+                        index,
+                        text,
+                        logprob,
+                        finish: None,
+                    }),
+                )
+            }
+            Event::Finished {
+                reason,
+                text,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                add_choice(
+                    &mut self.usage,
+                    index,
+                    self.n,
+                    prompt_tokens,
+                    completion_tokens,
+                );
+                self.remaining = self.remaining.saturating_sub(1);
+                if let Some(c) = self.outputs.as_mut().and_then(|o| o.get_mut(index)) {
+                    c.text.push_str(&text);
+                    c.finish_reason = Some(reason);
+                    c.prompt_tokens = prompt_tokens;
+                    c.completion_tokens = completion_tokens;
+                    return Ok(None);
+                }
+                Ok(Some(StreamItem::Delta {
+                    index,
+                    text,
+                    logprob: None,
+                    finish: Some(reason),
+                }))
+            }
+            Event::Failed(msg) => Err(engine_failed(&msg)),
+        }
+    }
+}
+
+/// Waits for every choice to finish (whole responses).
+pub async fn collect(
+    receivers: Vec<mpsc::UnboundedReceiver<Event>>,
+    n: usize,
+) -> Result<(Vec<ChoiceOutput>, Usage), ApiError> {
+    let mut fold = Fold::whole(receivers.len(), n);
+    let mut events = merge(receivers);
+    while !fold.is_done() {
+        let Some((i, ev)) = events.next().await else {
+            return Err(engine_failed("the engine stopped"));
+        };
+        fold.apply(i, ev)?;
+    }
+    let usage = fold.usage();
+    Ok((fold.outputs.unwrap_or_default(), usage))
+}
+
 struct StreamState<F> {
     events: BoxStream<'static, (usize, Event)>,
+    fold: Fold,
     render: F,
     queued: VecDeque<String>,
-    remaining: usize,
-    n: usize,
-    usage: Usage,
     include_usage: bool,
-    want_logprobs: bool,
     done: bool,
 }
 
-/// The SSE body of a streaming response: `render` formats each item as one JSON chunk (or
+/// The SSE body of a streaming response: `render` turns each item into one typed chunk (or
 /// skips it), an engine failure becomes an error chunk, and `data: [DONE]` ends the stream.
-pub fn sse<F>(
+pub fn sse<F, T>(
     receivers: Vec<mpsc::UnboundedReceiver<Event>>,
     n: usize,
     include_usage: bool,
     want_logprobs: bool,
-    mut render: F,
+    render: F,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>>
 where
-    F: FnMut(StreamItem) -> Option<Value> + Send + 'static,
+    F: FnMut(StreamItem) -> Option<T> + Send + 'static,
+    T: Serialize,
 {
-    let mut queued = VecDeque::new();
-    for i in 0..receivers.len() {
-        if let Some(v) = render(StreamItem::Start(i)) {
-            queued.push_back(v.to_string());
-        }
-    }
-    let state = StreamState {
-        remaining: receivers.len(),
+    let choices = receivers.len();
+    let mut state = StreamState {
+        fold: Fold::stream(choices, n, want_logprobs),
         events: merge(receivers),
         render,
-        queued,
-        n,
-        usage: Usage::default(),
+        queued: VecDeque::new(),
         include_usage,
-        want_logprobs,
         done: false,
     };
+    for i in 0..choices {
+        state.push(StreamItem::Start(i));
+    }
     Sse::new(stream::unfold(state, |mut s| async move {
         loop {
             if let Some(chunk) = s.queued.pop_front() {
@@ -395,73 +460,45 @@ where
     }))
 }
 
-impl<F> StreamState<F>
+impl<F, T> StreamState<F>
 where
-    F: FnMut(StreamItem) -> Option<Value>,
+    F: FnMut(StreamItem) -> Option<T>,
+    T: Serialize,
 {
     fn push(&mut self, item: StreamItem) {
-        if let Some(v) = (self.render)(item) {
-            self.queued.push_back(v.to_string());
+        if let Some(chunk) = (self.render)(item).and_then(|v| serde_json::to_string(&v).ok()) {
+            self.queued.push_back(chunk);
         }
     }
 
-    fn fail(&mut self, msg: &str) {
-        let err: Value = serde_json::from_str(&engine_failed(msg).to_json()).unwrap_or_default();
-        self.queued.push_back(err.to_string());
+    fn end(&mut self) {
         self.queued.push_back("[DONE]".into());
         self.done = true;
     }
 
+    fn fail(&mut self, e: ApiError) {
+        self.queued.push_back(e.to_json());
+        self.end();
+    }
+
     async fn next_chunks(&mut self) {
         let Some((index, ev)) = self.events.next().await else {
-            self.fail("the engine stopped");
+            self.fail(engine_failed("the engine stopped"));
             return;
         };
-        match ev {
-            Event::Token {
-                token,
-                text,
-                logprob,
-                top_logprobs,
-            } => {
-                let logprob = self.want_logprobs.then_some(TokenLogprob {
-                    token,
-                    logprob,
-                    top: top_logprobs,
-                });
-                if !text.is_empty() || logprob.is_some() {
-                    self.push(StreamItem::Delta {
-                        index,
-                        text,
-                        logprob,
-                        finish: None,
-                    });
+        match self.fold.apply(index, ev) {
+            Err(e) => self.fail(e),
+            Ok(item) => {
+                if let Some(item) = item {
+                    self.push(item);
                 }
-            }
-            Event::Finished {
-                reason,
-                text,
-                prompt_tokens,
-                completion_tokens,
-            } => {
-                self.usage
-                    .add(index, self.n, prompt_tokens, completion_tokens);
-                self.push(StreamItem::Delta {
-                    index,
-                    text,
-                    logprob: None,
-                    finish: Some(reason),
-                });
-                self.remaining -= 1;
-                if self.remaining == 0 {
+                if self.fold.is_done() {
                     if self.include_usage {
-                        self.push(StreamItem::Usage(self.usage));
+                        self.push(StreamItem::Usage(self.fold.usage()));
                     }
-                    self.queued.push_back("[DONE]".into());
-                    self.done = true;
+                    self.end();
                 }
             }
-            Event::Failed(msg) => self.fail(&msg),
         }
     }
 }
@@ -551,14 +588,8 @@ mod tests {
     fn usage_counts_each_prompt_once() {
         let mut u = Usage::default();
         for i in 0..4 {
-            u.add(i, 2, 10 + i / 2, 3);
+            add_choice(&mut u, i, 2, 10 + i / 2, 3);
         }
-        assert_eq!(
-            u,
-            Usage {
-                prompt_tokens: 21,
-                completion_tokens: 12
-            }
-        );
+        assert_eq!(u, Usage::new(21, 12));
     }
 }

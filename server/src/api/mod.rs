@@ -7,6 +7,7 @@ pub mod error;
 pub mod extract;
 pub mod generate;
 pub mod protocol;
+pub mod response;
 pub mod state;
 pub mod tokenize;
 
@@ -18,7 +19,6 @@ use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
-use serde_json::json;
 
 use crate::metrics::http::HttpMetrics;
 use error::ApiError;
@@ -61,22 +61,24 @@ async fn health(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     }
 }
 
-async fn version() -> Json<serde_json::Value> {
-    Json(json!({ "version": env!("CARGO_PKG_VERSION") }))
+async fn version() -> Json<response::Version> {
+    Json(response::Version {
+        version: env!("CARGO_PKG_VERSION"),
+    })
 }
 
-async fn models(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": s.served_model_name,
-            "object": "model",
-            "created": s.created,
-            "owned_by": "ferrite",
-            "root": s.served_model_name,
-            "max_model_len": s.loaded().map(|l| l.max_model_len),
-        }]
-    }))
+async fn models(State(s): State<Arc<AppState>>) -> Json<response::ModelList> {
+    Json(response::ModelList {
+        object: "list",
+        data: vec![response::ModelCard {
+            id: s.served_model_name.clone(),
+            object: "model",
+            created: s.created,
+            owned_by: "ferrite",
+            root: s.served_model_name.clone(),
+            max_model_len: s.loaded().map(|l| l.max_model_len),
+        }],
+    })
 }
 
 /// Prometheus text exposition; reads atomics only, so it never waits on the engine.
@@ -139,7 +141,7 @@ pub fn now_secs() -> u64 {
 
 /// A random hex id for responses (unique enough to tell requests apart in logs).
 pub fn random_id() -> String {
-    let mut rng = crate::engine::sampler::Rng::from_entropy();
+    let mut rng = ferrite_runtime::engine::sampler::Rng::from_entropy();
     format!("{:016x}{:016x}", rng.next_u64(), rng.next_u64())
 }
 

@@ -5,8 +5,8 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::error::ApiError;
-use crate::engine::core::EngineHandle;
-use crate::model::{ChatTemplate, Tokenizer};
+use ferrite_runtime::engine::core::EngineHandle;
+use ferrite_runtime::model::{ChatTemplate, Tokenizer};
 use prometheus::Registry;
 
 #[derive(Debug)]

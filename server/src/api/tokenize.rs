@@ -4,19 +4,19 @@ use std::sync::Arc;
 
 use axum::extract::State;
 use axum::response::Json;
-use serde_json::{Value, json};
 
 use super::chat::chat_prompt;
 use super::completions::token_text;
 use super::error::ApiError;
 use super::extract::JsonBody;
 use super::protocol::{DetokenizeRequest, TokenizeRequest};
+use super::response::{Detokenized, Tokenized};
 use super::state::AppState;
 
 pub async fn tokenize(
     State(state): State<Arc<AppState>>,
     JsonBody(req): JsonBody<TokenizeRequest>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Tokenized>, ApiError> {
     let serving = state.serving()?;
     state.check_model(req.model.as_deref())?;
     let tokens = match (&req.prompt, &req.messages) {
@@ -31,24 +31,24 @@ pub async fn tokenize(
             ));
         }
     };
-    let mut body = json!({
-        "count": tokens.len(),
-        "max_model_len": serving.max_model_len,
-        "tokens": tokens,
-    });
-    if req.return_token_strs.unwrap_or(false) {
-        body["token_strs"] = tokens
+    let token_strs = req.return_token_strs.unwrap_or(false).then(|| {
+        tokens
             .iter()
-            .map(|&t| Value::from(token_text(&serving.tokenizer, t)))
-            .collect();
-    }
-    Ok(Json(body))
+            .map(|&t| token_text(&serving.tokenizer, t))
+            .collect()
+    });
+    Ok(Json(Tokenized {
+        count: tokens.len(),
+        max_model_len: serving.max_model_len,
+        tokens,
+        token_strs,
+    }))
 }
 
 pub async fn detokenize(
     State(state): State<Arc<AppState>>,
     JsonBody(req): JsonBody<DetokenizeRequest>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Detokenized>, ApiError> {
     let serving = state.serving()?;
     state.check_model(req.model.as_deref())?;
     let vocab = serving.tokenizer.vocab_size();
@@ -71,5 +71,5 @@ pub async fn detokenize(
         .tokenizer
         .decode(&ids, false)
         .map_err(|e| ApiError::invalid_param("tokens", e.to_string()))?;
-    Ok(Json(json!({ "prompt": text })))
+    Ok(Json(Detokenized { prompt: text }))
 }

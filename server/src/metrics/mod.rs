@@ -1,7 +1,7 @@
 //! vLLM-compatible Prometheus metrics (names, types, labels and buckets of
-//! `shared/metrics-protocol.md`). The engine thread is the only writer of engine metrics (one
-//! process, one engine: nothing partial or doubled); a scrape only reads atomics, so it never
-//! waits for an engine step.
+//! `shared/metrics-protocol.md`). [`EngineMetrics`] is the Prometheus sink of the engine's stats
+//! records: the engine thread is its only writer (one process, one engine: nothing partial or
+//! doubled), and a scrape only reads atomics, so it never waits for an engine step.
 
 pub mod http;
 pub mod stats_log;
@@ -10,7 +10,8 @@ use prometheus::core::Collector;
 use prometheus::{Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter};
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
-use crate::engine::core::FinishReason;
+use ferrite_runtime::engine::core::FinishReason;
+use ferrite_runtime::engine::stats::{IterationStats, SchedulerStats, StatsSink};
 
 /// Labels every engine metric carries.
 const LABELS: &[&str] = &["model_name", "engine"];
@@ -68,35 +69,35 @@ pub struct CacheInfo {
 /// The engine's metrics, bound to this server's `model_name`.
 #[derive(Debug, Clone)]
 pub struct EngineMetrics {
-    pub num_requests_running: IntGauge,
-    pub num_requests_waiting: IntGauge,
-    pub num_requests_swapped: IntGauge,
-    pub kv_cache_usage_perc: Gauge,
+    num_requests_running: IntGauge,
+    num_requests_waiting: IntGauge,
+    num_requests_swapped: IntGauge,
+    kv_cache_usage_perc: Gauge,
     /// The same value under the older name that some autoscalers still query.
-    pub gpu_cache_usage_perc: Gauge,
-    pub cpu_cache_usage_perc: Gauge,
-    pub prompt_tokens: IntCounter,
-    pub generation_tokens: IntCounter,
-    pub num_preemptions: IntCounter,
+    gpu_cache_usage_perc: Gauge,
+    cpu_cache_usage_perc: Gauge,
+    prompt_tokens: IntCounter,
+    generation_tokens: IntCounter,
+    num_preemptions: IntCounter,
     /// Indexed by `FinishReason` (stop, length, abort).
     request_success: [IntCounter; 3],
-    pub time_to_first_token: Histogram,
-    pub inter_token_latency: Histogram,
+    time_to_first_token: Histogram,
+    inter_token_latency: Histogram,
     /// The seed's per-token name for the same observation as `inter_token_latency`.
-    pub time_per_output_token: Histogram,
-    pub request_time_per_output_token: Histogram,
-    pub e2e_request_latency: Histogram,
-    pub request_queue_time: Histogram,
-    pub request_inference_time: Histogram,
-    pub request_prefill_time: Histogram,
-    pub request_decode_time: Histogram,
-    pub request_prompt_tokens: Histogram,
-    pub request_generation_tokens: Histogram,
-    pub request_max_num_generation_tokens: Histogram,
-    pub request_params_max_tokens: Histogram,
-    pub request_params_n: Histogram,
-    pub request_params_best_of: Histogram,
-    pub iteration_tokens: Histogram,
+    time_per_output_token: Histogram,
+    request_time_per_output_token: Histogram,
+    e2e_request_latency: Histogram,
+    request_queue_time: Histogram,
+    request_inference_time: Histogram,
+    request_prefill_time: Histogram,
+    request_decode_time: Histogram,
+    request_prompt_tokens: Histogram,
+    request_generation_tokens: Histogram,
+    request_max_num_generation_tokens: Histogram,
+    request_params_max_tokens: Histogram,
+    request_params_n: Histogram,
+    request_params_best_of: Histogram,
+    iteration_tokens: Histogram,
 }
 
 /// Registers collectors for one model on one registry, labelled `model_name` and `engine`.
@@ -310,25 +311,65 @@ impl EngineMetrics {
         })
     }
 
-    /// A fresh registry with just these metrics (tests and tools).
-    pub fn standalone(model_name: &str, max_model_len: usize) -> Result<Self, MetricsError> {
-        let cache = CacheInfo {
-            block_size: 16,
-            num_gpu_blocks: 0,
-            num_cpu_blocks: 0,
-            cache_dtype: "auto".into(),
-            swap_space_gib: 0.0,
-        };
-        Self::new(&Registry::new(), model_name, max_model_len, &cache)
-    }
-
-    pub fn request_finished(&self, reason: FinishReason) {
+    fn request_finished(&self, reason: FinishReason) {
         let i = match reason {
             FinishReason::Stop => 0,
             FinishReason::Length => 1,
             FinishReason::Abort => 2,
         };
         self.request_success[i].inc();
+    }
+}
+
+impl StatsSink for EngineMetrics {
+    fn record(&mut self, s: &SchedulerStats, it: &IterationStats) {
+        self.num_requests_running.set(s.num_running as i64);
+        self.num_requests_waiting.set(s.num_waiting as i64);
+        self.num_requests_swapped.set(s.num_swapped as i64);
+        self.kv_cache_usage_perc.set(s.kv_cache_usage);
+        self.gpu_cache_usage_perc.set(s.kv_cache_usage);
+        self.cpu_cache_usage_perc.set(s.cpu_cache_usage);
+        self.prompt_tokens.inc_by(it.num_prompt_tokens);
+        self.generation_tokens.inc_by(it.num_generation_tokens);
+        self.num_preemptions.inc_by(it.num_preempted);
+        if let Some(n) = it.batch_tokens {
+            self.iteration_tokens.observe(n as f64);
+        }
+        for &t in &it.queue_times {
+            self.request_queue_time.observe(t);
+        }
+        for &t in &it.time_to_first_tokens {
+            self.time_to_first_token.observe(t);
+        }
+        for &t in &it.inter_token_latencies {
+            self.inter_token_latency.observe(t);
+            self.time_per_output_token.observe(t);
+        }
+        for f in &it.finished {
+            self.request_finished(f.reason);
+            self.e2e_request_latency.observe(f.e2e_latency);
+            let optional = [
+                (&self.request_inference_time, f.inference_time),
+                (&self.request_prefill_time, f.prefill_time),
+                (&self.request_decode_time, f.decode_time),
+                (&self.request_time_per_output_token, f.time_per_output_token),
+            ];
+            for (h, v) in optional {
+                if let Some(v) = v {
+                    h.observe(v);
+                }
+            }
+            self.request_prompt_tokens.observe(f.prompt_tokens as f64);
+            self.request_generation_tokens
+                .observe(f.generation_tokens as f64);
+            if let Some(r) = f.request {
+                self.request_max_num_generation_tokens
+                    .observe(r.max_generation_tokens as f64);
+                self.request_params_n.observe(r.n as f64);
+                self.request_params_best_of.observe(r.n as f64);
+                self.request_params_max_tokens.observe(r.max_tokens as f64);
+            }
+        }
     }
 }
 
@@ -373,15 +414,30 @@ mod tests {
             cache_dtype: "auto".into(),
             swap_space_gib: 4.0,
         };
-        let m = EngineMetrics::new(&registry, "smol", 8192, &cache).expect("metrics");
-        m.request_finished(FinishReason::Abort);
-        m.time_to_first_token.observe(0.03);
+        let mut m = EngineMetrics::new(&registry, "smol", 8192, &cache).expect("metrics");
+        let it = IterationStats {
+            time_to_first_tokens: vec![0.03],
+            finished: vec![ferrite_runtime::engine::stats::FinishedRequest {
+                reason: FinishReason::Abort,
+                e2e_latency: 0.5,
+                inference_time: None,
+                prefill_time: None,
+                decode_time: None,
+                time_per_output_token: None,
+                prompt_tokens: 3,
+                generation_tokens: 0,
+                request: None,
+            }],
+            ..IterationStats::default()
+        };
+        m.record(&SchedulerStats::default(), &it);
         let text = encode(&registry).expect("encode");
         for line in [
             "vllm:request_success_total{engine=\"0\",finished_reason=\"abort\",model_name=\"smol\"} 1",
             "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"smol\",le=\"0.04\"} 1",
             "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"smol\",le=\"0.02\"} 0",
-            "vllm:request_prompt_tokens_bucket{engine=\"0\",model_name=\"smol\",le=\"5000\"} 0",
+            "vllm:request_prompt_tokens_bucket{engine=\"0\",model_name=\"smol\",le=\"2\"} 0",
+            "vllm:request_prompt_tokens_bucket{engine=\"0\",model_name=\"smol\",le=\"5000\"} 1",
             "# TYPE vllm:e2e_request_latency_seconds histogram",
             "# TYPE vllm:num_requests_running gauge",
             "# TYPE vllm:generation_tokens_total counter",

@@ -1,14 +1,17 @@
 //! The periodic stats log line (the seed's `LoggingStatLogger`) and the average-throughput
-//! gauges that go with it. Throughput is the change of the engine's own token counters over the
-//! interval, so the line, the gauges and `rate()` on the counters always agree.
+//! gauges that go with it. [`LogSink`] is a second consumer of the engine's stats records, next
+//! to the Prometheus sink: it sums the same token counts the counters add, so the line, the
+//! gauges and `rate()` on the counters always agree, without reading any gauge back.
 
 use std::fmt;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prometheus::{GaugeVec, Opts, Registry};
 
-use super::{ENGINE, EngineMetrics, LABELS, MetricsError};
-use crate::engine::core::EngineHandle;
+use super::{ENGINE, LABELS, MetricsError};
+use ferrite_runtime::engine::core::EngineHandle;
+use ferrite_runtime::engine::stats::{IterationStats, SchedulerStats, StatsSink};
 
 /// One reading of the engine's counters and gauges.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -24,19 +27,50 @@ pub struct Snapshot {
     pub cpu_cache_usage: f64,
 }
 
-impl Snapshot {
-    pub fn read(metrics: &EngineMetrics, engine: &EngineHandle) -> Self {
-        Self {
-            prompt_tokens: metrics.prompt_tokens.get(),
-            generation_tokens: metrics.generation_tokens.get(),
-            running: metrics.num_requests_running.get().max(0) as usize,
-            swapped: metrics.num_requests_swapped.get().max(0) as usize,
-            pending: engine.queue_depth(),
-            gpu_cache_usage: metrics.kv_cache_usage_perc.get(),
-            cpu_cache_usage: metrics.cpu_cache_usage_perc.get(),
+/// The stats line's sink: token totals and the latest scheduler state, shared with the task
+/// that logs.
+#[derive(Debug, Clone, Default)]
+pub struct LogSink(Arc<Mutex<Totals>>);
+
+#[derive(Debug, Default)]
+struct Totals {
+    prompt_tokens: u64,
+    generation_tokens: u64,
+    scheduler: SchedulerStats,
+}
+
+impl StatsSink for LogSink {
+    fn record(&mut self, scheduler: &SchedulerStats, iteration: &IterationStats) {
+        if let Ok(mut t) = self.0.lock() {
+            t.prompt_tokens += iteration.num_prompt_tokens;
+            t.generation_tokens += iteration.num_generation_tokens;
+            t.scheduler = *scheduler;
         }
     }
+}
 
+impl LogSink {
+    /// The totals now, with the queue depth of `engine` (which also counts requests not yet
+    /// taken in by the engine).
+    pub fn snapshot(&self, engine: &EngineHandle) -> Snapshot {
+        let (prompt_tokens, generation_tokens, s) = self
+            .0
+            .lock()
+            .map(|t| (t.prompt_tokens, t.generation_tokens, t.scheduler))
+            .unwrap_or_default();
+        Snapshot {
+            prompt_tokens,
+            generation_tokens,
+            running: s.num_running,
+            swapped: s.num_swapped,
+            pending: engine.queue_depth(),
+            gpu_cache_usage: s.kv_cache_usage,
+            cpu_cache_usage: s.cpu_cache_usage,
+        }
+    }
+}
+
+impl Snapshot {
     fn is_busy(&self) -> bool {
         self.running + self.swapped + self.pending > 0
     }
@@ -141,12 +175,12 @@ impl StatsLogger {
     }
 }
 
-/// Logs the stats line every `interval` until the process ends. Reads only atomics and the
-/// published engine state, so it never waits for an engine step.
+/// Logs the stats line every `interval` until the process ends. Reads only what `sink` was
+/// given and the published queue depth, so it never waits for an engine step.
 pub fn spawn(
     registry: &Registry,
     model_name: &str,
-    metrics: EngineMetrics,
+    sink: LogSink,
     engine: EngineHandle,
     interval: Duration,
 ) -> Result<tokio::task::JoinHandle<()>, MetricsError> {
@@ -155,14 +189,14 @@ pub fn spawn(
         registry,
         model_name,
         start.into_std(),
-        Snapshot::read(&metrics, &engine),
+        sink.snapshot(&engine),
     )?;
     Ok(tokio::spawn(async move {
         let mut ticks = tokio::time::interval_at(start + interval, interval);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let at = ticks.tick().await;
-            if let Some(stats) = logger.tick(at.into_std(), Snapshot::read(&metrics, &engine)) {
+            if let Some(stats) = logger.tick(at.into_std(), sink.snapshot(&engine)) {
                 tracing::info!(target: "ferrite_server::stats", "{stats}");
             }
         }

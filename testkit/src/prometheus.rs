@@ -1,6 +1,5 @@
-//! A real Prometheus (Debian's `prometheus`) on 127.0.0.1 for operator tests, with the
-//! queries they need, and promtool. (server/tests/prometheus.rs has its own small harness; test
-//! trees do not share code across crates.)
+//! A real Prometheus (Debian's `prometheus`) on 127.0.0.1, with the queries tests need, and
+//! where to find promtool. Shared by the server's and the operator's tests.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -8,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::servers::free_port;
+use crate::process::free_port;
 
 /// A Debian-packaged tool from `$env` or the PATH; fails with what to install otherwise.
 pub fn tool(env: &str, name: &str) -> PathBuf {
@@ -29,6 +28,8 @@ pub fn tool(env: &str, name: &str) -> PathBuf {
     );
 }
 
+/// A Prometheus process with its own data directory, killed and removed on drop.
+#[derive(Debug)]
 pub struct Prometheus {
     child: Child,
     pub base: String,
@@ -55,10 +56,7 @@ impl Prometheus {
     pub fn start_with_rules(scrape_configs: &str, rule_files: &[PathBuf]) -> Self {
         let port = free_port();
         let scrape_configs = scrape_configs.replace("$PROMETHEUS", &format!("127.0.0.1:{port}"));
-        let dir = std::env::temp_dir().join(format!(
-            "ferrite-operator-prom-{}-{port}",
-            std::process::id()
-        ));
+        let dir = std::env::temp_dir().join(format!("ferrite-prom-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("prometheus dir");
         let config = dir.join("prometheus.yml");
         std::fs::write(
@@ -118,7 +116,17 @@ impl Prometheus {
 
     /// An instant query's result vector (an error if Prometheus rejects the query).
     pub fn query(&self, promql: &str) -> Result<Vec<Value>, String> {
-        let data = self.api("/api/v1/query", &[("query", promql)])?;
+        self.query_at(promql, None)
+    }
+
+    /// An instant query evaluated at `at` (unix seconds), or now.
+    pub fn query_at(&self, promql: &str, at: Option<f64>) -> Result<Vec<Value>, String> {
+        let time = at.map(|t| format!("{t:.3}"));
+        let mut params = vec![("query", promql)];
+        if let Some(t) = &time {
+            params.push(("time", t));
+        }
+        let data = self.api("/api/v1/query", &params)?;
         Ok(data["result"].as_array().cloned().unwrap_or_default())
     }
 
@@ -171,11 +179,18 @@ impl Prometheus {
             .collect()
     }
 
-    /// The single value of an instant query; `None` when empty.
+    /// The single value of an instant query now; `None` when empty.
     pub fn value(&self, promql: &str) -> Option<f64> {
+        self.value_at(promql, None)
+    }
+
+    /// The single value of an instant query at `at` (unix seconds) or now; `None` when empty.
+    /// Panics when the query returns more than one series: callers mean one number.
+    pub fn value_at(&self, promql: &str, at: Option<f64>) -> Option<f64> {
         let result = self
-            .query(promql)
+            .query_at(promql, at)
             .unwrap_or_else(|e| panic!("{promql}: {e}"));
+        assert!(result.len() <= 1, "{promql} returned {result:?}");
         result
             .first()
             .and_then(|s| s["value"][1].as_str())

@@ -1,0 +1,368 @@
+//! HTTPS for the External Metrics API: the serving certificate (PEM files, e.g. a cert-manager
+//! Secret, or self-signed at start), an optional client CA, and a hyper server over rustls. It
+//! knows nothing of the API it serves: each request carries a [`ClientCert`] extension saying
+//! whether a client certificate is required and was presented, and the API decides.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::server::WebPkiClientVerifier;
+use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
+use tower::ServiceExt;
+
+/// A slow or silent client cannot hold a connection task forever.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long open connections get to finish after shutdown starts.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// What the connection a request came on presented, as a request extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientCert {
+    /// A client CA is configured.
+    pub required: bool,
+    /// The client presented a certificate (the verifier already checked it against the CA).
+    pub presented: bool,
+}
+
+/// Where the serving certificate comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CertSource {
+    /// PEM files (certificate chain and private key), read once at start.
+    Files { cert: PathBuf, key: PathBuf },
+    /// A certificate made at start for these DNS names or IP addresses. Trust it through
+    /// [`ServerTls::cert_pem`] (the APIService's `caBundle`) or `insecureSkipTLSVerify`.
+    SelfSigned { names: Vec<String> },
+}
+
+/// How [`serve_tls`] does TLS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsSettings {
+    pub cert: CertSource,
+    /// PEM CA bundle; when set, `/apis` requires a client certificate signed by it (the
+    /// aggregator presents its proxy-client certificate, signed by the cluster's
+    /// requestheader client CA).
+    pub client_ca: Option<PathBuf>,
+}
+
+impl TlsSettings {
+    /// From `--tls-cert-file`/`--tls-key-file`-style flags: both files, or neither for a
+    /// self-signed certificate for `names` (see [`service_names`]).
+    pub fn from_flags(
+        cert_file: Option<PathBuf>,
+        key_file: Option<PathBuf>,
+        names: Vec<String>,
+        client_ca: Option<PathBuf>,
+    ) -> Result<Self, TlsError> {
+        let cert = match (cert_file, key_file) {
+            (Some(cert), Some(key)) => CertSource::Files { cert, key },
+            (None, None) => CertSource::SelfSigned { names },
+            _ => return Err(TlsError::Incomplete),
+        };
+        Ok(Self { cert, client_ca })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("set both the certificate and the key file, or neither (self-signed)")]
+    Incomplete,
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("parsing {path}: {source}")]
+    Pem {
+        path: PathBuf,
+        #[source]
+        source: rustls_pki_types::pem::Error,
+    },
+    #[error("{0} holds no certificate")]
+    NoCertificate(PathBuf),
+    #[error("a self-signed certificate needs at least one name")]
+    NoNames,
+    #[error("generating the self-signed certificate: {0}")]
+    Generate(#[from] rcgen::Error),
+    #[error("client CA {path}: {source}")]
+    ClientCa {
+        path: PathBuf,
+        #[source]
+        source: rustls::server::VerifierBuilderError,
+    },
+    #[error("TLS configuration: {0}")]
+    Rustls(#[from] rustls::Error),
+    #[error(transparent)]
+    Version(#[from] crate::certs::CertError),
+}
+
+/// A ready TLS server configuration and the certificate it presents.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    config: Arc<ServerConfig>,
+    cert_pem: String,
+    client_auth: bool,
+}
+
+impl ServerTls {
+    pub fn new(settings: &TlsSettings) -> Result<Self, TlsError> {
+        let (cert_pem, chain, key) = match &settings.cert {
+            CertSource::Files { cert, key } => {
+                let cert_pem = read_to_string(cert)?;
+                let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|source| TlsError::Pem {
+                        path: cert.clone(),
+                        source,
+                    })?;
+                if chain.is_empty() {
+                    return Err(TlsError::NoCertificate(cert.clone()));
+                }
+                crate::certs::check_file(cert, "the serving certificate")?;
+                let key_der = PrivateKeyDer::from_pem_slice(read_to_string(key)?.as_bytes())
+                    .map_err(|source| TlsError::Pem {
+                        path: key.clone(),
+                        source,
+                    })?;
+                (cert_pem, chain, key_der)
+            }
+            CertSource::SelfSigned { names } => self_signed(names)?,
+        };
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()?;
+        let builder = match &settings.client_ca {
+            Some(path) => {
+                let mut roots = RootCertStore::empty();
+                let pem = read_to_string(path)?;
+                crate::certs::check_pem(
+                    pem.as_bytes(),
+                    &format!("the client CA {}", path.display()),
+                )?;
+                for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+                    let cert = cert.map_err(|source| TlsError::Pem {
+                        path: path.clone(),
+                        source,
+                    })?;
+                    roots.add(cert)?;
+                }
+                if roots.is_empty() {
+                    return Err(TlsError::NoCertificate(path.clone()));
+                }
+                // Unauthenticated clients may connect (the kubelet probes /healthz); the
+                // request layer then keeps them off /apis.
+                let verifier =
+                    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                        .allow_unauthenticated()
+                        .build()
+                        .map_err(|source| TlsError::ClientCa {
+                            path: path.clone(),
+                            source,
+                        })?;
+                builder.with_client_cert_verifier(verifier)
+            }
+            None => builder.with_no_client_auth(),
+        };
+        let mut config = builder.with_single_cert(chain, key)?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Self {
+            config: Arc::new(config),
+            cert_pem,
+            client_auth: settings.client_ca.is_some(),
+        })
+    }
+
+    /// The PEM of the certificate (chain) presented; for a self-signed one, what clients must
+    /// trust.
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    pub fn server_config(&self) -> Arc<ServerConfig> {
+        self.config.clone()
+    }
+}
+
+fn read_to_string(path: &Path) -> Result<String, TlsError> {
+    std::fs::read_to_string(path).map_err(|source| TlsError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+type KeyMaterial = (String, Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
+
+fn self_signed(names: &[String]) -> Result<KeyMaterial, TlsError> {
+    let first = names.first().ok_or(TlsError::NoNames)?;
+    let mut params = rcgen::CertificateParams::new(names.to_vec())?;
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, first.as_str());
+    let key = rcgen::KeyPair::generate()?;
+    let cert = params.self_signed(&key)?;
+    let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+    Ok((cert.pem(), vec![cert.der().clone()], key_der))
+}
+
+/// The names a Service is reached by in-cluster; the aggregator dials `<service>.<ns>.svc`.
+pub fn service_names(service: &str, namespace: &str) -> Vec<String> {
+    vec![
+        service.to_string(),
+        format!("{service}.{namespace}"),
+        format!("{service}.{namespace}.svc"),
+        format!("{service}.{namespace}.svc.cluster.local"),
+    ]
+}
+
+/// Serves `app` over HTTPS (HTTP/1.1) on `listener` until `shutdown` completes, then gives
+/// open connections a few seconds to finish.
+pub async fn serve(
+    listener: TcpListener,
+    tls: ServerTls,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let acceptor = TlsAcceptor::from(tls.config.clone());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut shutdown = pin!(shutdown);
+    let mut connections = JoinSet::new();
+    tracing::info!(addr = ?listener.local_addr().ok(), client_auth = tls.client_auth, "serving the External Metrics API");
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    connections.spawn(connection(
+                        acceptor.clone(),
+                        stream,
+                        peer,
+                        app.clone(),
+                        tls.client_auth,
+                        stop_rx.clone(),
+                    ));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accepting a connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    let _ = stop_tx.send(true);
+    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        connections.abort_all();
+    }
+    Ok(())
+}
+
+async fn connection(
+    acceptor: TlsAcceptor,
+    stream: TcpStream,
+    peer: SocketAddr,
+    app: Router,
+    client_auth: bool,
+    mut stop: watch::Receiver<bool>,
+) {
+    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => {
+            match crate::certs::explain_handshake(&format!("{e:?}")) {
+                Some(why) => tracing::warn!(%peer, error = %e, "TLS handshake failed: {why}"),
+                None => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+            }
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(%peer, "TLS handshake timed out");
+            return;
+        }
+    };
+    // The verifier already checked any certificate presented against the client CA.
+    let cert = ClientCert {
+        required: client_auth,
+        presented: tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .is_some_and(|c| !c.is_empty()),
+    };
+    let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
+        req.extensions_mut().insert(cert);
+        app.clone().oneshot(req)
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .serve_connection(TokioIo::new(tls), service);
+    let mut conn = pin!(conn);
+    tokio::select! {
+        res = conn.as_mut() => {
+            if let Err(e) = res {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        }
+        () = async { let _ = stop.wait_for(|s| *s).await; } => {
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn external_tls_settings_from_flags() {
+        let names = service_names("op", "sys");
+        let s = TlsSettings::from_flags(None, None, names.clone(), None).expect("self-signed");
+        assert_eq!(s.cert, CertSource::SelfSigned { names });
+        let files = TlsSettings::from_flags(
+            Some("tls.crt".into()),
+            Some("tls.key".into()),
+            Vec::new(),
+            Some("ca.crt".into()),
+        )
+        .expect("files");
+        assert_eq!(
+            files.cert,
+            CertSource::Files {
+                cert: "tls.crt".into(),
+                key: "tls.key".into()
+            }
+        );
+        assert_eq!(files.client_ca, Some(PathBuf::from("ca.crt")));
+        assert!(matches!(
+            TlsSettings::from_flags(Some("tls.crt".into()), None, Vec::new(), None),
+            Err(TlsError::Incomplete)
+        ));
+    }
+
+    #[test]
+    fn external_service_names() {
+        assert_eq!(
+            service_names("ferrite-operator", "ferrite-system")[2],
+            "ferrite-operator.ferrite-system.svc"
+        );
+    }
+}

@@ -1,0 +1,9 @@
+//! The labels the operator puts on what it makes, named once: the build step writes them, the
+//! watch caches select by them, and the External Metrics API matches selectors against them.
+
+/// Label carrying the owning InferenceService's name on everything the operator makes.
+pub const INSTANCE_LABEL: &str = "ferrite.dev/inferenceservice";
+/// The standard component label; pods carry `server`, dashboard ConfigMaps `dashboard`.
+pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
+/// Label selector matching every object the operator makes (children and pods alike).
+pub const MANAGED_SELECTOR: &str = "app.kubernetes.io/managed-by=ferrite-operator";

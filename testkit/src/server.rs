@@ -1,0 +1,209 @@
+//! The real ferrite-server binary on the default model (served as `smol`), on 127.0.0.1, for
+//! tests that drive it over HTTP, and a parser for its `/metrics`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::model::default_model;
+
+/// A running ferrite-server, killed on drop.
+#[derive(Debug)]
+pub struct Server {
+    pub child: Child,
+    pub base: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The workspace's ferrite-server binary, built beside the running test by `cargo nextest run
+/// --workspace` (a test of the server crate itself passes `CARGO_BIN_EXE_ferrite-server`).
+pub fn binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let bin = dir.join("ferrite-server");
+    assert!(
+        bin.exists(),
+        "{} is missing: run the tests with `cargo nextest run --workspace`",
+        bin.display()
+    );
+    bin
+}
+
+impl Server {
+    /// Starts `bin` on the default model at `host:port`; `extra` flags come last.
+    pub fn spawn(bin: &Path, host: &str, port: u16, extra: &[&str], stdout: Stdio) -> Server {
+        let child = Command::new(bin)
+            .arg("--model")
+            .arg(default_model())
+            .args(["--host", host, "--port", &port.to_string()])
+            .args(["--served-model-name", "smol"])
+            .args(extra)
+            .stdout(stdout)
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn ferrite-server");
+        Server {
+            child,
+            base: format!("http://{host}:{port}"),
+        }
+    }
+}
+
+impl Server {
+    /// Polls `/health` until 200; returns every status seen on the way.
+    pub fn wait_ready(&mut self) -> Vec<u16> {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        let mut seen = Vec::new();
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                panic!("server exited early with {status}");
+            }
+            match ureq::get(&format!("{}/health", self.base)).call() {
+                Ok(r) => {
+                    seen.push(r.status());
+                    return seen;
+                }
+                Err(ureq::Error::Status(code, _)) => seen.push(code),
+                Err(_) => {}
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("server not ready in time; statuses seen {seen:?}");
+    }
+
+    pub fn sigterm(&self) {
+        let st = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(st.success());
+    }
+
+    pub fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "no exit within {within:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The value of one metric sample on `/metrics` (the first whose line starts with
+    /// `prefix`, e.g. `vllm:num_requests_running{`).
+    pub fn metric(&self, prefix: &str) -> f64 {
+        let text = ureq::get(&format!("{}/metrics", self.base))
+            .call()
+            .expect("metrics")
+            .into_string()
+            .expect("text");
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no sample {prefix} in:\n{text}"))
+    }
+
+    /// Waits until `metric(prefix) == value`.
+    pub fn wait_metric(&self, prefix: &str, value: f64, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let v = self.metric(prefix);
+            if v == value {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{prefix} is {v}, expected {value}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// One scrape of `/metrics`.
+    pub fn scrape(&self) -> Metrics {
+        let text = ureq::get(&format!("{}/metrics", self.base))
+            .call()
+            .expect("metrics")
+            .into_string()
+            .expect("text");
+        Metrics::parse(text)
+    }
+
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> ureq::Response {
+        ureq::post(&format!("{}{path}", self.base))
+            .send_json(body.clone())
+            .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+    }
+}
+
+/// One scrape of `/metrics`, parsed into samples.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    pub text: String,
+    samples: Vec<(String, Labels, f64)>,
+}
+
+type Labels = Vec<(String, String)>;
+
+impl Metrics {
+    pub fn parse(text: String) -> Self {
+        let samples = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .filter_map(|l| {
+                let (series, value) = l.rsplit_once(' ')?;
+                let value: f64 = value.parse().ok()?;
+                let (name, labels) = match series.split_once('{') {
+                    Some((n, rest)) => (n, rest.trim_end_matches('}')),
+                    None => (series, ""),
+                };
+                let labels = labels
+                    .split("\",")
+                    .filter(|p| !p.is_empty())
+                    .filter_map(|p| {
+                        let (k, v) = p.split_once("=\"")?;
+                        Some((k.to_string(), v.trim_end_matches('"').to_string()))
+                    })
+                    .collect();
+                Some((name.to_string(), labels, value))
+            })
+            .collect();
+        Self { text, samples }
+    }
+
+    /// The value of the one series named `name` whose labels include `labels`.
+    pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let found: Vec<f64> = self
+            .samples
+            .iter()
+            .filter(|(n, l, _)| {
+                n == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| l.iter().any(|(lk, lv)| lk == k && lv == v))
+            })
+            .map(|(_, _, v)| *v)
+            .collect();
+        match found.as_slice() {
+            [v] => *v,
+            _ => panic!(
+                "{} series {name} with {labels:?} (want exactly 1) in:\n{}",
+                found.len(),
+                self.text
+            ),
+        }
+    }
+
+    /// Whether any series is named `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.samples.iter().any(|(n, _, _)| n == name)
+    }
+}
