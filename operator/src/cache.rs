@@ -85,6 +85,7 @@ pub struct Feeds {
 }
 
 /// Writers of hand-filled caches (tests): apply `watcher::Event`s to them.
+#[cfg(feature = "test-support")]
 #[allow(missing_debug_implementations)]
 pub struct Writers {
     pub isvcs: Writer<InferenceService>,
@@ -98,6 +99,7 @@ pub struct Writers {
     pub monitors: Writer<PartialObjectMeta<ServiceMonitor>>,
 }
 
+#[cfg(feature = "test-support")]
 impl Writers {
     /// Marks every store listed (empty unless filled before).
     pub fn all_listed(&mut self) {
@@ -337,6 +339,7 @@ impl Caches {
     }
 
     /// Empty caches filled by hand through the returned writers (tests).
+    #[cfg(feature = "test-support")]
     pub fn manual() -> (Caches, Writers) {
         let (isvcs, w_isvcs) = reflector::store();
         let (deployments, w_deployments) = reflector::store();

@@ -163,17 +163,20 @@ pub fn quantity(v: f64) -> Option<Quantity> {
 pub(crate) mod tests {
     use super::*;
 
-    /// Signals as `pods` reporting pods would give them (also for the External Metrics API's
-    /// tests).
-    pub(crate) fn signals(waiting: f64, running: f64, pods: usize, kv: Option<f64>) -> Signals {
-        Signals {
-            queue_per_replica: (pods > 0).then(|| waiting / pods as f64),
-            kv_usage: kv,
-            waiting,
-            running,
-            reporting: pods,
-            ..Signals::default()
-        }
+    /// The signals of ready pods reporting `(waiting, running, kv usage)` each (also for the
+    /// External Metrics API's tests).
+    pub(crate) fn reported(pods: &[(f64, f64, Option<f64>)]) -> Signals {
+        let samples: Vec<PodSample> = pods
+            .iter()
+            .map(|&(waiting, running, kv_usage)| {
+                PodSample::Ready(PodMetrics {
+                    waiting,
+                    running,
+                    kv_usage,
+                })
+            })
+            .collect();
+        Signals::of(&samples)
     }
 
     #[test]
@@ -190,18 +193,22 @@ pub(crate) mod tests {
 
     #[test]
     fn external_metric_values_need_reporting_pods() {
-        let s = signals(6.0, 4.0, 3, Some(0.5));
+        let s = reported(&[
+            (2.0, 1.0, Some(0.5)),
+            (2.0, 1.0, Some(0.5)),
+            (2.0, 2.0, Some(0.5)),
+        ]);
         assert_eq!(Signal::RequestsWaiting.value(&s), Some(6.0));
         assert_eq!(Signal::RequestsRunning.value(&s), Some(4.0));
         assert_eq!(Signal::QueuePerReplica.value(&s), Some(2.0));
         assert_eq!(Signal::KvCacheUsage.value(&s), Some(0.5));
-        let none = signals(0.0, 0.0, 0, None);
+        let none = reported(&[]);
         for m in Signal::ALL {
             assert_eq!(m.value(&none), None, "{m:?}");
             assert_eq!(Signal::from_external_name(m.external_name()), Some(m));
         }
         assert_eq!(
-            Signal::KvCacheUsage.value(&signals(1.0, 1.0, 1, None)),
+            Signal::KvCacheUsage.value(&reported(&[(1.0, 1.0, None)])),
             None
         );
         assert_eq!(Signal::from_external_name("ferrite_other"), None);

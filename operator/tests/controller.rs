@@ -121,16 +121,26 @@ fn fill(w: &mut Writers, world: &[Value]) {
 }
 
 fn context(client: kube::Client, world: &[Value], metrics: Arc<Metrics>) -> Arc<Context> {
+    context_and_writers(client, world, metrics).0
+}
+
+/// A context whose caches hold `world`, and the writers to change them later.
+fn context_and_writers(
+    client: kube::Client,
+    world: &[Value],
+    metrics: Arc<Metrics>,
+) -> (Arc<Context>, Writers) {
     let (caches, mut writers) = Caches::manual();
     fill(&mut writers, world);
-    Arc::new(Context::new(
+    let ctx = Context::new(
         client,
         config(),
         metrics,
         timing(),
         caches,
         Views::default(),
-    ))
+    );
+    (Arc::new(ctx), writers)
 }
 
 /// One reconcile of `isvc` with the caches holding `world`, against `script`.
@@ -325,17 +335,9 @@ async fn a_hand_edited_deployment_is_restored() {
     script.extend(event_steps(1));
     script.extend(discovery_absent());
     let (client, verifier) = apiserver::start(script);
-    let (caches, mut writers) = Caches::manual();
-    fill(&mut writers, &[deployment.clone(), service, dashboard]);
     let metrics = Arc::new(Metrics::new().expect("metrics"));
-    let ctx = Arc::new(Context::new(
-        client,
-        config(),
-        metrics,
-        timing(),
-        caches,
-        Views::default(),
-    ));
+    let (ctx, mut writers) =
+        context_and_writers(client, &[deployment.clone(), service, dashboard], metrics);
     reconcile(settled.clone(), ctx.clone())
         .await
         .expect("baseline");

@@ -283,7 +283,7 @@ mod tests {
     use super::*;
     use crate::autoscale::store::Key;
     use crate::signal::Signals;
-    use crate::signal::tests::signals;
+    use crate::signal::tests::reported;
     use axum::body::Body;
     use http_body_util::BodyExt;
     use std::time::{Duration, SystemTime};
@@ -305,15 +305,15 @@ mod tests {
         let store = SignalStore::new();
         store.put(
             Key::new("ml", "chat"),
-            snapshot(signals(3.0, 2.0, 2, Some(0.25)), &[("tier", "gold")]),
+            snapshot(
+                reported(&[(1.0, 1.0, Some(0.25)), (2.0, 1.0, Some(0.25))]),
+                &[("tier", "gold")],
+            ),
         );
-        store.put(
-            Key::new("ml", "idle"),
-            snapshot(signals(0.0, 0.0, 0, None), &[]),
-        );
+        store.put(Key::new("ml", "idle"), snapshot(reported(&[]), &[]));
         store.put(
             Key::new("other", "chat"),
-            snapshot(signals(9.0, 9.0, 1, None), &[]),
+            snapshot(reported(&[(9.0, 9.0, None)]), &[]),
         );
         let all = Selector::default();
         let list = query(&store, "ml", Signal::RequestsWaiting, &all);
