@@ -2,7 +2,8 @@
 //! kube-controller-manager), installed by its chart and running as the chart's ServiceAccount:
 //! the examples reconcile with and without the ServiceMonitor CRD, children carry owner
 //! references and are garbage-collected, come back when deleted, and lose hand edits; pods
-//! that cannot be created show as Degraded; a missing claim blocks until it appears.
+//! and children that cannot be created show as Degraded; a missing claim blocks until it
+//! appears.
 
 mod common;
 
@@ -12,7 +13,7 @@ use common::e2e::{
     Applier, Operator, condition, get_isvc, install, install_service_monitor_crd, yaml_docs,
 };
 use common::validate::root;
-use ferrite_testkit::kube::Cluster;
+use ferrite_testkit::kube::{Cluster, Options};
 use ferrite_testkit::process::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
@@ -375,10 +376,18 @@ async fn children_are_healed_restored_and_garbage_collected() {
 }
 
 /// Pods the ReplicaSet cannot create (a missing PriorityClass, an exceeded ResourceQuota)
-/// make the InferenceService Degraded with the API server's reason.
+/// make the InferenceService Degraded with the API server's reason; so does a child the API
+/// server fails to create (a Service when the cluster's Service IP range is used up), until
+/// it can be created.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pods_that_cannot_be_created_show_as_degraded() {
-    let Some(cluster) = Cluster::start().await else {
+async fn pods_and_children_that_cannot_be_created_show_as_degraded() {
+    // A small Service range (14 addresses), so that it can be used up.
+    let Some(cluster) = Cluster::start_with(Options {
+        service_cidr: "10.0.0.0/28",
+        ..Options::default()
+    })
+    .await
+    else {
         return;
     };
     let client = cluster.client().await;
@@ -422,6 +431,60 @@ async fn pods_that_cannot_be_created_show_as_degraded() {
         let ready = condition(&client, ns, name, "Ready").await.expect("Ready");
         assert_eq!(ready.0, "False");
     }
+
+    // Use up the Service range, then ask for one more Service.
+    let services: Api<Service> = Api::namespaced(client.clone(), &ns);
+    let filler = |i: usize| -> Service {
+        serde_json::from_value(json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": format!("filler-{i}")},
+            "spec": {"ports": [{"port": 80}]}}))
+        .expect("Service")
+    };
+    let mut fillers = 0;
+    loop {
+        match services.create(&Default::default(), &filler(fillers)).await {
+            Ok(_) => fillers += 1,
+            Err(kube::Error::Api(e)) if e.message.contains("range is full") => break,
+            Err(e) => panic!("creating filler Service {fillers}: {e}"),
+        }
+        assert!(fillers < 14, "the Service range never filled up");
+    }
+    applier
+        .apply(&common::e2e::isvc(
+            &ns,
+            "no-ip",
+            json!({"model": {"source": "/models/smol.gguf"}}),
+        ))
+        .await;
+    let d = eventually(WAIT, "no-ip to be Degraded", async || {
+        condition(&client, &ns, "no-ip", "Degraded")
+            .await
+            .filter(|c| c.0 == "True")
+    })
+    .await;
+    assert_eq!(d.1, "ChildApplyFailed", "{d:?}\n{}", op.log());
+    assert!(
+        d.2.contains("Service no-ip") && d.2.contains("range is full"),
+        "{d:?}"
+    );
+    let observed = get_isvc(&client, &ns, "no-ip").await.expect("no-ip");
+    assert_eq!(
+        observed["status"]["observedGeneration"], observed["metadata"]["generation"],
+        "the status describes the current spec"
+    );
+    // Once an address is free, a retry creates the Service and the condition clears.
+    services
+        .delete("filler-0", &Default::default())
+        .await
+        .expect("delete a filler");
+    eventually(WAIT, "no-ip's Service and Degraded=False", async || {
+        let ok = services.get_opt("no-ip").await.ok().flatten().is_some()
+            && condition(&client, &ns, "no-ip", "Degraded")
+                .await
+                .is_some_and(|c| c.0 == "False");
+        ok.then_some(())
+    })
+    .await;
 }
 
 /// A claim that does not exist blocks the spec (Degraded, nothing applied); creating it lets

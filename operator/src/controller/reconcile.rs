@@ -354,8 +354,11 @@ fn next_action(ctx: &Context, applied: Applied) -> Result<Action, Error> {
     }))
 }
 
-/// A finding for a child the API server refused for good (400 invalid, 403 forbidden or over
-/// quota, 422 unprocessable): retrying alone will not fix it, so status must say it.
+/// A finding for a child the API server would not take: refused for good (400 invalid, 403
+/// forbidden or over quota, 422 unprocessable), or failed on its side (5xx, e.g. no Service
+/// IP left in the cluster's range). Retrying alone may not fix either, so status says it while
+/// the reconcile is retried with backoff. Conflicts (409), throttling (429) and transport
+/// errors are passing and only retried.
 fn refusal(e: &Error) -> Option<Finding> {
     match e {
         Error::Kube {
@@ -365,6 +368,17 @@ fn refusal(e: &Error) -> Option<Finding> {
         } if matches!(s.code, 400 | 403 | 422) => Some(Finding::new(
             "ChildRefused",
             format!("the API server refused {kind} {name}: {}", s.message),
+        )),
+        Error::Kube {
+            kind,
+            name,
+            source: kube::Error::Api(s),
+        } if s.code >= 500 => Some(Finding::new(
+            "ChildApplyFailed",
+            format!(
+                "the API server failed to apply {kind} {name}: {}",
+                s.message
+            ),
         )),
         _ => None,
     }

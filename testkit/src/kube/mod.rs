@@ -38,6 +38,9 @@ pub struct Options {
     pub audit: bool,
     /// The HPA controller's sync period (`--horizontal-pod-autoscaler-sync-period`).
     pub hpa_sync_period: Duration,
+    /// `--service-cluster-ip-range`: a Service beyond its size fails to be created (500,
+    /// "range is full"), as in a real cluster whose range is used up.
+    pub service_cidr: &'static str,
 }
 
 impl Default for Options {
@@ -46,6 +49,8 @@ impl Default for Options {
             controller_manager: true,
             audit: false,
             hpa_sync_period: Duration::from_secs(2),
+            // 65,534 Services: bench-operator makes 1,000.
+            service_cidr: "10.0.0.0/16",
         }
     }
 }
@@ -129,7 +134,7 @@ fn plan(bins: &Binaries, dir: &Path, api_port: u16, opts: &Options) -> Plan {
         "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
         format!("--service-account-key-file={}", p("sa.pub")),
         format!("--service-account-signing-key-file={}", p("sa.key")),
-        "--service-cluster-ip-range=10.0.0.0/24".into(),
+        format!("--service-cluster-ip-range={}", opts.service_cidr),
         "--authorization-mode=Node,RBAC".into(),
         // No token controller runs ahead of pods, and no kubelet mounts tokens.
         "--disable-admission-plugins=ServiceAccount".into(),
