@@ -542,6 +542,10 @@ async fn api_conflicts_and_errors_are_retried_with_growing_backoff() {
             DEPLOYMENT,
             status_reply(StatusCode::INTERNAL_SERVER_ERROR, "InternalError"),
         ),
+        // A failure on the server's side is shown in status (Degraded, a Warning event)
+        // before the reconcile fails.
+        step(Method::POST, EVENTS, echo()),
+        step(Method::PATCH, STATUS, status_echo(&i)),
     ]);
     let metrics = Arc::new(Metrics::new().expect("metrics"));
     let ctx = context(client, &[], metrics.clone());

@@ -221,7 +221,7 @@ async fn an_api_server_outage_ends_the_leader_instead_of_idling_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
     use common::e2e::{external_client, pods_ready};
-    use common::servers::{start_server_at, wait_healthy};
+    use common::servers::ready_server;
     use ferrite_testkit::process::free_port;
     let Some(cluster) = Cluster::start().await else {
         return;
@@ -241,14 +241,7 @@ async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
     .await;
     let b_port = free_port();
     let b = Operator::launch_on(&cluster, &release, "op-b", &[], b_port).await;
-    let port = free_port();
-    let server = tokio::task::spawn_blocking(move || {
-        let mut s = start_server_at("127.0.0.1", port, &[]);
-        wait_healthy(&mut s);
-        s
-    })
-    .await
-    .expect("server");
+    let (server, port) = ready_server().await;
     let ns = cluster.namespace("standby").await;
     Applier::new(client.clone())
         .await

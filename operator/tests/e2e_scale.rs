@@ -9,9 +9,9 @@ mod common;
 use std::time::Duration;
 
 use common::e2e::{Applier, Operator, condition, get_isvc, install, isvc, pods_ready};
-use common::servers::{Server, load, start_server_at, wait_healthy};
+use common::servers::{load, ready_server};
 use ferrite_testkit::kube::{Cluster, Options};
-use ferrite_testkit::process::{eventually, free_port};
+use ferrite_testkit::process::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -37,19 +37,6 @@ async fn scale(client: &kube::Client, ns: &str, name: &str, to: Option<i32>) -> 
         .await
         .unwrap_or_else(|e| panic!("{path}: {e}"));
     serde_json::from_str(&text).expect("a Scale")
-}
-
-/// A real ferrite-server on 127.0.0.1 (at most 2 sequences at once) and its port.
-async fn server() -> (Server, u16) {
-    let port = free_port();
-    let s = tokio::task::spawn_blocking(move || {
-        let mut s = start_server_at("127.0.0.1", port, &[]);
-        wait_healthy(&mut s);
-        s
-    })
-    .await
-    .expect("server task");
-    (s, port)
 }
 
 /// Waits for the InferenceService's pods and makes them Ready at 127.0.0.1 (where the real
@@ -169,7 +156,7 @@ async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
     let release = install(&cluster, &json!({}), "builtin").await;
     let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
     let ns = cluster.namespace("builtin").await;
-    let (server, port) = server().await;
+    let (server, port) = ready_server().await;
     let mut applier = Applier::new(client.clone()).await;
     applier
         .apply(&isvc(
@@ -362,7 +349,7 @@ async fn a_real_hpa_scales_on_the_external_metrics_api() {
     })
     .await;
     let ns = cluster.namespace("hpa").await;
-    let (server, port) = server().await;
+    let (server, port) = ready_server().await;
     let mut applier = Applier::new(client.clone()).await;
     applier
         .apply(&isvc(

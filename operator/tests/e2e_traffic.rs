@@ -11,9 +11,9 @@ use std::time::Duration;
 use common::e2e::{
     Applier, Operator, Release, get_isvc, install, install_service_monitor_crd, isvc, pods_ready,
 };
-use common::servers::{load, start_server_at, wait_healthy};
+use common::servers::{load, ready_server};
 use ferrite_testkit::kube::{Cluster, Options};
-use ferrite_testkit::process::{eventually, free_port};
+use ferrite_testkit::process::eventually;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -127,14 +127,7 @@ async fn the_operator_uses_exactly_the_rbac_the_chart_grants() {
         .await;
 
     // The built-in autoscaler scales a real server's queue (the scale subresource, an event).
-    let port = free_port();
-    let server = tokio::task::spawn_blocking(move || {
-        let mut s = start_server_at("127.0.0.1", port, &[]);
-        wait_healthy(&mut s);
-        s
-    })
-    .await
-    .expect("server");
+    let (server, port) = ready_server().await;
     applier
         .apply(&isvc(
             &ns,

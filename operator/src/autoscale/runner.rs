@@ -31,7 +31,7 @@ use crate::signal::{Signal, Signals};
 use crate::status::{AutoscaleView, Finding};
 use crate::telemetry::AutoscalerMetrics;
 
-/// How often metrics-only status changes are published (decisions publish at once).
+/// How often metrics-only status changes are published at most (decisions publish at once).
 const STATUS_REFRESH: Duration = Duration::from_secs(15);
 
 /// What one task runs with; replaced in place when the spec changes.
@@ -262,9 +262,8 @@ async fn run_task(env: TaskEnv, mut config: watch::Receiver<TaskConfig>) {
         let started = Instant::now();
         match evaluate(&env, &cfg, &mut state, epoch, &mut last_scale).await {
             Ok(Some(view)) => {
-                let stale = published.as_ref().is_none_or(|(v, at)| {
-                    !same_outcome(v, &view) || at.elapsed() >= STATUS_REFRESH
-                });
+                let last = published.as_ref().map(|(v, at)| (v, at.elapsed()));
+                let stale = worth_publishing(last, &view);
                 env.views.put(env.key.clone(), view.clone());
                 // Only the leader's reconciles write status; a standby's would pile up unread.
                 if stale && env.acting() {
@@ -286,6 +285,14 @@ async fn run_task(env: TaskEnv, mut config: watch::Receiver<TaskConfig>) {
             changed = config.changed() => if changed.is_err() { return },
         }
     }
+}
+
+/// Whether `view` should be published (a reconcile triggered to write it to status), given
+/// the view last published and how long ago: a new outcome at once, new readings at most every
+/// [`STATUS_REFRESH`], and an unchanged view never, so that with nothing changing nothing is
+/// reconciled.
+fn worth_publishing(last: Option<(&AutoscaleView, Duration)>, view: &AutoscaleView) -> bool {
+    last.is_none_or(|(v, ago)| !same_outcome(v, view) || (v != view && ago >= STATUS_REFRESH))
 }
 
 /// Whether two views differ in more than their metric readings.
@@ -596,5 +603,52 @@ fn builtin_view(
         active,
         limited: Some(limited),
         scaled_to_zero,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(desired: i32, waiting: f64) -> AutoscaleView {
+        AutoscaleView {
+            desired_replicas: Some(desired),
+            last_scale_time: None,
+            metrics: Some(CurrentMetrics {
+                queue_per_replica: Some(waiting),
+                kv_cache_usage: None,
+                requests_waiting: waiting,
+                requests_running: 0.0,
+                reporting_replicas: 1,
+            }),
+            active: (true, Finding::new("ValidMetricFound", "read")),
+            limited: None,
+            scaled_to_zero: None,
+        }
+    }
+
+    #[test]
+    fn only_changed_views_are_published() {
+        let (a, soon, later) = (view(2, 1.0), Duration::from_secs(1), STATUS_REFRESH);
+        assert!(worth_publishing(None, &a), "the first view");
+        assert!(!worth_publishing(Some((&a, soon)), &a), "unchanged, soon");
+        assert!(
+            !worth_publishing(Some((&a, later * 10)), &a),
+            "unchanged, ever"
+        );
+        let readings = view(2, 3.0);
+        assert!(
+            !worth_publishing(Some((&a, soon)), &readings),
+            "new readings, soon"
+        );
+        assert!(
+            worth_publishing(Some((&a, later)), &readings),
+            "new readings, later"
+        );
+        let outcome = view(3, 1.0);
+        assert!(
+            worth_publishing(Some((&a, soon)), &outcome),
+            "a new outcome, at once"
+        );
     }
 }

@@ -196,8 +196,9 @@ struct Applied {
     deployment: Option<Arc<Deployment>>,
     /// Why the spec could not be applied, if it could not.
     blocked: Option<Finding>,
-    /// The API server refused a child (the reconcile fails after status is written).
-    refused: bool,
+    /// The API server would not take a child: the reconcile fails with this after status is
+    /// written.
+    failed: Option<Error>,
 }
 
 /// Apply, or leave the running workload alone when the spec cannot be applied. A child the
@@ -217,7 +218,7 @@ async fn apply_step(
             return Ok(Applied {
                 deployment: cached_deployment(),
                 blocked: Some(blocked),
-                refused: false,
+                failed: None,
             });
         }
     };
@@ -232,13 +233,24 @@ async fn apply_step(
         Ok(deployment) => Ok(Applied {
             deployment,
             blocked: None,
-            refused: false,
+            failed: None,
         }),
-        Err(e) => Ok(Applied {
-            blocked: Some(refusal(&e).ok_or(e)?),
-            deployment: cached_deployment(),
-            refused: true,
-        }),
+        Err(e) => {
+            let Some((finding, for_good)) = refusal(&e) else {
+                return Err(e);
+            };
+            // A refusal for good is an error of its own kind; a failure on the server's side
+            // keeps its own (an API error, retried).
+            let failed = match for_good {
+                true => Error::Refused(finding.message.clone()),
+                false => e,
+            };
+            Ok(Applied {
+                blocked: Some(finding),
+                deployment: cached_deployment(),
+                failed: Some(failed),
+            })
+        }
     }
 }
 
@@ -331,13 +343,11 @@ async fn publish(
     Ok(())
 }
 
-/// When to look again: soon while a rollout is under way, rarely once settled; a refused child
-/// fails the reconcile so that it is retried with backoff.
+/// When to look again: soon while a rollout is under way, rarely once settled; a child the
+/// API server would not take fails the reconcile so that it is retried with backoff.
 fn next_action(ctx: &Context, applied: Applied) -> Result<Action, Error> {
-    if applied.refused
-        && let Some(b) = applied.blocked
-    {
-        return Err(Error::Refused(b.message));
+    if let Some(e) = applied.failed {
+        return Err(e);
     }
     let t = &ctx.timing;
     let complete = applied
@@ -358,27 +368,33 @@ fn next_action(ctx: &Context, applied: Applied) -> Result<Action, Error> {
 /// forbidden or over quota, 422 unprocessable), or failed on its side (5xx, e.g. no Service
 /// IP left in the cluster's range). Retrying alone may not fix either, so status says it while
 /// the reconcile is retried with backoff. Conflicts (409), throttling (429) and transport
-/// errors are passing and only retried.
-fn refusal(e: &Error) -> Option<Finding> {
-    match e {
-        Error::Kube {
-            kind,
-            name,
-            source: kube::Error::Api(s),
-        } if matches!(s.code, 400 | 403 | 422) => Some(Finding::new(
-            "ChildRefused",
-            format!("the API server refused {kind} {name}: {}", s.message),
-        )),
-        Error::Kube {
-            kind,
-            name,
-            source: kube::Error::Api(s),
-        } if s.code >= 500 => Some(Finding::new(
-            "ChildApplyFailed",
-            format!(
-                "the API server failed to apply {kind} {name}: {}",
-                s.message
+/// errors are passing and only retried. The flag says whether it was refused for good.
+fn refusal(e: &Error) -> Option<(Finding, bool)> {
+    let Error::Kube {
+        kind,
+        name,
+        source: kube::Error::Api(s),
+    } = e
+    else {
+        return None;
+    };
+    match s.code {
+        400 | 403 | 422 => Some((
+            Finding::new(
+                "ChildRefused",
+                format!("the API server refused {kind} {name}: {}", s.message),
             ),
+            true,
+        )),
+        code if code >= 500 => Some((
+            Finding::new(
+                "ChildApplyFailed",
+                format!(
+                    "the API server failed to apply {kind} {name}: {}",
+                    s.message
+                ),
+            ),
+            false,
         )),
         _ => None,
     }

@@ -24,6 +24,19 @@ pub fn wait_healthy(s: &mut Server) {
     s.wait_ready();
 }
 
+/// [`start_server`], started and healthy (off the async runtime), and its port on 127.0.0.1.
+pub async fn ready_server() -> (Server, u16) {
+    let port = free_port();
+    let s = tokio::task::spawn_blocking(move || {
+        let mut s = start_server_at("127.0.0.1", port, &[]);
+        wait_healthy(&mut s);
+        s
+    })
+    .await
+    .expect("server task");
+    (s, port)
+}
+
 /// `n` concurrent completions against `base`, each generating `tokens` tokens.
 pub fn load(base: &str, n: usize, tokens: u32) -> Vec<std::thread::JoinHandle<u16>> {
     (0..n)
