@@ -120,8 +120,46 @@ pub(super) async fn join(bins: &Binaries) -> Cluster {
 }
 
 async fn start(bins: &Binaries, dir: &Path) -> u16 {
+    // A free port can be taken by another process before etcd or the apiserver binds it; such
+    // a start is seen in their logs and retried on other ports.
+    for attempt in 1..=3 {
+        if let Some(port) = try_start(bins, dir).await {
+            return port;
+        }
+        eprintln!(
+            "ferrite-testkit: the shared cluster lost a port race (attempt {attempt}); retrying"
+        );
+        // The supervisor and everything it started run with this directory in their
+        // command lines.
+        let _ = Command::new("pkill")
+            .arg("-9")
+            .arg("-f")
+            .arg(dir.as_os_str())
+            .status();
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    panic!(
+        "the shared cluster did not start in 3 attempts:\n{}",
+        super::tail(&dir.join("kube-apiserver.log"), 30)
+    );
+}
+
+/// Whether etcd or the apiserver gave up at start (a port taken under it).
+fn start_failed(dir: &Path) -> bool {
+    let log = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+    log("kube-apiserver.log").contains("\"command failed\"")
+        || log("etcd.log").contains("address already in use")
+}
+
+async fn try_start(bins: &Binaries, dir: &Path) -> Option<u16> {
     // Whatever an earlier, dead cluster left.
-    for stale in ["etcd-data", "pki", "state.json"] {
+    for stale in [
+        "etcd-data",
+        "pki",
+        "state.json",
+        "etcd.log",
+        "kube-apiserver.log",
+    ] {
         let p = dir.join(stale);
         let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
     }
@@ -144,11 +182,21 @@ async fn start(bins: &Binaries, dir: &Path) -> u16 {
         .status()
         .expect("setsid --fork bash run.sh (util-linux)");
     assert!(status.success(), "setsid --fork failed: {status}");
-    wait_ready(&dir.join("admin.kubeconfig"), None, dir).await;
+    let kubeconfig = dir.join("admin.kubeconfig");
+    let ready = wait_ready(&kubeconfig, None, dir);
+    let failed = async {
+        while !start_failed(dir) {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    };
+    tokio::select! {
+        () = ready => {}
+        () = failed => return None,
+    }
     std::fs::write(
         dir.join("state.json"),
         serde_json::json!({ "apiPort": api_port }).to_string(),
     )
     .expect("state.json written");
-    api_port
+    Some(api_port)
 }
