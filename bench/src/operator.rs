@@ -20,6 +20,7 @@ use clap::Parser;
 use ferrite_bench::stats::percentile;
 use ferrite_testkit::kube::{Cluster, KubeUser, Options, kubeconfig, workspace_root};
 use ferrite_testkit::process::{Guard, TempDir, free_port};
+use ferrite_testkit::server::Metrics;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::GroupVersionKind;
 use kube::discovery::ApiResource;
@@ -112,17 +113,6 @@ fn quantile(q: f64, buckets: &[(f64, f64)]) -> Option<f64> {
         prev = (le, count);
     }
     None
-}
-
-/// The sum of a counter's series in an exposition (0 when absent).
-fn counter(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// The reconcile-duration buckets and the reconcile count from an exposition.
@@ -337,13 +327,13 @@ async fn main() -> Result<()> {
         }
         if progress.elapsed() >= Duration::from_secs(30) {
             progress = Instant::now();
-            let text = metrics(base.clone()).await.unwrap_or_default();
+            let m = Metrics::parse(metrics(base.clone()).await.unwrap_or_default());
             eprintln!(
                 "{:>4.0} s: {n} of {} observed; operator: {} reconciles, {} failed",
                 created.elapsed().as_secs_f64(),
                 args.count,
-                counter(&text, "ferrite_operator_reconciliations_total"),
-                counter(&text, "ferrite_operator_reconcile_errors_total"),
+                m.sum("ferrite_operator_reconciliations_total"),
+                m.sum("ferrite_operator_reconcile_errors_total"),
             );
         }
         if created.elapsed() > Duration::from_secs(600) {

@@ -202,6 +202,15 @@ impl Metrics {
         }
     }
 
+    /// The sum of every series named `name` (0 when there is none): a counter over its labels.
+    pub fn sum(&self, name: &str) -> f64 {
+        self.samples
+            .iter()
+            .filter(|(n, _, _)| n == name)
+            .map(|(_, _, v)| *v)
+            .sum()
+    }
+
     /// Whether any series is named `name`.
     pub fn has(&self, name: &str) -> bool {
         self.samples.iter().any(|(n, _, _)| n == name)

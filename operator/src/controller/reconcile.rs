@@ -109,10 +109,11 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
         validate(isvc, &ctx.caches, &id.ns).and_then(|v| build_step(&v, ctx, cluster.caps));
     let mut events = Events::new();
     let applied = apply_step(ctx, &id, &cluster, desired, &mut events).await?;
-    let new_status = status_step(isvc, ctx, &id, &cluster, &applied);
+    let rollout = applied.deployment.as_deref().map(status::rollout);
+    let new_status = status_step(isvc, ctx, &id, &cluster, &applied, rollout);
     transition_events(isvc.status.as_ref(), &new_status, &mut events);
     publish(ctx, isvc, &id, &new_status, &events).await?;
-    next_action(ctx, applied)
+    next_action(ctx, applied, rollout.is_some_and(|r| r.complete))
 }
 
 /// Who is being reconciled.
@@ -262,11 +263,12 @@ fn status_step(
     id: &Identity,
     cluster: &Cluster,
     applied: &Applied,
+    rollout: Option<status::Rollout>,
 ) -> InferenceServiceStatus {
     let (ns, name) = (id.ns.as_str(), id.name.as_str());
     let deployment = applied.deployment.as_deref();
     // Observe pods only while the rollout is incomplete: that is when they explain why.
-    let pod_failure = match deployment.map(status::rollout) {
+    let pod_failure = match rollout {
         Some(r) if !r.complete => {
             let pods = ctx.caches.pods_of(ns, name);
             let pods: Vec<_> = pods.iter().map(|p| (**p).clone()).collect();
@@ -345,16 +347,11 @@ async fn publish(
 
 /// When to look again: soon while a rollout is under way, rarely once settled; a child the
 /// API server would not take fails the reconcile so that it is retried with backoff.
-fn next_action(ctx: &Context, applied: Applied) -> Result<Action, Error> {
+fn next_action(ctx: &Context, applied: Applied, complete: bool) -> Result<Action, Error> {
     if let Some(e) = applied.failed {
         return Err(e);
     }
     let t = &ctx.timing;
-    let complete = applied
-        .deployment
-        .as_deref()
-        .map(status::rollout)
-        .is_some_and(|r| r.complete);
     Ok(Action::requeue(if applied.blocked.is_some() {
         t.blocked
     } else if complete {
