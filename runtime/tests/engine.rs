@@ -1,5 +1,6 @@
 //! The engine thread with the default model: concurrent requests under KV pressure finish with
-//! the output they have alone, stop conditions, seeded sampling, and aborts free their blocks.
+//! the output they have alone, prefix caching changes no output, stop conditions, seeded
+//! sampling, and aborts free their blocks.
 
 mod common;
 
@@ -19,12 +20,22 @@ struct Output {
     text: String,
     reason: FinishReason,
     completion_tokens: usize,
+    cached_tokens: usize,
 }
 
 /// Starts an engine on the default model with `blocks` device and `host` swap blocks.
 /// Quantized weights keep every row's numerics independent of the batch, so "same output as
 /// alone" is exact.
 fn engine(blocks: usize, host: usize, max_num_seqs: usize) -> (EngineHandle, Tokenizer) {
+    engine_with(blocks, host, max_num_seqs, true)
+}
+
+fn engine_with(
+    blocks: usize,
+    host: usize,
+    max_num_seqs: usize,
+    prefix_caching: bool,
+) -> (EngineHandle, Tokenizer) {
     let opts = LoadOptions {
         weight_mode: WeightMode::Quantized,
         max_model_len: Some(256),
@@ -41,6 +52,7 @@ fn engine(blocks: usize, host: usize, max_num_seqs: usize) -> (EngineHandle, Tok
         block_size: 16,
         chunked_prefill: true,
         watermark_blocks: 1,
+        prefix_caching,
     };
     let (h, _join) = spawn(m, cache, cfg, Box::new(NoStats)).expect("spawn");
     (h, tok)
@@ -93,6 +105,7 @@ fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> Output {
         text: String::new(),
         reason: FinishReason::Abort,
         completion_tokens: 0,
+        cached_tokens: 0,
     };
     while let Some(ev) = rx.blocking_recv() {
         match ev {
@@ -104,11 +117,13 @@ fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> Output {
                 reason,
                 text,
                 completion_tokens,
+                cached_tokens,
                 ..
             } => {
                 out.text.push_str(&text);
                 out.reason = reason;
                 out.completion_tokens = completion_tokens;
+                out.cached_tokens = cached_tokens;
                 return out;
             }
             Event::Failed(e) => panic!("request failed: {e}"),
@@ -179,6 +194,130 @@ fn concurrent_requests_under_kv_pressure_match_their_solo_runs() {
     }
     wait_idle(&h);
     h.shutdown();
+}
+
+/// Prompts sharing a ~70-token system prompt in the ways that matter to block-level caching:
+/// prefixes ending mid-block and exactly at a block boundary (16 tokens), a prompt repeated
+/// whole, and a prompt that extends an earlier one (a later chat turn).
+fn shared_prefix_prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
+    let system = tok
+        .encode(
+            "<|im_start|>system\nYou are a careful assistant for a small library in a quiet \
+             town. Answer every question in one short sentence. Name the facts you rely on, \
+             say so when you do not know, and never invent numbers, dates, people or places. \
+             Keep a friendly tone, avoid jargon, and prefer plain words.<|im_end|>\n",
+            false,
+        )
+        .expect("enc");
+    assert!(
+        system.len() > 50,
+        "system prompt of {} tokens",
+        system.len()
+    );
+    let ask = |q: &str| {
+        tok.encode(
+            &format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"),
+            false,
+        )
+        .expect("enc")
+    };
+    let join = |a: &[u32], b: &[u32]| [a, b].concat();
+    let first = join(&system, &ask("What is the capital of France?"));
+    let boundary = join(&system[..48], &ask("Why is the sky blue?"));
+    let mid_block = join(&system[..50], &ask("Name a large ocean."));
+    let mut next_turn = first.clone();
+    next_turn.extend(
+        tok.encode("The capital of France is Paris.<|im_end|>\n", false)
+            .expect("enc"),
+    );
+    next_turn.extend(ask("And of Italy?"));
+    vec![first.clone(), boundary, mid_block, first, next_turn]
+}
+
+#[test]
+fn prefix_caching_changes_no_output() {
+    let run = |caching: bool| {
+        let (h, tok) = engine_with(64, 8, 8, caching);
+        let ps = shared_prefix_prompts(&tok);
+        // One at a time (each finds the earlier ones cached), then all at once.
+        let mut outs: Vec<Output> = ps
+            .iter()
+            .map(|p| collect(submit_with(&h, p.clone(), greedy(), 16, vec![], true)))
+            .collect();
+        let rxs: Vec<_> = ps
+            .iter()
+            .map(|p| submit_with(&h, p.clone(), greedy(), 16, vec![], true))
+            .collect();
+        outs.extend(rxs.into_iter().map(collect));
+        wait_idle(&h);
+        h.shutdown();
+        (ps, outs)
+    };
+    let (ps, cached) = run(true);
+    let (_, plain) = run(false);
+    for (i, (a, b)) in cached.iter().zip(&plain).enumerate() {
+        assert_eq!(
+            a.tokens, b.tokens,
+            "output {i} differs with the prefix cache"
+        );
+        assert_eq!(a.text, b.text);
+        assert_eq!(b.cached_tokens, 0, "nothing is cached with caching off");
+    }
+    // The first run of each prompt, in order: what the cache could supply, in whole blocks.
+    let full_blocks = full_blocks_of;
+    assert_eq!(cached[0].cached_tokens, 0);
+    assert_eq!(
+        cached[1].cached_tokens, 48,
+        "prefix ending at a block boundary"
+    );
+    assert_eq!(
+        cached[2].cached_tokens, 48,
+        "prefix ending mid-block: whole blocks only"
+    );
+    assert_eq!(
+        cached[3].cached_tokens,
+        full_blocks(ps[3].len() - 1),
+        "a repeated prompt recomputes at least its last token"
+    );
+    assert_eq!(
+        cached[4].cached_tokens,
+        full_blocks(ps[0].len()),
+        "the earlier turn"
+    );
+    // The second pass finds every prompt's blocks cached.
+    for (i, (o, p)) in cached[5..].iter().zip(&ps).enumerate() {
+        assert_eq!(
+            o.cached_tokens,
+            full_blocks(p.len() - 1),
+            "second pass, prompt {i}"
+        );
+    }
+}
+
+#[test]
+fn an_evicted_prefix_gives_the_same_answer() {
+    // 16 blocks (256 tokens, one max_model_len): the other prompts need every block, so the
+    // first's are evicted.
+    let (h, tok) = engine(16, 0, 4);
+    let ps = shared_prefix_prompts(&tok);
+    let first = collect(submit_with(&h, ps[0].clone(), greedy(), 16, vec![], true));
+    let filler = prompts(&tok);
+    for p in filler.iter().rev().take(4) {
+        collect(submit_with(&h, p.clone(), greedy(), 60, vec![], true));
+    }
+    let again = collect(submit_with(&h, ps[0].clone(), greedy(), 16, vec![], true));
+    assert!(
+        again.cached_tokens < full_blocks_of(ps[0].len() - 1),
+        "the prefix should have been evicted (cached {})",
+        again.cached_tokens
+    );
+    assert_eq!(first.tokens, again.tokens);
+    wait_idle(&h);
+    h.shutdown();
+}
+
+fn full_blocks_of(n: usize) -> usize {
+    n / 16 * 16
 }
 
 #[test]

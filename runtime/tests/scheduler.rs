@@ -1,10 +1,18 @@
 //! The scheduler on synthetic sequences (no model): batching, chunked prefill, preemption by
-//! swap and by recompute, aborts, and a property test over random workloads.
+//! swap and by recompute, aborts, prefix caching, and property tests over random workloads.
+//!
+//! The simulation models the KV cache's contents: every slot a step writes records which
+//! prefix it holds, and every step checks that each scheduled sequence reads, at every position
+//! its attention covers, the keys and values of its own prefix. Sharing, eviction and
+//! preemption bugs show up there as a wrong read, without a model.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
 
-use ferrite_runtime::engine::scheduler::{Preemption, Scheduler, SchedulerConfig, SeqId, StepPlan};
-use ferrite_runtime::kv::{BlockSpace, CountingBlocks};
+use ferrite_runtime::engine::scheduler::{
+    Preemption, Scheduler, SchedulerConfig, SeqId, SeqStatus, StepPlan,
+};
+use ferrite_runtime::kv::{BlockId, CountingBlocks};
 use proptest::prelude::*;
 
 fn cfg() -> SchedulerConfig {
@@ -15,7 +23,28 @@ fn cfg() -> SchedulerConfig {
         block_size: 16,
         chunked_prefill: true,
         watermark_blocks: 1,
+        prefix_caching: false,
     }
+}
+
+fn cached_cfg() -> SchedulerConfig {
+    SchedulerConfig {
+        prefix_caching: true,
+        ..cfg()
+    }
+}
+
+/// Identity of the prefix ending at each position: what the keys and values there depend on.
+fn prefix_ids(tokens: &[u32]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(tokens.len());
+    let mut prev = 0u64;
+    for t in tokens {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (prev, t).hash(&mut h);
+        prev = h.finish();
+        out.push(prev);
+    }
+    out
 }
 
 /// Drives a scheduler the way the engine does: commit each plan, then append a token (or
@@ -27,6 +56,12 @@ struct Sim {
     left: HashMap<SeqId, usize>,
     generated: HashMap<SeqId, usize>,
     plans: Vec<StepPlan>,
+    /// Prompt and generated tokens of live sequences.
+    tokens: HashMap<SeqId, Vec<u32>>,
+    /// What each written cache slot holds: the prefix identity of the token written there.
+    slots: HashMap<(BlockId, usize), u64>,
+    /// The same for the host swap pool.
+    host_slots: HashMap<(BlockId, usize), u64>,
 }
 
 impl Sim {
@@ -37,19 +72,47 @@ impl Sim {
             left: HashMap::new(),
             generated: HashMap::new(),
             plans: Vec::new(),
+            tokens: HashMap::new(),
+            slots: HashMap::new(),
+            host_slots: HashMap::new(),
         }
     }
 
+    /// A sequence whose prompt shares nothing with any other.
     fn add(&mut self, id: SeqId, prompt: usize, max_tokens: usize) {
-        self.sched.add(id, prompt);
+        let tokens: Vec<u32> = (0..prompt as u32)
+            .map(|i| id as u32 * 100_000 + i)
+            .collect();
+        self.add_tokens(id, tokens, max_tokens);
+    }
+
+    fn add_tokens(&mut self, id: SeqId, prompt: Vec<u32>, max_tokens: usize) {
+        self.sched.add(id, &prompt);
+        self.tokens.insert(id, prompt);
         self.left.insert(id, max_tokens);
     }
 
+    fn abort(&mut self, id: SeqId) {
+        if self.tokens.remove(&id).is_some() {
+            self.sched.finish(id, &mut self.space).expect("abort");
+            self.left.remove(&id);
+        }
+    }
+
     fn step(&mut self) -> StepPlan {
+        let tables: HashMap<SeqId, (Vec<BlockId>, Vec<BlockId>)> = self
+            .tokens
+            .keys()
+            .filter_map(|&id| self.sched.get(id))
+            .map(|q| (q.id, (q.blocks.clone(), q.host_blocks.clone())))
+            .collect();
         let plan = self.sched.schedule(&mut self.space).expect("schedule");
+        self.swap(&plan, &tables);
         let c = *self.sched.config();
         assert!(plan.num_tokens() <= c.max_num_batched_tokens);
         assert!(self.sched.num_running() <= c.max_num_seqs);
+        self.execute(&plan);
+        self.check_ref_counts();
         self.sched.commit(&plan);
         for s in &plan.scheduled {
             if !s.samples {
@@ -60,12 +123,98 @@ impl Sim {
             *left -= 1;
             if *left == 0 {
                 self.sched.finish(s.id, &mut self.space).expect("finish");
+                self.tokens.remove(&s.id);
             } else {
-                self.sched.append_token(s.id).expect("append");
+                let toks = self.tokens.get_mut(&s.id).expect("live");
+                // Generated tokens repeat across sequences, so decode blocks can match too.
+                let t = (toks.len() % 7) as u32;
+                toks.push(t);
+                self.sched.append_token(s.id, t).expect("append");
             }
         }
         self.plans.push(plan.clone());
         plan
+    }
+
+    /// The cache's part of a plan: swapped-out blocks are copied to the host pool, swapped-in
+    /// ones back to their new device blocks.
+    fn swap(&mut self, plan: &StepPlan, before: &HashMap<SeqId, (Vec<BlockId>, Vec<BlockId>)>) {
+        let bs = self.sched.config().block_size;
+        let copy = |from: &HashMap<(BlockId, usize), u64>,
+                    to: &mut HashMap<(BlockId, usize), u64>,
+                    src: &[BlockId],
+                    dst: &[BlockId]| {
+            for (&a, &b) in src.iter().zip(dst) {
+                for o in 0..bs {
+                    match from.get(&(a, o)) {
+                        Some(&v) => to.insert((b, o), v),
+                        None => to.remove(&(b, o)),
+                    };
+                }
+            }
+        };
+        for &(id, how) in &plan.preempted {
+            if how == Preemption::Swap {
+                let host = &self.sched.get(id).expect("swapped").host_blocks;
+                copy(&self.slots, &mut self.host_slots, &before[&id].0, host);
+            }
+        }
+        for id in &plan.swapped_in {
+            let device = &self.sched.get(*id).expect("swapped in").blocks;
+            copy(&self.host_slots, &mut self.slots, &before[id].1, device);
+        }
+    }
+
+    /// The model's part: write every scheduled token's slot (no slot twice in a step), then
+    /// check what each sequence's attention reads, as the forward does layer by layer.
+    fn execute(&mut self, plan: &StepPlan) {
+        let bs = self.sched.config().block_size;
+        let mut written = HashSet::new();
+        for s in &plan.scheduled {
+            let seq = self.sched.get(s.id).expect("scheduled sequences exist");
+            let ids = prefix_ids(&self.tokens[&s.id]);
+            for (pos, &id) in ids.iter().enumerate().skip(s.start).take(s.len) {
+                let slot = (seq.blocks[pos / bs], pos % bs);
+                assert!(
+                    written.insert(slot),
+                    "slot {slot:?} written twice in a step"
+                );
+                self.slots.insert(slot, id);
+            }
+        }
+        for s in &plan.scheduled {
+            let seq = self.sched.get(s.id).expect("scheduled sequences exist");
+            let ids = prefix_ids(&self.tokens[&s.id]);
+            for (pos, &id) in ids.iter().enumerate().take(s.start + s.len) {
+                let slot = (seq.blocks[pos / bs], pos % bs);
+                assert_eq!(
+                    self.slots.get(&slot),
+                    Some(&id),
+                    "sequence {} reads the wrong keys and values at position {pos}",
+                    s.id
+                );
+            }
+        }
+    }
+
+    /// Each block is held exactly by the sequences whose tables name it; blocks nobody holds
+    /// are in the free queue and no held block is.
+    fn check_ref_counts(&self) {
+        let mut holders: HashMap<BlockId, u32> = HashMap::new();
+        for id in self.tokens.keys() {
+            let seq = self.sched.get(*id).expect("live sequences exist");
+            for &b in &seq.blocks {
+                *holders.entry(b).or_default() += 1;
+            }
+        }
+        let dev = &self.space.device;
+        let queue: HashSet<BlockId> = dev.free_queue().into_iter().collect();
+        assert_eq!(queue.len(), dev.num_free());
+        for b in 0..dev.num_blocks() as BlockId {
+            let held = holders.get(&b).copied().unwrap_or(0);
+            assert_eq!(dev.ref_count(b), held, "block {b}");
+            assert_eq!(queue.contains(&b), held == 0, "block {b} free and in use");
+        }
     }
 
     fn run(&mut self, max_steps: usize) {
@@ -75,6 +224,14 @@ impl Sim {
             steps += 1;
             assert!(steps <= max_steps, "no progress after {steps} steps");
         }
+    }
+
+    /// Nothing held: every block is free or cached-and-free.
+    fn assert_all_free(&self) {
+        let dev = &self.space.device;
+        assert_eq!(dev.num_free(), dev.num_blocks());
+        assert!((0..dev.num_blocks() as BlockId).all(|b| dev.ref_count(b) == 0));
+        assert_eq!(self.space.host.num_used(), 0);
     }
 }
 
@@ -286,6 +443,7 @@ proptest! {
             block_size: 16,
             chunked_prefill: chunked,
             watermark_blocks: 1,
+            prefix_caching: false,
         };
         let mut sim = Sim::new(c, blocks.max(8), host);
         let mut computed: HashMap<SeqId, usize> = HashMap::new();
@@ -319,7 +477,257 @@ proptest! {
         for (id, left) in &sim.left {
             prop_assert_eq!(*left, 0, "sequence {} did not finish", id);
         }
-        prop_assert_eq!(sim.space.num_free(), sim.space.num_blocks());
-        prop_assert_eq!(sim.space.host.num_used(), 0);
+        sim.assert_all_free();
+    }
+}
+
+/// Tokens `0..len` of prefix family `f`: prompts of one family share their leading tokens.
+fn family(f: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| 1_000_000 + f * 10_000 + i)
+        .collect()
+}
+
+fn with_tail(mut prompt: Vec<u32>, id: SeqId, tail: usize) -> Vec<u32> {
+    prompt.extend((0..tail as u32).map(|i| id as u32 * 100_000 + 50_000 + i));
+    prompt
+}
+
+#[test]
+fn a_later_request_starts_after_its_cached_prefix() {
+    let mut sim = Sim::new(cached_cfg(), 64, 0);
+    sim.add_tokens(1, family(0, 40), 3);
+    sim.run(50);
+    assert_eq!(sim.space.device.num_cached(), 2, "two full prompt blocks");
+    // Same 40 tokens, then 10 of its own: the two full blocks (32 tokens) come from the cache.
+    sim.add_tokens(2, with_tail(family(0, 40), 2, 10), 3);
+    let p = sim.step();
+    assert_eq!((p.scheduled[0].start, p.scheduled[0].len), (32, 18));
+    assert_eq!(p.prefix_lookups.len(), 1);
+    assert_eq!(
+        (p.prefix_lookups[0].queried, p.prefix_lookups[0].hit),
+        (50, 32)
+    );
+    sim.run(50);
+    sim.assert_all_free();
+}
+
+#[test]
+fn a_fully_cached_prompt_still_computes_its_last_token() {
+    let mut sim = Sim::new(cached_cfg(), 64, 0);
+    sim.add_tokens(1, family(0, 32), 2);
+    sim.run(50);
+    // Exactly two blocks: the last one is recomputed so there are logits to sample.
+    sim.add_tokens(2, family(0, 32), 2);
+    let p = sim.step();
+    assert_eq!((p.scheduled[0].start, p.scheduled[0].len), (16, 16));
+    assert!(p.scheduled[0].samples);
+    // One token past a block boundary: both blocks hit, one token runs.
+    sim.run(50);
+    sim.add_tokens(3, family(0, 33), 2);
+    let p = sim.step();
+    assert_eq!((p.scheduled[0].start, p.scheduled[0].len), (32, 1));
+    sim.run(50);
+    sim.assert_all_free();
+}
+
+#[test]
+fn choices_admitted_together_share_the_prompt_blocks() {
+    let mut sim = Sim::new(cached_cfg(), 64, 0);
+    for id in 0..3 {
+        sim.add_tokens(id, family(0, 40), 4);
+    }
+    let p = sim.step();
+    assert_eq!((p.scheduled[0].start, p.scheduled[0].len), (0, 40));
+    for s in &p.scheduled[1..] {
+        assert_eq!(
+            (s.start, s.len),
+            (32, 8),
+            "later choices reuse the first's blocks"
+        );
+    }
+    let first = sim.sched.get(0).expect("running").blocks.clone();
+    for id in 1..3 {
+        let blocks = &sim.sched.get(id).expect("running").blocks;
+        assert_eq!(blocks[..2], first[..2]);
+        assert_ne!(blocks[2], first[2], "the partial block is private");
+    }
+    assert_eq!(sim.space.device.ref_count(first[0]), 3);
+    sim.run(50);
+    sim.assert_all_free();
+}
+
+#[test]
+fn evicted_prefixes_are_computed_again() {
+    let c = SchedulerConfig {
+        max_model_len: 128,
+        watermark_blocks: 0,
+        ..cached_cfg()
+    };
+    // 8 blocks: one 64-token prompt, then others that need every block.
+    let mut sim = Sim::new(c, 8, 0);
+    sim.add_tokens(1, family(0, 64), 1);
+    sim.run(10);
+    assert_eq!(sim.space.device.num_cached(), 4);
+    sim.add_tokens(2, family(1, 120), 1);
+    sim.run(10);
+    sim.add_tokens(3, family(0, 64), 1);
+    let p = sim.step();
+    assert!(
+        p.scheduled[0].start < 48,
+        "evicted blocks cannot be hits: {:?}",
+        p.scheduled[0]
+    );
+    sim.run(10);
+    sim.assert_all_free();
+}
+
+#[test]
+fn recompute_preemption_with_caching_restarts_on_block_boundaries() {
+    let c = SchedulerConfig {
+        max_model_len: 128,
+        watermark_blocks: 0,
+        ..cached_cfg()
+    };
+    let mut sim = Sim::new(c, 8, 0);
+    for id in 0..3 {
+        sim.add(id, 30, 30);
+    }
+    sim.run(500);
+    let restarts: Vec<_> = sim
+        .plans
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| p.preempted.iter().map(move |&(id, how)| (i, id, how)))
+        .collect();
+    assert!(!restarts.is_empty(), "the workload must force preemption");
+    assert!(
+        restarts
+            .iter()
+            .all(|&(_, _, how)| how == Preemption::Recompute)
+    );
+    // A victim restarts after whatever of its own freed blocks are still cached (its reads are
+    // checked against its prefix at every step).
+    for &(i, victim, _) in &restarts {
+        let restart = sim.plans[i + 1..]
+            .iter()
+            .flat_map(|p| p.scheduled.iter())
+            .find(|s| s.id == victim)
+            .expect("victims run again");
+        assert_eq!(restart.start % 16, 0, "{restart:?}");
+    }
+    // Lookups are counted once per sequence, at its first admission.
+    let lookups: Vec<_> = sim
+        .plans
+        .iter()
+        .flat_map(|p| p.prefix_lookups.clone())
+        .collect();
+    assert_eq!(lookups.len(), 3);
+    for id in 0..3 {
+        assert_eq!(sim.generated[&id], 30);
+    }
+    sim.assert_all_free();
+}
+
+#[test]
+fn swapped_out_shared_blocks_stay_with_their_other_holders() {
+    let c = SchedulerConfig {
+        max_model_len: 128,
+        watermark_blocks: 0,
+        ..cached_cfg()
+    };
+    let mut sim = Sim::new(c, 10, 32);
+    for id in 0..4 {
+        sim.add_tokens(id, with_tail(family(0, 32), id, 4), 40);
+    }
+    let mut swapped = false;
+    for _ in 0..400 {
+        if sim.sched.is_idle() {
+            break;
+        }
+        sim.step();
+        swapped |= (0..4).any(|id| {
+            sim.sched
+                .get(id)
+                .is_some_and(|s| s.status == SeqStatus::Swapped)
+        });
+    }
+    assert!(swapped, "the workload must swap a sequence out");
+    assert!(sim.sched.is_idle());
+    sim.assert_all_free();
+}
+
+#[derive(Debug, Clone)]
+enum Arrival {
+    /// Family, shared length, own tail, tokens to generate.
+    Add(u32, usize, usize, usize),
+    Abort(usize),
+}
+
+fn arrival() -> impl Strategy<Value = Arrival> {
+    prop_oneof![
+        4 => (0u32..3, 0usize..70, 1usize..30, 1usize..30)
+            .prop_map(|(f, shared, tail, n)| Arrival::Add(f, shared, tail, n)),
+        1 => (0usize..64).prop_map(Arrival::Abort),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Random streams of requests sharing prefixes, with aborts and forced preemption (tight
+    /// memory, swap space or none): every read sees its own prefix's keys and values, reference
+    /// counts match the block tables at every step, and once all finish every block is free
+    /// or cached with no holder.
+    #[test]
+    fn shared_prefixes_with_aborts_and_preemption_stay_consistent(
+        arrivals in proptest::collection::vec((arrival(), 0usize..12), 1..30),
+        blocks in 8usize..30,
+        host in prop_oneof![Just(0usize), 4usize..30],
+        budget in 16usize..200,
+        caching in any::<bool>(),
+    ) {
+        let c = SchedulerConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: budget,
+            max_model_len: 128,
+            block_size: 16,
+            chunked_prefill: true,
+            watermark_blocks: 1,
+            prefix_caching: caching,
+        };
+        let mut sim = Sim::new(c, blocks, host);
+        let mut pending: Vec<(usize, usize, Arrival)> = arrivals
+            .into_iter()
+            .enumerate()
+            .map(|(i, (a, at))| (at, i, a))
+            .collect();
+        pending.sort_by_key(|&(at, i, _)| (at, i));
+        let mut step = 0;
+        let mut added = 0u64;
+        while !pending.is_empty() || !sim.sched.is_idle() {
+            while pending.first().is_some_and(|p| p.0 <= step) {
+                let (_, _, a) = pending.remove(0);
+                match a {
+                    Arrival::Add(f, shared, tail, n) => {
+                        let id = added;
+                        added += 1;
+                        let prompt = with_tail(family(f, shared), id, tail);
+                        let n = n.min(128 - prompt.len());
+                        sim.add_tokens(id, prompt, n.max(1));
+                    }
+                    Arrival::Abort(i) if added > 0 => sim.abort(i as u64 % added),
+                    Arrival::Abort(_) => {}
+                }
+            }
+            if !sim.sched.is_idle() {
+                sim.step();
+            }
+            step += 1;
+            prop_assert!(step < 20_000, "no progress");
+        }
+        sim.assert_all_free();
+        if !caching {
+            prop_assert_eq!(sim.space.device.num_cached(), 0);
+        }
     }
 }

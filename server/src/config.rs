@@ -56,6 +56,13 @@ pub struct ServerArgs {
     /// Split long prompts across steps so they do not stall running decodes.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub enable_chunked_prefill: bool,
+    /// Reuse the KV cache of prompt prefixes computed before (on unless
+    /// `--no-enable-prefix-caching`; the last of the two flags wins, as in vLLM).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turn automatic prefix caching off.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
     /// Require `Authorization: Bearer <key>` on /v1/* (as vLLM's --api-key).
     #[arg(long, env = "FERRITE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -79,6 +86,13 @@ pub struct ServerArgs {
 }
 
 /// A positive, finite number of seconds.
+impl ServerArgs {
+    /// Whether automatic prefix caching is on.
+    pub fn prefix_caching(&self) -> bool {
+        !self.no_enable_prefix_caching
+    }
+}
+
 fn parse_interval(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
@@ -124,6 +138,21 @@ mod tests {
         assert_eq!(parse_bytes("1GB"), Ok(1_000_000_000));
         assert!(parse_bytes("12 parsecs").is_err());
         assert!(parse_bytes("lots").is_err());
+    }
+
+    #[test]
+    fn prefix_caching_is_on_unless_turned_off_last() {
+        let parse = |flags: &[&str]| {
+            let argv = ["ferrite-server", "--model", "m.gguf"].iter().chain(flags);
+            ServerArgs::try_parse_from(argv).map(|a| a.prefix_caching())
+        };
+        assert_eq!(parse(&[]).ok(), Some(true));
+        assert_eq!(parse(&["--no-enable-prefix-caching"]).ok(), Some(false));
+        assert_eq!(parse(&["--enable-prefix-caching"]).ok(), Some(true));
+        let both = ["--enable-prefix-caching", "--no-enable-prefix-caching"];
+        assert_eq!(parse(&both).ok(), Some(false));
+        let both = ["--no-enable-prefix-caching", "--enable-prefix-caching"];
+        assert_eq!(parse(&both).ok(), Some(true));
     }
 
     #[test]

@@ -94,6 +94,7 @@ async fn main() -> Result<()> {
         block_size: args.block_size,
         chunked_prefill: args.enable_chunked_prefill,
         watermark_blocks: cache.allocator().num_blocks() / 100,
+        prefix_caching: args.prefix_caching(),
     };
     let cache_info = CacheInfo {
         block_size: args.block_size,
@@ -101,6 +102,7 @@ async fn main() -> Result<()> {
         num_cpu_blocks: cache.host_allocator().num_blocks(),
         cache_dtype: "auto".into(),
         swap_space_gib: args.swap_space,
+        enable_prefix_caching: args.prefix_caching(),
     };
     // Two consumers of the engine's stats records: Prometheus, and the stats log line.
     let mut sinks: Vec<Box<dyn StatsSink>> = vec![Box::new(EngineMetrics::new(

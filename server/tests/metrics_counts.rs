@@ -216,6 +216,12 @@ fn counters_and_histogram_counts_equal_the_workload_exactly() {
         aborted_gen >= received as f64 && aborted_gen < aborted * ABORT_MAX_TOKENS as f64,
         "aborted requests generated {aborted_gen} tokens, received {received}"
     );
+    // Every sequence looks its whole prompt up in the prefix cache once (aborts and both
+    // choices of n=2 included); what it finds depends on timing, but never more than it asked.
+    let queries = m.get("vllm:prefix_cache_queries_total", &[]);
+    assert_eq!(queries, prompt_tokens as f64);
+    let hits = m.get("vllm:prefix_cache_hits_total", &[]);
+    assert!(hits > 0.0 && hits < queries, "hits {hits} of {queries}");
     // The per-token counter and the per-request histogram are separate code paths.
     assert_eq!(m.get("vllm:request_generation_tokens_sum", &[]), generated);
     assert_eq!(

@@ -93,6 +93,8 @@ pub enum Event {
         text: String,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Leading prompt tokens whose keys and values came from the prefix cache.
+        cached_tokens: usize,
     },
     /// The engine could not run this request (the text says why).
     Failed(String),
@@ -272,6 +274,8 @@ impl Engine {
             {
                 tracing::error!(error = %e, "engine step failed; failing its requests");
                 self.fail_all(&e.to_string());
+                // Blocks registered for this step may never have been written.
+                self.cache.allocator_mut().reset_prefix_cache();
             }
             self.publish();
         }
@@ -295,7 +299,7 @@ impl Engine {
                     .seed
                     .map(Rng::new)
                     .unwrap_or_else(Rng::from_entropy);
-                self.scheduler.add(id, req.prompt.len());
+                self.scheduler.add(id, &req.prompt);
                 let data = SeqData {
                     tokens: req.prompt.clone(),
                     prompt_len: req.prompt.len(),
@@ -356,6 +360,13 @@ impl Engine {
             return Ok(());
         };
         let logits = self.execute(&plan)?;
+        for lookup in &plan.prefix_lookups {
+            self.iteration.prefix_cache_queries += lookup.queried as u64;
+            self.iteration.prefix_cache_hits += lookup.hit as u64;
+            if let Some(d) = self.seqs.get_mut(&lookup.id) {
+                d.output.cached_tokens = lookup.hit;
+            }
+        }
         for sch in &plan.scheduled {
             if let Some(d) = self.seqs.get_mut(&sch.id) {
                 self.output
@@ -430,7 +441,8 @@ impl Engine {
             };
             let (prompt, output) = d.tokens.split_at(d.prompt_len);
             let sampled = sample(row, &d.req.sampling, prompt, output, &mut d.rng);
-            d.tokens.push(sampled.token);
+            let token = sampled.token;
+            d.tokens.push(token);
             let out = self.output.token(
                 &mut d.output,
                 &d.req,
@@ -443,7 +455,7 @@ impl Engine {
             self.send(&events, out.event);
             match out.finish {
                 Some((reason, tail)) => self.finish(s.id, reason, tail),
-                None => self.scheduler.append_token(s.id)?,
+                None => self.scheduler.append_token(s.id, token)?,
             }
         }
         Ok(())

@@ -23,6 +23,8 @@ pub(crate) struct RequestOutput {
     /// Whether the prompt's tokens were counted (once per request, however often a preemption
     /// recomputes it).
     prompt_counted: bool,
+    /// Leading prompt tokens the prefix cache supplied at its first admission.
+    pub(crate) cached_tokens: usize,
     arrival: Instant,
     first_scheduled: Option<Instant>,
     first_token: Option<Instant>,
@@ -36,6 +38,7 @@ impl RequestOutput {
             stop: StopChecker::new(req.stop.clone()),
             text: String::new(),
             prompt_counted: false,
+            cached_tokens: 0,
             arrival: req.arrival,
             first_scheduled: None,
             first_token: None,
@@ -97,6 +100,7 @@ impl RequestOutput {
             text,
             prompt_tokens: prompt_len,
             completion_tokens: generated,
+            cached_tokens: self.cached_tokens,
         }
     }
 }

@@ -1,10 +1,17 @@
 //! Continuous-batching scheduler: each step decides which sequences run and with how many
 //! tokens, allocates their blocks, and preempts when blocks run out. It sees token counts and
-//! block ids, never tokens or tensors, so it is tested on synthetic sequences.
+//! block ids, and token ids only as input to the prefix cache's block hashes, never tensors, so
+//! it is tested on synthetic sequences.
+//!
+//! With prefix caching, a sequence starting (or restarting after a recompute preemption) takes
+//! the longest run of cached blocks for its leading full blocks and is scheduled from the first
+//! token after them. Blocks are registered under their prefix hash when they are scheduled to be
+//! filled, so a sequence admitted in the same step (the other choices of an `n > 1` request)
+//! shares them: the forward writes each layer's keys and values before any attention reads them.
 
 use std::collections::VecDeque;
 
-use crate::kv::{BlockId, BlockSpace, KvError, blocks_for_tokens};
+use crate::kv::{BlockHash, BlockHasher, BlockId, BlockSpace, KvError, blocks_for_tokens};
 
 pub type SeqId = u64;
 
@@ -21,6 +28,8 @@ pub struct SchedulerConfig {
     /// Free blocks kept back when admitting new work, so running sequences can grow a little
     /// before anything must be preempted.
     pub watermark_blocks: usize,
+    /// Share full blocks between sequences with equal prefixes and keep freed ones cached.
+    pub prefix_caching: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -62,7 +71,7 @@ pub enum SeqStatus {
 }
 
 /// What the scheduler tracks of one sequence.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct SeqState {
     pub id: SeqId,
     /// Prompt plus generated tokens that exist so far.
@@ -75,6 +84,19 @@ pub struct SeqState {
     pub host_blocks: Vec<BlockId>,
     pub status: SeqStatus,
     pub num_preemptions: u32,
+    /// Prefix hashes of the sequence's full blocks.
+    hasher: BlockHasher,
+    /// Leading entries of `blocks` registered in the prefix cache (or taken from it).
+    num_registered: usize,
+    /// Whether it has been admitted once (its prefix-cache lookup is counted then).
+    admitted: bool,
+}
+
+impl SeqState {
+    /// Prefix hashes of the sequence's full blocks so far.
+    pub fn block_hashes(&self) -> &[BlockHash] {
+        self.hasher.hashes()
+    }
 }
 
 /// One sequence's work in a step: run tokens `[start, start + len)`.
@@ -87,12 +109,24 @@ pub struct Scheduled {
     pub samples: bool,
 }
 
+/// A sequence's prefix-cache lookup at its first admission (vLLM counts these in tokens).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixLookup {
+    pub id: SeqId,
+    /// Tokens looked up: the whole prompt.
+    pub queried: usize,
+    /// Leading tokens found cached (whole blocks, never the whole prompt).
+    pub hit: usize,
+}
+
 /// The decision for one step.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepPlan {
     pub scheduled: Vec<Scheduled>,
     pub preempted: Vec<(SeqId, Preemption)>,
     pub swapped_in: Vec<SeqId>,
+    /// Sequences admitted for the first time, with prefix caching on.
+    pub prefix_lookups: Vec<PrefixLookup>,
 }
 
 impl StepPlan {
@@ -143,16 +177,23 @@ impl Scheduler {
         &self.cfg
     }
 
-    /// Queues a new sequence of `prompt_len` tokens.
-    pub fn add(&mut self, id: SeqId, prompt_len: usize) {
+    /// Queues a new sequence with this prompt.
+    pub fn add(&mut self, id: SeqId, prompt: &[u32]) {
+        let mut hasher = BlockHasher::new(self.cfg.block_size);
+        if self.cfg.prefix_caching {
+            hasher.extend(prompt);
+        }
         self.waiting.push_back(SeqState {
             id,
-            num_tokens: prompt_len,
+            num_tokens: prompt.len(),
             num_computed: 0,
             blocks: Vec::new(),
             host_blocks: Vec::new(),
             status: SeqStatus::Waiting,
             num_preemptions: 0,
+            hasher,
+            num_registered: 0,
+            admitted: false,
         });
     }
 
@@ -218,14 +259,14 @@ impl Scheduler {
                 break;
             }
             let seq = &mut self.running[i];
-            plan.scheduled.push(Self::allocate(seq, n, bs, space)?);
+            plan.scheduled.push(self.cfg.allocate(seq, n, space)?);
             budget -= n;
             i += 1;
         }
 
         // 2. Swapped sequences come back before new ones start, unless we just preempted.
         if plan.preempted.is_empty() {
-            while let Some(n) = self
+            while let Some((n, _)) = self
                 .swapped
                 .front()
                 .and_then(|f| self.admit(f, budget, space))
@@ -238,7 +279,7 @@ impl Scheduler {
                 seq.host_blocks.clear();
                 seq.status = SeqStatus::Running;
                 plan.swapped_in.push(seq.id);
-                plan.scheduled.push(Self::allocate(&mut seq, n, bs, space)?);
+                plan.scheduled.push(self.cfg.allocate(&mut seq, n, space)?);
                 budget -= n;
                 self.running.push(seq);
             }
@@ -246,7 +287,7 @@ impl Scheduler {
 
         // 3. New (or recomputing) sequences, first come first served.
         if plan.preempted.is_empty() && self.swapped.is_empty() {
-            while let Some(n) = self
+            while let Some((n, cached)) = self
                 .waiting
                 .front()
                 .and_then(|f| self.admit(f, budget, space))
@@ -256,7 +297,22 @@ impl Scheduler {
                     .pop_front()
                     .ok_or(SchedulerError::Invalid("empty queue"))?;
                 seq.status = SeqStatus::Running;
-                plan.scheduled.push(Self::allocate(&mut seq, n, bs, space)?);
+                if cached > 0 {
+                    seq.blocks = space
+                        .device_mut()
+                        .take_cached(&seq.hasher.hashes()[..cached])?;
+                    seq.num_computed = cached * bs;
+                    seq.num_registered = cached;
+                }
+                if self.cfg.prefix_caching && !seq.admitted {
+                    plan.prefix_lookups.push(PrefixLookup {
+                        id: seq.id,
+                        queried: seq.num_tokens,
+                        hit: cached * bs,
+                    });
+                }
+                seq.admitted = true;
+                plan.scheduled.push(self.cfg.allocate(&mut seq, n, space)?);
                 budget -= n;
                 self.running.push(seq);
             }
@@ -275,13 +331,16 @@ impl Scheduler {
     }
 
     /// A sampled token was appended to sequence `id`.
-    pub fn append_token(&mut self, id: SeqId) -> Result<(), SchedulerError> {
+    pub fn append_token(&mut self, id: SeqId, token: u32) -> Result<(), SchedulerError> {
         let seq = self
             .running
             .iter_mut()
             .find(|q| q.id == id)
             .ok_or(SchedulerError::UnknownSeq(id))?;
         seq.num_tokens += 1;
+        if self.cfg.prefix_caching {
+            seq.hasher.push(token);
+        }
         Ok(())
     }
 
@@ -310,9 +369,14 @@ impl Scheduler {
         Ok(seq)
     }
 
-    /// Tokens `seq` can run this step within `budget`.
+    /// Tokens `seq` can run this step within `budget`, from its first uncomputed token.
     fn chunk(&self, seq: &SeqState, budget: usize) -> usize {
-        let remaining = seq.num_tokens - seq.num_computed;
+        self.chunk_from(seq, seq.num_computed, budget)
+    }
+
+    /// Tokens `seq` can run this step within `budget` when its first `start` are computed.
+    fn chunk_from(&self, seq: &SeqState, start: usize, budget: usize) -> usize {
+        let remaining = seq.num_tokens - start;
         if remaining <= budget {
             remaining
         } else if self.cfg.chunked_prefill {
@@ -322,18 +386,42 @@ impl Scheduler {
         }
     }
 
-    /// Tokens a queued (waiting or swapped) sequence would run if it joined the batch now, or
-    /// `None` when the batch is full, the budget is spent, or its blocks do not fit.
-    fn admit(&self, seq: &SeqState, budget: usize, space: &dyn BlockSpace) -> Option<usize> {
+    /// Tokens a queued (waiting or swapped) sequence would run if it joined the batch now, and
+    /// how many of its leading blocks come from the prefix cache; `None` when the batch is
+    /// full, the budget is spent, or its blocks do not fit.
+    fn admit(
+        &self,
+        seq: &SeqState,
+        budget: usize,
+        space: &dyn BlockSpace,
+    ) -> Option<(usize, usize)> {
         if self.running.len() >= self.cfg.max_num_seqs || budget == 0 {
             return None;
         }
-        let n = self.chunk(seq, budget);
+        let bs = self.cfg.block_size;
+        let cached = self.cached_blocks(seq, space);
+        let start = seq.num_computed.max(cached * bs);
+        let n = self.chunk_from(seq, start, budget);
         // A swapped sequence holds no device blocks; its host blocks come back as new ones.
-        let held = seq.blocks.len();
-        let need =
-            blocks_for_tokens(seq.num_computed + n, self.cfg.block_size).saturating_sub(held);
-        (n > 0 && self.fits(need, space)).then_some(n)
+        // Cached blocks nobody holds leave the free queue when taken, like new ones.
+        let held = seq.blocks.len() + cached;
+        let hashes = &seq.hasher.hashes()[..cached];
+        let need = blocks_for_tokens(start + n, bs).saturating_sub(held)
+            + space.device().free_among_cached(hashes);
+        (n > 0 && self.fits(need, space)).then_some((n, cached))
+    }
+
+    /// Leading full blocks of a sequence that holds nothing yet which the prefix cache can
+    /// supply. Never all of its tokens: at least one is computed, so there are logits.
+    fn cached_blocks(&self, seq: &SeqState, space: &dyn BlockSpace) -> usize {
+        if !self.cfg.prefix_caching || seq.num_computed > 0 || !seq.blocks.is_empty() {
+            return 0;
+        }
+        let max = seq.num_tokens.saturating_sub(1) / self.cfg.block_size;
+        let hashes = seq.hasher.hashes();
+        space
+            .device()
+            .cached_prefix(&hashes[..max.min(hashes.len())])
     }
 
     /// Whether `need` more blocks may be taken for new work. The watermark is waived when
@@ -346,15 +434,28 @@ impl Scheduler {
         };
         need + reserve <= space.num_free()
     }
+}
 
+impl SchedulerConfig {
+    /// Gives `seq` the blocks for its next `n` tokens and registers the blocks those tokens
+    /// fill in the prefix cache.
     fn allocate(
+        &self,
         seq: &mut SeqState,
         n: usize,
-        bs: usize,
         space: &mut dyn BlockSpace,
     ) -> Result<Scheduled, SchedulerError> {
+        let bs = self.block_size;
         let need = blocks_for_tokens(seq.num_computed + n, bs).saturating_sub(seq.blocks.len());
         seq.blocks.extend(space.allocate_n(need)?);
+        if self.prefix_caching {
+            let hashes = seq.hasher.hashes();
+            let full = ((seq.num_computed + n) / bs).min(hashes.len());
+            for j in seq.num_registered..full {
+                space.device_mut().register(seq.blocks[j], hashes[j])?;
+            }
+            seq.num_registered = seq.num_registered.max(full);
+        }
         Ok(Scheduled {
             id: seq.id,
             start: seq.num_computed,
@@ -362,7 +463,9 @@ impl Scheduler {
             samples: seq.num_computed + n == seq.num_tokens,
         })
     }
+}
 
+impl Scheduler {
     fn preempt(
         &mut self,
         mut seq: SeqState,
@@ -374,12 +477,14 @@ impl Scheduler {
         let how = if !seq.blocks.is_empty() && space.host_num_free() >= seq.blocks.len() {
             seq.host_blocks = space.swap_out(&seq.blocks)?;
             seq.blocks.clear();
+            seq.num_registered = 0;
             seq.status = SeqStatus::Swapped;
             self.swapped.push_front(seq.clone());
             Preemption::Swap
         } else {
             space.free_all(&seq.blocks)?;
             seq.blocks.clear();
+            seq.num_registered = 0;
             seq.num_computed = 0;
             seq.status = SeqStatus::Waiting;
             self.waiting.push_front(seq.clone());

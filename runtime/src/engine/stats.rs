@@ -33,6 +33,10 @@ pub struct IterationStats {
     pub num_prompt_tokens: u64,
     pub num_generation_tokens: u64,
     pub num_preempted: u64,
+    /// Prompt tokens looked up in the prefix cache (at each request's first admission).
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found cached.
+    pub prefix_cache_hits: u64,
     /// Tokens of the forward pass, if one ran.
     pub batch_tokens: Option<usize>,
     /// Per request scheduled for the first time: arrival to first scheduled, in seconds.

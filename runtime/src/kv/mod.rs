@@ -1,12 +1,15 @@
 //! The paged KV cache: a block allocator (pure bookkeeping) and the per-layer block pools it
-//! indexes, plus a host-memory swap pool used for preemption.
+//! indexes, plus a host-memory swap pool used for preemption. Full blocks are shared between
+//! requests with the same prefix (automatic prefix caching, see [`BlockAllocator`]).
 
 mod allocator;
 mod cache;
+mod prefix;
 mod space;
 
 pub use allocator::{BlockAllocator, BlockId, blocks_for_tokens};
 pub use cache::{KvCache, KvCacheConfig, KvShape};
+pub use prefix::{BlockHash, BlockHasher};
 pub use space::{BlockSpace, CountingBlocks};
 
 /// Errors of the KV cache. Exhaustion is an ordinary, recoverable condition: the scheduler
@@ -19,6 +22,10 @@ pub enum KvError {
     OutOfSwapBlocks { requested: usize, free: usize },
     #[error("block {id} freed twice")]
     DoubleFree { id: BlockId },
+    #[error("block {id} is not held by anyone")]
+    NotHeld { id: BlockId },
+    #[error("a prefix block asked for is not cached")]
+    NotCached,
     #[error("block {id} does not exist (pool has {num_blocks} blocks)")]
     InvalidBlock { id: BlockId, num_blocks: usize },
     #[error("KV cache tensor operation failed: {0}")]

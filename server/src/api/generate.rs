@@ -261,11 +261,25 @@ pub struct ChoiceOutput {
     pub completion_tokens: usize,
 }
 
-/// Adds one finished choice to a request's usage; the prompt counts once per prompt (choice
-/// `index` of `n` per prompt), not once per choice.
-fn add_choice(u: &mut Usage, index: usize, n: usize, prompt: usize, completion: usize) {
+/// One finished choice's token counts.
+#[derive(Debug, Clone, Copy)]
+struct ChoiceTokens {
+    prompt: usize,
+    completion: usize,
+    /// Of the prompt, tokens the prefix cache supplied.
+    cached: usize,
+}
+
+/// Adds one finished choice to a request's usage; the prompt (and its cached part, as the
+/// first choice found it) counts once per prompt (choice `index` of `n` per prompt), not once
+/// per choice.
+fn add_choice(u: &mut Usage, index: usize, n: usize, t: ChoiceTokens) {
+    let (prompt, completion) = (t.prompt, t.completion);
     if index.is_multiple_of(n) {
         u.prompt_tokens += prompt;
+        u.prompt_tokens_details
+            .get_or_insert_with(Default::default)
+            .cached_tokens += t.cached;
     }
     u.completion_tokens += completion;
     u.total_tokens = u.prompt_tokens + u.completion_tokens;
@@ -368,14 +382,14 @@ impl Fold {
                 text,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
             } => {
-                add_choice(
-                    &mut self.usage,
-                    index,
-                    self.n,
-                    prompt_tokens,
-                    completion_tokens,
-                );
+                let tokens = ChoiceTokens {
+                    prompt: prompt_tokens,
+                    completion: completion_tokens,
+                    cached: cached_tokens,
+                };
+                add_choice(&mut self.usage, index, self.n, tokens);
                 self.remaining = self.remaining.saturating_sub(1);
                 if let Some(c) = self.outputs.as_mut().and_then(|o| o.get_mut(index)) {
                     c.text.push_str(&text);
@@ -588,8 +602,17 @@ mod tests {
     fn usage_counts_each_prompt_once() {
         let mut u = Usage::default();
         for i in 0..4 {
-            add_choice(&mut u, i, 2, 10 + i / 2, 3);
+            let t = ChoiceTokens {
+                prompt: 10 + i / 2,
+                completion: 3,
+                cached: i,
+            };
+            add_choice(&mut u, i, 2, t);
         }
-        assert_eq!(u, Usage::new(21, 12));
+        let mut want = Usage::new(21, 12);
+        // Choices 0 and 2 are the first of their prompts.
+        want.prompt_tokens_details =
+            Some(super::super::response::PromptTokensDetails { cached_tokens: 2 });
+        assert_eq!(u, want);
     }
 }

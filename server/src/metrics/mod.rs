@@ -56,6 +56,11 @@ pub fn buckets_1_2_5(max: usize) -> Vec<f64> {
 #[error("metrics: {0}")]
 pub struct MetricsError(#[from] prometheus::Error);
 
+/// Python's spelling of a boolean, which vLLM's info labels carry.
+fn python_bool(b: bool) -> &'static str {
+    if b { "True" } else { "False" }
+}
+
 /// What `vllm:cache_config_info` reports.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CacheInfo {
@@ -64,6 +69,7 @@ pub struct CacheInfo {
     pub num_cpu_blocks: usize,
     pub cache_dtype: String,
     pub swap_space_gib: f64,
+    pub enable_prefix_caching: bool,
 }
 
 /// The engine's metrics, bound to this server's `model_name`.
@@ -79,6 +85,10 @@ pub struct EngineMetrics {
     prompt_tokens: IntCounter,
     generation_tokens: IntCounter,
     num_preemptions: IntCounter,
+    prefix_cache_queries: IntCounter,
+    prefix_cache_hits: IntCounter,
+    /// vLLM V0's name: hits over queries since start (older dashboards plot it directly).
+    gpu_prefix_cache_hit_rate: Gauge,
     /// Indexed by `FinishReason` (stop, length, abort).
     request_success: [IntCounter; 3],
     time_to_first_token: Histogram,
@@ -181,7 +191,7 @@ impl EngineMetrics {
             &cache.num_cpu_blocks.to_string(),
             &cache.cache_dtype,
             &cache.swap_space_gib.to_string(),
-            "False",
+            python_bool(cache.enable_prefix_caching),
         ])
         .set(1.0);
         let sizes = buckets_1_2_5(max_model_len.max(1));
@@ -222,6 +232,18 @@ impl EngineMetrics {
             num_preemptions: b.counter(
                 "vllm:num_preemptions_total",
                 "Number of preemptions of running requests.",
+            )?,
+            prefix_cache_queries: b.counter(
+                "vllm:prefix_cache_queries_total",
+                "Prefix cache queries, in terms of number of queried tokens.",
+            )?,
+            prefix_cache_hits: b.counter(
+                "vllm:prefix_cache_hits_total",
+                "Prefix cache hits, in terms of number of cached tokens.",
+            )?,
+            gpu_prefix_cache_hit_rate: b.gauge(
+                "vllm:gpu_prefix_cache_hit_rate",
+                "Prefix cache hit rate since start: cached over queried prompt tokens (0 to 1).",
             )?,
             request_success: [
                 by_reason(FinishReason::Stop),
@@ -332,6 +354,13 @@ impl StatsSink for EngineMetrics {
         self.prompt_tokens.inc_by(it.num_prompt_tokens);
         self.generation_tokens.inc_by(it.num_generation_tokens);
         self.num_preemptions.inc_by(it.num_preempted);
+        if it.prefix_cache_queries > 0 {
+            self.prefix_cache_queries.inc_by(it.prefix_cache_queries);
+            self.prefix_cache_hits.inc_by(it.prefix_cache_hits);
+            let queries = self.prefix_cache_queries.get() as f64;
+            self.gpu_prefix_cache_hit_rate
+                .set(self.prefix_cache_hits.get() as f64 / queries);
+        }
         if let Some(n) = it.batch_tokens {
             self.iteration_tokens.observe(n as f64);
         }
@@ -413,9 +442,12 @@ mod tests {
             num_cpu_blocks: 7,
             cache_dtype: "auto".into(),
             swap_space_gib: 4.0,
+            enable_prefix_caching: true,
         };
         let mut m = EngineMetrics::new(&registry, "smol", 8192, &cache).expect("metrics");
         let it = IterationStats {
+            prefix_cache_queries: 40,
+            prefix_cache_hits: 30,
             time_to_first_tokens: vec![0.03],
             finished: vec![ferrite_runtime::engine::stats::FinishedRequest {
                 reason: FinishReason::Abort,
@@ -441,6 +473,10 @@ mod tests {
             "# TYPE vllm:e2e_request_latency_seconds histogram",
             "# TYPE vllm:num_requests_running gauge",
             "# TYPE vllm:generation_tokens_total counter",
+            "vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"smol\"} 40",
+            "vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"smol\"} 30",
+            "vllm:gpu_prefix_cache_hit_rate{engine=\"0\",model_name=\"smol\"} 0.75",
+            "enable_prefix_caching=\"True\"",
         ] {
             assert!(text.contains(line), "missing {line}");
         }

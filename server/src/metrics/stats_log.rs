@@ -18,6 +18,8 @@ use ferrite_runtime::engine::stats::{IterationStats, SchedulerStats, StatsSink};
 pub struct Snapshot {
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
     pub running: usize,
     pub swapped: usize,
     /// Waiting in the scheduler plus not yet taken in by the engine.
@@ -36,6 +38,8 @@ pub struct LogSink(Arc<Mutex<Totals>>);
 struct Totals {
     prompt_tokens: u64,
     generation_tokens: u64,
+    prefix_cache_queries: u64,
+    prefix_cache_hits: u64,
     scheduler: SchedulerStats,
 }
 
@@ -44,6 +48,8 @@ impl StatsSink for LogSink {
         if let Ok(mut t) = self.0.lock() {
             t.prompt_tokens += iteration.num_prompt_tokens;
             t.generation_tokens += iteration.num_generation_tokens;
+            t.prefix_cache_queries += iteration.prefix_cache_queries;
+            t.prefix_cache_hits += iteration.prefix_cache_hits;
             t.scheduler = *scheduler;
         }
     }
@@ -53,14 +59,24 @@ impl LogSink {
     /// The totals now, with the queue depth of `engine` (which also counts requests not yet
     /// taken in by the engine).
     pub fn snapshot(&self, engine: &EngineHandle) -> Snapshot {
-        let (prompt_tokens, generation_tokens, s) = self
+        let (prompt_tokens, generation_tokens, queries, hits, s) = self
             .0
             .lock()
-            .map(|t| (t.prompt_tokens, t.generation_tokens, t.scheduler))
+            .map(|t| {
+                (
+                    t.prompt_tokens,
+                    t.generation_tokens,
+                    t.prefix_cache_queries,
+                    t.prefix_cache_hits,
+                    t.scheduler,
+                )
+            })
             .unwrap_or_default();
         Snapshot {
             prompt_tokens,
             generation_tokens,
+            prefix_cache_queries: queries,
+            prefix_cache_hits: hits,
             running: s.num_running,
             swapped: s.num_swapped,
             pending: engine.queue_depth(),
@@ -81,6 +97,8 @@ impl Snapshot {
 pub struct IntervalStats {
     pub prompt_throughput: f64,
     pub generation_throughput: f64,
+    /// Cached over queried prompt tokens of the requests admitted in the interval (0 to 1).
+    pub prefix_cache_hit_rate: f64,
     pub now: Snapshot,
 }
 
@@ -96,7 +114,8 @@ impl fmt::Display for IntervalStats {
             f,
             "Avg prompt throughput: {:.1} tokens/s, Avg generation throughput: {:.1} tokens/s, \
              Running: {} reqs, Swapped: {} reqs, Pending: {} reqs, \
-             GPU KV cache usage: {:.1}%, CPU KV cache usage: {:.1}%.",
+             GPU KV cache usage: {:.1}%, CPU KV cache usage: {:.1}%, \
+             Prefix cache hit rate: {:.1}%.",
             self.prompt_throughput,
             self.generation_throughput,
             self.now.running,
@@ -104,6 +123,7 @@ impl fmt::Display for IntervalStats {
             self.now.pending,
             self.now.gpu_cache_usage * 100.0,
             self.now.cpu_cache_usage * 100.0,
+            self.prefix_cache_hit_rate * 100.0,
         )
     }
 }
@@ -159,9 +179,20 @@ impl StatsLogger {
                 0.0
             }
         };
+        let queries = now
+            .prefix_cache_queries
+            .saturating_sub(self.last.prefix_cache_queries);
+        let hits = now
+            .prefix_cache_hits
+            .saturating_sub(self.last.prefix_cache_hits);
         let stats = IntervalStats {
             prompt_throughput: rate(now.prompt_tokens, self.last.prompt_tokens),
             generation_throughput: rate(now.generation_tokens, self.last.generation_tokens),
+            prefix_cache_hit_rate: if queries > 0 {
+                hits as f64 / queries as f64
+            } else {
+                0.0
+            },
             now,
         };
         self.prompt_throughput.set(stats.prompt_throughput);
@@ -221,6 +252,7 @@ mod tests {
         let s = IntervalStats {
             prompt_throughput: 12.345,
             generation_throughput: 6.0,
+            prefix_cache_hit_rate: 0.8125,
             now: Snapshot {
                 running: 3,
                 swapped: 1,
@@ -234,7 +266,7 @@ mod tests {
             s.to_string(),
             "Avg prompt throughput: 12.3 tokens/s, Avg generation throughput: 6.0 tokens/s, \
              Running: 3 reqs, Swapped: 1 reqs, Pending: 2 reqs, GPU KV cache usage: 45.7%, \
-             CPU KV cache usage: 0.0%."
+             CPU KV cache usage: 0.0%, Prefix cache hit rate: 81.2%."
         );
     }
 
@@ -248,6 +280,7 @@ mod tests {
             .expect("busy interval logs");
         assert_eq!(s.prompt_throughput, 20.0);
         assert_eq!(s.generation_throughput, 10.0);
+        assert_eq!(s.prefix_cache_hit_rate, 0.0, "no lookups in the interval");
         let text = super::super::encode(&registry).expect("encode");
         assert!(text.contains(
             "vllm:avg_generation_throughput_toks_per_s{engine=\"0\",model_name=\"m\"} 10"
@@ -257,6 +290,13 @@ mod tests {
                 "vllm:avg_prompt_throughput_toks_per_s{engine=\"0\",model_name=\"m\"} 20"
             )
         );
+        let cached = Snapshot {
+            prefix_cache_queries: 400,
+            prefix_cache_hits: 100,
+            ..snap(300, 150, 2)
+        };
+        let s = l.tick(t0 + Duration::from_secs(20), cached).expect("busy");
+        assert_eq!(s.prefix_cache_hit_rate, 0.25);
     }
 
     #[test]
