@@ -281,6 +281,18 @@ def overview():
             unit="percentunit",
         ), 12, 8),
         (timeseries(
+            "Prefix cache hit rate",
+            "Share of prompt tokens found in the prefix cache (vllm:prefix_cache_hits_total over "
+            "vllm:prefix_cache_queries_total, in tokens), over all replicas. Empty while no "
+            "prompt arrives, or with --no-enable-prefix-caching.",
+            [(
+                f"sum(rate(vllm:prefix_cache_hits_total{{{SEL}}}[$__rate_interval])) / "
+                f"sum(rate(vllm:prefix_cache_queries_total{{{SEL}}}[$__rate_interval]))",
+                "hit rate",
+            )],
+            unit="percentunit",
+        ), 12, 8),
+        (timeseries(
             "Requests by finish reason",
             "Finished requests per second by reason: stop, length, abort.",
             [(f"sum by (finished_reason) (rate(vllm:request_success_total{{{SEL}}}[$__rate_interval]))", "{{finished_reason}}")],
@@ -333,7 +345,7 @@ def realtime():
                 (f"sum(vllm:num_requests_swapped{{{SEL}}})", "swapped"),
                 (f"sum(vllm:num_requests_waiting{{{SEL}}})", "waiting"),
             ],
-        ), 8, 8),
+        ), 6, 8),
         (timeseries(
             "KV cache usage per pod",
             "Device KV-cache usage of each pod, and the average the autoscaler uses.",
@@ -342,12 +354,23 @@ def realtime():
                 (f"avg(vllm:kv_cache_usage_perc{{{SEL}}})", "average"),
             ],
             unit="percentunit",
-        ), 8, 8),
+        ), 6, 8),
+        (timeseries(
+            "Prefix cache hit rate per pod",
+            "Share of each pod's prompt tokens found in its prefix cache, from the token "
+            "counters (vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total).",
+            [(
+                f"sum by (pod) (rate(vllm:prefix_cache_hits_total{{{SEL}}}[$__rate_interval])) / "
+                f"sum by (pod) (rate(vllm:prefix_cache_queries_total{{{SEL}}}[$__rate_interval]))",
+                "{{pod}}",
+            )],
+            unit="percentunit",
+        ), 6, 8),
         (timeseries(
             "Preemptions",
             "Sequences preempted per second (swapped or recomputed) for lack of KV blocks.",
             [(f"sum(rate(vllm:num_preemptions_total{{{SEL}}}[$__rate_interval]))", "preemptions/s")],
-        ), 8, 8),
+        ), 6, 8),
         (heatmap("Inference compute duration", "Time from first scheduled to finish (vllm:request_inference_time_seconds).", "vllm:request_inference_time_seconds", "s"), 12, 8),
         (heatmap("Inference queue duration", "Time from arrival to first scheduled (vllm:request_queue_time_seconds).", "vllm:request_queue_time_seconds", "s"), 12, 8),
         (heatmap("Prompt length", "Prompt tokens per request (vllm:request_prompt_tokens).", "vllm:request_prompt_tokens", "short"), 8, 8),

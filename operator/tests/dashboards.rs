@@ -527,6 +527,8 @@ fn each_dashboard_shows_what_the_monitoring_guide_lists() {
                 "vllm:kv_cache_usage_perc",
                 "vllm:cpu_cache_usage_perc",
                 "vllm:request_success_total",
+                "vllm:prefix_cache_hits_total",
+                "vllm:prefix_cache_queries_total",
                 "DCGM_FI_DEV_GPU_UTIL",
             ],
         ),
@@ -545,6 +547,8 @@ fn each_dashboard_shows_what_the_monitoring_guide_lists() {
                 "vllm:request_prompt_tokens_bucket",
                 "vllm:request_generation_tokens_bucket",
                 "vllm:num_preemptions_total",
+                "vllm:prefix_cache_hits_total",
+                "vllm:prefix_cache_queries_total",
                 "vllm:iteration_tokens_total_bucket",
                 "process_cpu_seconds_total",
                 "DCGM_FI_DEV_GPU_UTIL",
@@ -716,11 +720,15 @@ fn wait_ready(servers: &mut [Server]) {
 }
 
 fn complete(base: &str, i: usize) -> u16 {
-    // Prompts of different lengths, for the length distributions.
-    let prompt = format!(
-        "Request {i}: {}",
-        "write a long story about a lighthouse. ".repeat(1 + i % 6)
-    );
+    // Prompts of different lengths, for the length distributions. Every third shares its
+    // start with others, for the prefix-cache hit rate; the rest start with their own number,
+    // so that sharing does not relieve the KV pressure the swap panels need.
+    let story = "Write a long story about a lighthouse. ".repeat(1 + i % 6);
+    let prompt = if i.is_multiple_of(3) {
+        format!("{story}Request {i}.")
+    } else {
+        format!("Request {i}: {story}")
+    };
     let body = json!({"model": "smol", "prompt": prompt, "max_tokens": 8 + (i % 3) * 4,
                       "ignore_eos": true, "temperature": 0.0});
     match ureq::post(&format!("{base}/v1/completions")).send_json(body) {

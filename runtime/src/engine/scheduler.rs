@@ -451,8 +451,9 @@ impl SchedulerConfig {
         if self.prefix_caching {
             let hashes = seq.hasher.hashes();
             let full = ((seq.num_computed + n) / bs).min(hashes.len());
-            for j in seq.num_registered..full {
-                space.device_mut().register(seq.blocks[j], hashes[j])?;
+            let newly = seq.blocks.iter().zip(hashes).take(full);
+            for (&block, &hash) in newly.skip(seq.num_registered) {
+                space.device_mut().register(block, hash)?;
             }
             seq.num_registered = seq.num_registered.max(full);
         }
