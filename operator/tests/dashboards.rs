@@ -720,16 +720,20 @@ fn wait_ready(servers: &mut [Server]) {
 }
 
 fn complete(base: &str, i: usize) -> u16 {
-    // Prompts of different lengths, for the length distributions. Every third shares its
-    // start with others, for the prefix-cache hit rate; the rest start with their own number,
-    // so that sharing does not relieve the KV pressure the swap panels need.
+    // Prompts of different lengths, for the length distributions, each starting with its own
+    // number. Every third asks for two choices of a prompt at least two blocks long: the second
+    // choice finds the first's prompt blocks cached, for the prefix-cache hit rate, however
+    // quickly the tiny KV cache evicts (the swap panels need that pressure).
     let story = "Write a long story about a lighthouse. ".repeat(1 + i % 6);
-    let prompt = if i.is_multiple_of(3) {
-        format!("{story}Request {i}.")
+    let (prompt, n) = if i.is_multiple_of(3) {
+        (
+            format!("Request {i}: {}", "Tell a tale of the sea. ".repeat(6)),
+            2,
+        )
     } else {
-        format!("Request {i}: {story}")
+        (format!("Request {i}: {story}"), 1)
     };
-    let body = json!({"model": "smol", "prompt": prompt, "max_tokens": 8 + (i % 3) * 4,
+    let body = json!({"model": "smol", "prompt": prompt, "max_tokens": 8 + (i % 3) * 4, "n": n,
                       "ignore_eos": true, "temperature": 0.0});
     match ureq::post(&format!("{base}/v1/completions")).send_json(body) {
         Ok(r) => r.status(),

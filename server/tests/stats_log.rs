@@ -18,6 +18,7 @@ struct Line {
     pending: u64,
     gpu: f64,
     cpu: f64,
+    hit_rate: f64,
 }
 
 impl Line {
@@ -44,7 +45,8 @@ fn parse(line: &str) -> Option<Line> {
         swapped: num("Swapped: ", " reqs") as u64,
         pending: num("Pending: ", " reqs") as u64,
         gpu: num("GPU KV cache usage: ", "%"),
-        cpu: num("CPU KV cache usage: ", "%."),
+        cpu: num("CPU KV cache usage: ", "%,"),
+        hit_rate: num("Prefix cache hit rate: ", "%."),
     })
 }
 
@@ -92,6 +94,8 @@ fn stats_line_reports_each_interval_and_goes_quiet_when_idle() {
         "queue never showed: {lines:?}"
     );
     assert!(lines.iter().all(|l| l.cpu == 0.0 && l.swapped == 0));
+    // The prompts are shorter than one 16-token block, so nothing can be a prefix-cache hit.
+    assert!(lines.iter().all(|l| l.hit_rate == 0.0), "{lines:?}");
     // Each line covers about one second, so the throughputs add up to the tokens generated.
     let total: f64 = lines.iter().map(|l| l.gen_tps).sum();
     assert!(
