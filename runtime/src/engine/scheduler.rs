@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 
-use crate::kv::{BlockHash, BlockHasher, BlockId, BlockSpace, KvError, blocks_for_tokens};
+use crate::kv::{BlockHasher, BlockId, BlockSpace, KvError, blocks_for_tokens};
 
 pub type SeqId = u64;
 
@@ -88,15 +88,6 @@ pub struct SeqState {
     hasher: BlockHasher,
     /// Leading entries of `blocks` registered in the prefix cache (or taken from it).
     num_registered: usize,
-    /// Whether it has been admitted once (its prefix-cache lookup is counted then).
-    admitted: bool,
-}
-
-impl SeqState {
-    /// Prefix hashes of the sequence's full blocks so far.
-    pub fn block_hashes(&self) -> &[BlockHash] {
-        self.hasher.hashes()
-    }
 }
 
 /// One sequence's work in a step: run tokens `[start, start + len)`.
@@ -193,7 +184,6 @@ impl Scheduler {
             num_preemptions: 0,
             hasher,
             num_registered: 0,
-            admitted: false,
         });
     }
 
@@ -304,14 +294,15 @@ impl Scheduler {
                     seq.num_computed = cached * bs;
                     seq.num_registered = cached;
                 }
-                if self.cfg.prefix_caching && !seq.admitted {
+                // The waiting queue holds new sequences and recompute victims; only a new one's
+                // lookup is counted.
+                if self.cfg.prefix_caching && seq.num_preemptions == 0 {
                     plan.prefix_lookups.push(PrefixLookup {
                         id: seq.id,
                         queried: seq.num_tokens,
                         hit: cached * bs,
                     });
                 }
-                seq.admitted = true;
                 plan.scheduled.push(self.cfg.allocate(&mut seq, n, space)?);
                 budget -= n;
                 self.running.push(seq);
