@@ -9,6 +9,7 @@
 
 pub mod device;
 pub mod engine;
+pub mod kernels;
 pub mod kv;
 pub mod model;
 pub mod priority;

@@ -20,6 +20,9 @@ pub struct GreedySeq {
     pub start_step: usize,
     /// Next-token logits from the step that finished its prompt (for reference checks).
     pub first_logits: Option<Vec<f32>>,
+    /// Keep the logits of every generated token in `all_logits` (batch-invariance checks).
+    pub keep_all_logits: bool,
+    pub all_logits: Vec<Vec<f32>>,
 }
 
 impl GreedySeq {
@@ -32,6 +35,8 @@ impl GreedySeq {
             blocks: Vec::new(),
             start_step: 0,
             first_logits: None,
+            keep_all_logits: false,
+            all_logits: Vec::new(),
         }
     }
 
@@ -91,8 +96,14 @@ pub fn run_greedy(
             let s = &mut seqs[*i];
             s.computed += toks.len();
             if s.computed == s.prompt.len() + s.generated.len() {
-                if s.generated.is_empty() {
-                    s.first_logits = Some(logits.get(row)?.to_vec1::<f32>()?);
+                if s.generated.is_empty() || s.keep_all_logits {
+                    let l = logits.get(row)?.to_vec1::<f32>()?;
+                    if s.keep_all_logits {
+                        s.all_logits.push(l.clone());
+                    }
+                    if s.generated.is_empty() {
+                        s.first_logits = Some(l);
+                    }
                 }
                 s.generated.push(next[row]);
             }

@@ -152,7 +152,7 @@ fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel, ModelError>
         None => from_metadata?,
     };
     let template = file.string("tokenizer.chat_template").map(str::to_string);
-    let mode = opts.weight_mode.resolve(file.num_params());
+    let mode = opts.weight_mode.resolve(file.num_params(), &opts.device);
     tracing::info!(?mode, params = file.num_params(), "loading GGUF weights");
     let weights = LlamaWeights::load(&cfg, &mut file, mode, &opts.device)?;
     finish(

@@ -16,6 +16,12 @@ pub const NEW_TOKENS: usize = 32;
 
 /// Greedy tokens and the first-step logits from quantized_llama.
 pub fn reference(prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
+    let (mut all, toks) = reference_all(prompt);
+    (all.swap_remove(0), toks)
+}
+
+/// Greedy tokens and the logits of every step from quantized_llama.
+pub fn reference_all(prompt: &[u32]) -> (Vec<Vec<f32>>, Vec<u32>) {
     let path = default_model();
     let mut f = std::fs::File::open(&path).expect("open model");
     let content = candle_core::quantized::gguf_file::Content::read(&mut f).expect("gguf");
@@ -32,6 +38,7 @@ pub fn reference(prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
         .to_vec1::<f32>()
         .expect("v");
     let mut toks = vec![argmax(&first)];
+    let mut all = vec![first];
     let mut pos = prompt.len();
     while toks.len() < NEW_TOKENS {
         let last = *toks.last().expect("token");
@@ -47,9 +54,11 @@ pub fn reference(prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
             .to_vec1::<f32>()
             .expect("v");
         toks.push(argmax(&l));
+        all.push(l);
         pos += 1;
     }
-    (first, toks)
+    all.pop();
+    (all, toks)
 }
 
 pub fn diffs(a: &[f32], b: &[f32]) -> (f32, f32) {
@@ -66,6 +75,12 @@ pub fn diffs(a: &[f32], b: &[f32]) -> (f32, f32) {
 /// Greedy-decodes PROMPT with our runtime; chunked prefill (7-token chunks) exercises
 /// multi-step prompts through the block tables.
 pub fn ours(backend: AttentionBackend, mode: WeightMode) -> (Vec<f32>, Vec<u32>, String) {
+    let (mut all, toks, text) = ours_all(backend, mode);
+    (all.swap_remove(0), toks, text)
+}
+
+/// As [`ours`], with the logits of every step.
+pub fn ours_all(backend: AttentionBackend, mode: WeightMode) -> (Vec<Vec<f32>>, Vec<u32>, String) {
     let opts = LoadOptions {
         weight_mode: mode,
         ..Default::default()
@@ -76,6 +91,7 @@ pub fn ours(backend: AttentionBackend, mode: WeightMode) -> (Vec<f32>, Vec<u32>,
     let cfg = KvCacheConfig::for_model(loaded.model.config(), 16, 64, 0);
     let mut cache = KvCache::new(cfg, &Device::Cpu).expect("cache");
     let mut seqs = vec![GreedySeq::new(prompt, NEW_TOKENS)];
+    seqs[0].keep_all_logits = true;
     run_greedy(&loaded.model, &mut cache, &mut seqs, 7).expect("run");
     assert_eq!(
         cache.allocator().num_used(),
@@ -84,7 +100,7 @@ pub fn ours(backend: AttentionBackend, mode: WeightMode) -> (Vec<f32>, Vec<u32>,
     );
     let s = seqs.pop().expect("seq");
     let text = loaded.tokenizer.decode(&s.generated, true).expect("decode");
-    (s.first_logits.expect("logits"), s.generated, text)
+    (s.all_logits, s.generated, text)
 }
 
 pub fn prompt_ids() -> Vec<u32> {

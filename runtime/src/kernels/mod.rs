@@ -1,0 +1,58 @@
+//! CPU matrix kernels of our own, where candle's do not fit a server's needs.
+//!
+//! [`qgemm`] is a batched int8 GEMM over 4- and 8-bit block-quantized weights: weights stay
+//! small (a quarter to an eighth of f32's bytes, which is what a decode step reads),
+//! activations are quantized per row, and every output element is reduced in the same order
+//! whatever the batch. So a request's output does not depend on what runs beside it, unlike
+//! dense f32 GEMM (whose blocking follows the batch size), while each weight block still
+//! serves every row of a step, unlike candle's per-row quantized matmul.
+
+pub mod qgemm;
+
+/// The instruction set a kernel runs on, chosen once at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512 with VNNI (`vpdpbusd`): 64 int8 products per instruction.
+    Avx512Vnni,
+    /// AVX2 with FMA (`vpmaddubsw` + `vpmaddwd`).
+    Avx2,
+    /// Plain Rust; also the reference the others are tested against.
+    Scalar,
+}
+
+impl Isa {
+    /// The best the CPU supports. AMX is never used: it faults under some hypervisors that
+    /// still report it, and VNNI is enough for these sizes.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+            {
+                return Isa::Avx512Vnni;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    /// [`Isa::detect`], once per process.
+    pub fn best() -> Isa {
+        static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *BEST.get_or_init(Isa::detect)
+    }
+
+    /// Every ISA this CPU can run, best first (tests compare them all).
+    pub fn available() -> Vec<Isa> {
+        let best = Isa::detect();
+        [Isa::Avx512Vnni, Isa::Avx2, Isa::Scalar]
+            .into_iter()
+            .skip_while(|&i| i != best)
+            .collect()
+    }
+}

@@ -1,0 +1,866 @@
+//! A batch-invariant quantized GEMM: `y = x Wᵀ` with `W` kept as 4- or 8-bit blocks and `x`
+//! quantized per row to int8 at every call.
+//!
+//! Weights `[n, k]` are held in blocks of [`QK`] values along `k`, each `w = d · q + m`:
+//! - [`Bits::Four`]: `q ∈ 0..=15` with a per-block minimum `m` (GGUF Q4_0 and Q4_1 map onto this
+//!   exactly), half a byte per weight;
+//! - [`Bits::Eight`]: `q ∈ -127..=127`, `m = 0` (GGUF Q8_0 exactly; any other type is
+//!   dequantized and requantized to this).
+//!
+//! They are repacked at load into panels of [`NR`] output columns, so that one 64-byte load feeds
+//! 16 columns of a `vpdpbusd`, and every weight block is reused across all rows of a step.
+//!
+//! Activations are quantized per row and block, symmetrically (`x ≈ da · qa`), so a row's
+//! integers depend on that row alone. Each output element is then reduced block by block, in
+//! order: an exact integer dot per block, then `acc = dot · (da · d) + acc` (and, for 4 bits,
+//! `acc = m · (da · Σqa) + acc`), each a fused multiply-add. Every ISA path and every tile shape
+//! does exactly these operations, so a row's result is bitwise the same alone or in a batch of
+//! any size, on every path ([`Isa`]).
+//!
+//! `k` need not be a multiple of [`QK`]: the last block is padded with zeros, which add nothing.
+
+use rayon::prelude::*;
+
+use super::Isa;
+
+/// Values per quantization block (GGUF's Q4_0, Q4_1 and Q8_0 use 32 too).
+pub const QK: usize = 32;
+/// Output columns per packed panel: one 512-bit vector of i32 or f32.
+pub const NR: usize = 16;
+/// Most rows per micro-tile.
+const MR: usize = 4;
+
+/// How many bits each weight keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bits {
+    /// Unsigned 0..=15 with a per-block scale and minimum.
+    Four,
+    /// Signed -127..=127 with a per-block scale.
+    Eight,
+}
+
+impl Bits {
+    /// Bytes of one panel block (`NR` columns × `QK` values).
+    const fn panel_block_bytes(self) -> usize {
+        match self {
+            Bits::Four => QK * NR / 2,
+            Bits::Eight => QK * NR,
+        }
+    }
+}
+
+/// One weight block as a caller hands it over: `w[i] = d · q[i] + m`.
+#[derive(Debug, Clone, Copy)]
+pub struct Block {
+    pub d: f32,
+    pub m: f32,
+    /// `0..=15` for [`Bits::Four`]; `-127..=127` (as `i8`, stored in `i16`) for [`Bits::Eight`].
+    pub q: [i16; QK],
+}
+
+/// Quantized weights of one `[n, k]` matrix, repacked into column panels.
+#[derive(Debug, Clone)]
+pub struct QWeights {
+    n: usize,
+    k: usize,
+    /// Blocks per row.
+    kb: usize,
+    bits: Bits,
+    /// Per panel and block: for `Eight`, `[k/4 = 8][NR][4]` i8; for `Four`, `[4][NR][4]` bytes
+    /// whose low nibbles hold values `4j..4j+4` and high nibbles `16+4j..16+4j+4`.
+    data: Vec<u8>,
+    /// `[panel][block][NR]` scales `d` (0 in padding columns).
+    scales: Vec<f32>,
+    /// `[panel][block][NR]`: minimums `m` for `Four`; for `Eight`, the column sums `Σq` as i32
+    /// bits (the VNNI path offsets activations by 128 and subtracts `128 · Σq`).
+    extra: Vec<u32>,
+}
+
+/// Error for weights that do not fit the kernel's formats.
+#[derive(Debug, thiserror::Error)]
+pub enum QuantError {
+    #[error("weights are not {n} x {k}: {len} values")]
+    Shape { n: usize, k: usize, len: usize },
+    #[error("block value {q} is out of range for {bits:?}")]
+    Range { q: i16, bits: Bits },
+}
+
+/// Symmetric 8-bit quantization of up to [`QK`] values; the rest of `q` is zeroed.
+///
+/// Written over fixed 32-lane arrays without early exits so that it vectorizes: it runs on
+/// every activation row of every matmul. Rounds half to even (one `vrndscaleps`).
+fn quantize_sym(x: &[f32], q: &mut [i8; QK]) -> f32 {
+    let mut v = [0f32; QK];
+    v[..x.len()].copy_from_slice(x);
+    // `v · 0` is NaN exactly when `v` is infinite or NaN.
+    let poison = v.iter().fold(0f32, |a, &e| a + e * 0.0);
+    let amax = v.iter().fold(0f32, |m, &e| m.max(e.abs()));
+    if poison.is_nan() {
+        // NaN in, NaN out: a NaN scale poisons every product of the block.
+        *q = [0; QK];
+        return f32::NAN;
+    }
+    if amax == 0.0 {
+        *q = [0; QK];
+        return 0.0;
+    }
+    let d = amax / 127.0;
+    let inv = 1.0 / d;
+    for (o, e) in q.iter_mut().zip(v) {
+        *o = (e * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+    }
+    d
+}
+
+impl QWeights {
+    /// Packs `n` columns of `kb = ceil(k / QK)` blocks each, handed over by `block(col, b)`.
+    pub fn from_blocks(
+        n: usize,
+        k: usize,
+        bits: Bits,
+        mut block: impl FnMut(usize, usize) -> Block,
+    ) -> Result<QWeights, QuantError> {
+        let kb = k.div_ceil(QK);
+        let panels = n.div_ceil(NR);
+        let pbb = bits.panel_block_bytes();
+        let mut data = vec![0u8; panels * kb * pbb];
+        let mut scales = vec![0f32; panels * kb * NR];
+        let mut extra = vec![0u32; panels * kb * NR];
+        for col in 0..n {
+            let (p, c) = (col / NR, col % NR);
+            for b in 0..kb {
+                let blk = block(col, b);
+                let at = (p * kb + b) * NR + c;
+                scales[at] = blk.d;
+                let base = (p * kb + b) * pbb;
+                match bits {
+                    Bits::Four => {
+                        if let Some(&q) = blk.q.iter().find(|&&q| !(0..=15).contains(&q)) {
+                            return Err(QuantError::Range { q, bits });
+                        }
+                        extra[at] = blk.m.to_bits();
+                        for i in 0..QK {
+                            let (j, hi) = ((i % 16) / 4, i >= 16);
+                            let byte = &mut data[base + j * NR * 4 + c * 4 + i % 4];
+                            *byte |= (blk.q[i] as u8) << if hi { 4 } else { 0 };
+                        }
+                    }
+                    Bits::Eight => {
+                        if let Some(&q) = blk.q.iter().find(|&&q| !(-127..=127).contains(&q)) {
+                            return Err(QuantError::Range { q, bits });
+                        }
+                        let sum: i32 = blk.q.iter().map(|&q| i32::from(q)).sum();
+                        extra[at] = sum as u32;
+                        for i in 0..QK {
+                            data[base + (i / 4) * NR * 4 + c * 4 + i % 4] = blk.q[i] as i8 as u8;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(QWeights {
+            n,
+            k,
+            kb,
+            bits,
+            data,
+            scales,
+            extra,
+        })
+    }
+
+    /// Quantizes row-major f32 `w` (`n` rows of `k`) to 8 bits.
+    pub fn quantize(w: &[f32], n: usize, k: usize) -> Result<QWeights, QuantError> {
+        if w.len() != n * k {
+            return Err(QuantError::Shape { n, k, len: w.len() });
+        }
+        let mut q = [0i8; QK];
+        QWeights::from_blocks(n, k, Bits::Eight, |col, b| {
+            let x = &w[col * k + b * QK..col * k + ((b + 1) * QK).min(k)];
+            let d = quantize_sym(x, &mut q);
+            Block {
+                d,
+                m: 0.0,
+                q: q.map(i16::from),
+            }
+        })
+    }
+
+    /// Block `b` of column `col`, as [`QWeights::from_blocks`] took it (for stacking).
+    pub fn block(&self, col: usize, b: usize) -> Block {
+        let (p, c) = (col / NR, col % NR);
+        let at = (p * self.kb + b) * NR + c;
+        let base = (p * self.kb + b) * self.bits.panel_block_bytes();
+        let mut q = [0i16; QK];
+        let m = match self.bits {
+            Bits::Four => {
+                for (i, v) in q.iter_mut().enumerate() {
+                    let byte = self.data[base + ((i % 16) / 4) * NR * 4 + c * 4 + i % 4];
+                    *v = i16::from(if i >= 16 { byte >> 4 } else { byte & 15 });
+                }
+                f32::from_bits(self.extra[at])
+            }
+            Bits::Eight => {
+                for (i, v) in q.iter_mut().enumerate() {
+                    *v = i16::from(self.data[base + (i / 4) * NR * 4 + c * 4 + i % 4] as i8);
+                }
+                0.0
+            }
+        };
+        Block {
+            d: self.scales[at],
+            m,
+            q,
+        }
+    }
+
+    /// `self` with `other`'s columns after its own (projections of the same input fused).
+    pub fn stack(&self, other: &QWeights) -> Option<QWeights> {
+        if self.k != other.k || self.bits != other.bits {
+            return None;
+        }
+        QWeights::from_blocks(self.n + other.n, self.k, self.bits, |col, b| {
+            if col < self.n {
+                self.block(col, b)
+            } else {
+                other.block(col - self.n, b)
+            }
+        })
+        .ok()
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.k
+    }
+
+    pub fn bits(&self) -> Bits {
+        self.bits
+    }
+
+    /// Bytes held, which is what a forward reads.
+    pub fn bytes(&self) -> usize {
+        self.data.len() + 4 * (self.scales.len() + self.extra.len())
+    }
+
+    /// The weights as f32 `[n, k]` (tests and the reference path).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut w = vec![0f32; self.n * self.k];
+        for col in 0..self.n {
+            for b in 0..self.kb {
+                let blk = self.block(col, b);
+                for i in 0..QK.min(self.k - b * QK) {
+                    w[col * self.k + b * QK + i] = blk.d * f32::from(blk.q[i]) + blk.m;
+                }
+            }
+        }
+        w
+    }
+
+    /// `y = x Wᵀ` for `m` rows of `x` (`[m, k]`) into `y` (`[m, n]`), on `isa`.
+    pub fn matmul(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) {
+        assert_eq!(x.len(), m * self.k, "input is not {m} x {}", self.k);
+        assert_eq!(y.len(), m * self.n, "output is not {m} x {}", self.n);
+        let a = QuantRows::quantize(x, m, self.k, self.kb, self.bits);
+        let panels = self.n.div_ceil(NR);
+        // Threads split the output columns: each element is still one thread's fixed-order sum.
+        let chunk = panels
+            .div_ceil(rayon::current_num_threads().max(1))
+            .next_multiple_of(PMAX);
+        let out = SendPtr(y.as_mut_ptr());
+        let starts: Vec<usize> = (0..panels).step_by(chunk).collect();
+        starts.par_iter().for_each(|&first| {
+            let out = &out;
+            let mut tile: Tile = [[0f32; NR * PMAX]; MR];
+            let end = (first + chunk).min(panels);
+            let mut p = first;
+            while p < end {
+                let group = PMAX.min(end - p);
+                let cols = (group * NR).min(self.n - p * NR);
+                for r0 in (0..m).step_by(MR) {
+                    let rows = MR.min(m - r0);
+                    self.tile(isa, &a, p, group, r0, rows, &mut tile);
+                    for (r, t) in tile.iter().enumerate().take(rows) {
+                        // SAFETY: each (row, column) is written by the one task that owns its
+                        // panels, inside `y`'s bounds (checked above); `y` outlives the loop.
+                        unsafe {
+                            let dst = out.0.add((r0 + r) * self.n + p * NR);
+                            std::ptr::copy_nonoverlapping(t.as_ptr(), dst, cols);
+                        }
+                    }
+                }
+                p += group;
+            }
+        });
+    }
+
+    /// Output `rows` × (`group` · NR) starting at row `r0` and panel `p` into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn tile(
+        &self,
+        isa: Isa,
+        a: &QuantRows,
+        p: usize,
+        group: usize,
+        r0: usize,
+        rows: usize,
+        out: &mut Tile,
+    ) {
+        // Fewer rows take more panels at once, so that enough independent dot products are in
+        // flight to hide `vpdpbusd`'s latency. Integer sums are exact in any order, and every
+        // float step stays per element, so the shape never changes a result.
+        macro_rules! shapes {
+            ($f:ident) => {
+                match (rows, group) {
+                    (1, 4) => x86::$f::<1, 4>(self, a, p, r0, out),
+                    (1, 2 | 3) => x86::$f::<1, 2>(self, a, p, r0, out),
+                    (1, _) => x86::$f::<1, 1>(self, a, p, r0, out),
+                    (2, 2..) => x86::$f::<2, 2>(self, a, p, r0, out),
+                    (2, _) => x86::$f::<2, 1>(self, a, p, r0, out),
+                    (3, 2..) => x86::$f::<3, 2>(self, a, p, r0, out),
+                    (3, _) => x86::$f::<3, 1>(self, a, p, r0, out),
+                    (_, 2..) => x86::$f::<MR, 2>(self, a, p, r0, out),
+                    (_, _) => x86::$f::<MR, 1>(self, a, p, r0, out),
+                }
+            };
+        }
+        // Shapes that took fewer panels than `group` leave the rest to this loop.
+        let took = match (rows, group) {
+            (1, 4) => 4,
+            (1, 2 | 3) | (2.., 2..) => 2,
+            _ => 1,
+        };
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::Avx512Vnni` is only chosen when the CPU has these features
+            // (`Isa::detect`); callers passing it by hand on other CPUs are a bug.
+            Isa::Avx512Vnni => unsafe {
+                match self.bits {
+                    Bits::Eight => shapes!(vnni8),
+                    Bits::Four => shapes!(vnni4),
+                }
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, for AVX2 + FMA.
+            Isa::Avx2 => unsafe {
+                match rows {
+                    1 => x86::avx2::<1>(self, a, p, r0, out),
+                    2 => x86::avx2::<2>(self, a, p, r0, out),
+                    3 => x86::avx2::<3>(self, a, p, r0, out),
+                    _ => x86::avx2::<MR>(self, a, p, r0, out),
+                }
+            },
+            _ => self.tile_scalar(a, p, r0, rows, out),
+        }
+        let took = if matches!(isa, Isa::Avx512Vnni) {
+            took
+        } else {
+            1
+        };
+        if took < group {
+            let mut rest: Tile = [[0f32; NR * PMAX]; MR];
+            self.tile(isa, a, p + took, group - took, r0, rows, &mut rest);
+            for (o, r) in out.iter_mut().zip(&rest).take(rows) {
+                o[took * NR..group * NR].copy_from_slice(&r[..(group - took) * NR]);
+            }
+        }
+    }
+
+    /// The reference: the same operations, one element at a time, one panel.
+    fn tile_scalar(&self, a: &QuantRows, p: usize, r0: usize, rows: usize, out: &mut Tile) {
+        for (r, o) in out.iter_mut().enumerate().take(rows) {
+            let row = r0 + r;
+            for (c, acc) in o.iter_mut().take(NR).enumerate() {
+                *acc = 0.0;
+                for b in 0..self.kb {
+                    let blk = self.block(p * NR + c, b);
+                    let qa = &a.q[row * a.stride + b * QK..][..QK];
+                    let dot: i32 = (0..QK)
+                        .map(|i| i32::from(blk.q[i]) * i32::from(qa[i]))
+                        .sum();
+                    let da = a.d[row * self.kb + b];
+                    *acc = (dot as f32).mul_add(da * blk.d, *acc);
+                    if self.bits == Bits::Four {
+                        *acc = blk.m.mul_add(da * a.sum[row * self.kb + b] as f32, *acc);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Most panels one micro-tile covers.
+const PMAX: usize = 4;
+
+/// A micro-tile's output: up to [`MR`] rows of up to [`PMAX`] panels.
+type Tile = [[f32; NR * PMAX]; MR];
+
+/// A raw output pointer shared by the tasks of one call, each writing its own columns.
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint elements (see `QWeights::matmul`).
+unsafe impl Sync for SendPtr {}
+unsafe impl Send for SendPtr {}
+
+/// Activations quantized per row and block.
+struct QuantRows {
+    /// `[m][kb * QK]` int8, zero-padded.
+    q: Vec<i8>,
+    /// The same plus 128, as unsigned bytes: the left operand of `vpdpbusd` for 8-bit weights
+    /// (empty for 4-bit ones).
+    u: Vec<u8>,
+    /// `[m][kb]` scales.
+    d: Vec<f32>,
+    /// `[m][kb]` sums of each block's integers (for the 4-bit minimum term).
+    sum: Vec<i32>,
+    stride: usize,
+}
+
+impl QuantRows {
+    fn quantize(x: &[f32], m: usize, k: usize, kb: usize, bits: Bits) -> QuantRows {
+        let stride = kb * QK;
+        let mut q = vec![0i8; m * stride];
+        let mut d = vec![0f32; m * kb];
+        let mut sum = vec![0i32; m * kb];
+        let mut u = vec![0u8; if bits == Bits::Eight { m * stride } else { 0 }];
+        let mut blk = [0i8; QK];
+        for r in 0..m {
+            for b in 0..kb {
+                let src = &x[r * k + b * QK..r * k + ((b + 1) * QK).min(k)];
+                d[r * kb + b] = quantize_sym(src, &mut blk);
+                sum[r * kb + b] = blk.iter().map(|&v| i32::from(v)).sum();
+                q[r * stride + b * QK..][..QK].copy_from_slice(&blk);
+                if bits == Bits::Eight {
+                    for (o, &v) in u[r * stride + b * QK..][..QK].iter_mut().zip(&blk) {
+                        *o = (v as u8) ^ 0x80;
+                    }
+                }
+            }
+        }
+        QuantRows {
+            q,
+            u,
+            d,
+            sum,
+            stride,
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+// Tiles index several register arrays by the same row and panel; iterators would hide that.
+#[allow(clippy::needless_range_loop)]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{Bits, NR, QK, QWeights, QuantRows, Tile};
+
+    /// Four consecutive activation bytes broadcast to every i32 lane.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn four<T>(q: &[T], at: usize) -> __m512i {
+        debug_assert!(at + 4 <= q.len() && size_of::<T>() == 1);
+        // SAFETY: callers pass `at + 4 <= q.len()` (blocks are zero-padded to QK).
+        _mm512_set1_epi32(unsafe { std::ptr::read_unaligned(q.as_ptr().add(at) as *const i32) })
+    }
+
+    /// The float steps of one block, shared by both widths: `acc += dot · (da · d)`, then for
+    /// 4 bits `acc += m · (da · Σqa)`, each one fused multiply-add.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn block_epilogue(
+        acc: __m512,
+        dot: __m512i,
+        da: f32,
+        scales: __m512,
+        mins: Option<(__m512, f32)>,
+    ) -> __m512 {
+        let s = _mm512_mul_ps(_mm512_set1_ps(da), scales);
+        let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);
+        match mins {
+            Some((m, da_sum)) => _mm512_fmadd_ps(m, _mm512_set1_ps(da_sum), acc),
+            None => acc,
+        }
+    }
+
+    /// 8-bit weights, `R` rows × `P` panels. `vpdpbusd` multiplies unsigned by signed bytes, so
+    /// activations are offset by 128 and `128 · Σw` is subtracted: the integer dot stays exact.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn vnni8<const R: usize, const P: usize>(
+        w: &QWeights,
+        a: &QuantRows,
+        p0: usize,
+        r0: usize,
+        out: &mut Tile,
+    ) {
+        let pbb = Bits::Eight.panel_block_bytes();
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        for b in 0..w.kb {
+            let mut dot = [[_mm512_setzero_si512(); P]; R];
+            for k4 in 0..QK / 4 {
+                let mut wv = [_mm512_setzero_si512(); P];
+                for (j, v) in wv.iter_mut().enumerate() {
+                    let base = ((p0 + j) * w.kb + b) * pbb;
+                    // SAFETY: the panel holds QK * NR bytes per block.
+                    *v = unsafe {
+                        _mm512_loadu_si512(w.data.as_ptr().add(base + k4 * NR * 4) as *const _)
+                    };
+                }
+                for (r, d) in dot.iter_mut().enumerate() {
+                    // SAFETY: inside the row's padded blocks.
+                    let av = unsafe { four(&a.u, (r0 + r) * a.stride + b * QK + k4 * 4) };
+                    for j in 0..P {
+                        d[j] = _mm512_dpbusd_epi32(d[j], av, wv[j]);
+                    }
+                }
+            }
+            for j in 0..P {
+                let at = ((p0 + j) * w.kb + b) * NR;
+                // SAFETY: NR scales and sums per panel block.
+                let (ws, sums) = unsafe {
+                    (
+                        _mm512_loadu_ps(w.scales.as_ptr().add(at)),
+                        _mm512_loadu_si512(w.extra.as_ptr().add(at) as *const _),
+                    )
+                };
+                let correction = _mm512_slli_epi32::<7>(sums);
+                for r in 0..R {
+                    let exact = _mm512_sub_epi32(dot[r][j], correction);
+                    let da = a.d[(r0 + r) * w.kb + b];
+                    acc[r][j] = block_epilogue(acc[r][j], exact, da, ws, None);
+                }
+            }
+        }
+        for r in 0..R {
+            for j in 0..P {
+                // SAFETY: `out[r]` holds PMAX * NR floats.
+                unsafe { _mm512_storeu_ps(out[r].as_mut_ptr().add(j * NR), acc[r][j]) };
+            }
+        }
+    }
+
+    /// 4-bit weights, `R` rows × `P` panels: unsigned nibbles times signed activations is
+    /// exactly `vpdpbusd`. Low and high nibbles feed separate accumulators (more in flight).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn vnni4<const R: usize, const P: usize>(
+        w: &QWeights,
+        a: &QuantRows,
+        p0: usize,
+        r0: usize,
+        out: &mut Tile,
+    ) {
+        let low = _mm512_set1_epi8(15);
+        let pbb = Bits::Four.panel_block_bytes();
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        for b in 0..w.kb {
+            let mut dlo = [[_mm512_setzero_si512(); P]; R];
+            let mut dhi = [[_mm512_setzero_si512(); P]; R];
+            for q4 in 0..4 {
+                let mut lo = [_mm512_setzero_si512(); P];
+                let mut hi = [_mm512_setzero_si512(); P];
+                for j in 0..P {
+                    let base = ((p0 + j) * w.kb + b) * pbb;
+                    // SAFETY: the panel holds QK * NR / 2 bytes per block.
+                    let packed = unsafe {
+                        _mm512_loadu_si512(w.data.as_ptr().add(base + q4 * NR * 4) as *const _)
+                    };
+                    lo[j] = _mm512_and_si512(packed, low);
+                    hi[j] = _mm512_and_si512(_mm512_srli_epi16::<4>(packed), low);
+                }
+                for r in 0..R {
+                    let at = (r0 + r) * a.stride + b * QK + q4 * 4;
+                    // SAFETY: `at + 20` is inside the row's padded blocks.
+                    let (al, ah) = unsafe { (four(&a.q, at), four(&a.q, at + 16)) };
+                    for j in 0..P {
+                        dlo[r][j] = _mm512_dpbusd_epi32(dlo[r][j], lo[j], al);
+                        dhi[r][j] = _mm512_dpbusd_epi32(dhi[r][j], hi[j], ah);
+                    }
+                }
+            }
+            for j in 0..P {
+                let at = ((p0 + j) * w.kb + b) * NR;
+                // SAFETY: NR scales and minimums per panel block.
+                let (ws, mins) = unsafe {
+                    (
+                        _mm512_loadu_ps(w.scales.as_ptr().add(at)),
+                        _mm512_loadu_ps(w.extra.as_ptr().add(at) as *const f32),
+                    )
+                };
+                for r in 0..R {
+                    let i = (r0 + r) * w.kb + b;
+                    let da = a.d[i];
+                    let dot = _mm512_add_epi32(dlo[r][j], dhi[r][j]);
+                    let m = Some((mins, da * a.sum[i] as f32));
+                    acc[r][j] = block_epilogue(acc[r][j], dot, da, ws, m);
+                }
+            }
+        }
+        for r in 0..R {
+            for j in 0..P {
+                // SAFETY: `out[r]` holds PMAX * NR floats.
+                unsafe { _mm512_storeu_ps(out[r].as_mut_ptr().add(j * NR), acc[r][j]) };
+            }
+        }
+    }
+
+    /// AVX2, both widths. `vpmaddubsw` wants unsigned × signed bytes and saturates pair sums at
+    /// i16, so each product is formed as |a| × (w · sign a): |a| ≤ 127 and |w| ≤ 127 keep pair
+    /// sums within range, and `vpmaddwd` widens them to i32. 4-bit weights are unpacked first.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn avx2<const R: usize>(
+        w: &QWeights,
+        a: &QuantRows,
+        p: usize,
+        r0: usize,
+        out: &mut Tile,
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm256_set1_epi8(15);
+        let four_bits = w.bits == Bits::Four;
+        let pbb = w.bits.panel_block_bytes();
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for b in 0..w.kb {
+            let base = (p * w.kb + b) * pbb;
+            let mut dot = [[_mm256_setzero_si256(); 2]; R];
+            for k4 in 0..QK / 4 {
+                // SAFETY: in bounds of the panel block (QK * NR or QK * NR / 2 bytes); each
+                // half covers 8 columns.
+                let wv = unsafe {
+                    if four_bits {
+                        let ptr = w.data.as_ptr().add(base + (k4 % 4) * NR * 4);
+                        let shift = if k4 >= 4 { 4 } else { 0 };
+                        let half = |h: usize| {
+                            let v = _mm256_loadu_si256(ptr.add(32 * h) as *const _);
+                            _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), low)
+                        };
+                        [half(0), half(1)]
+                    } else {
+                        let ptr = w.data.as_ptr().add(base + k4 * NR * 4);
+                        [
+                            _mm256_loadu_si256(ptr as *const _),
+                            _mm256_loadu_si256(ptr.add(32) as *const _),
+                        ]
+                    }
+                };
+                for (r, d) in dot.iter_mut().enumerate() {
+                    let at = (r0 + r) * a.stride + b * QK + k4 * 4;
+                    // SAFETY: `at + 4` is inside the row's padded blocks.
+                    let av = _mm256_set1_epi32(unsafe {
+                        std::ptr::read_unaligned(a.q.as_ptr().add(at) as *const i32)
+                    });
+                    let abs = _mm256_sign_epi8(av, av);
+                    for h in 0..2 {
+                        let signed = _mm256_sign_epi8(wv[h], av);
+                        let pairs = _mm256_maddubs_epi16(abs, signed);
+                        d[h] = _mm256_add_epi32(d[h], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            }
+            let at = (p * w.kb + b) * NR;
+            for r in 0..R {
+                let i = (r0 + r) * w.kb + b;
+                let da = a.d[i];
+                let t = _mm256_set1_ps(da * a.sum[i] as f32);
+                for h in 0..2 {
+                    // SAFETY: NR scales and extras per panel block.
+                    let (ws, mins) = unsafe {
+                        (
+                            _mm256_loadu_ps(w.scales.as_ptr().add(at + 8 * h)),
+                            _mm256_loadu_ps(w.extra.as_ptr().add(at + 8 * h) as *const f32),
+                        )
+                    };
+                    let s = _mm256_mul_ps(_mm256_set1_ps(da), ws);
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), s, acc[r][h]);
+                    if four_bits {
+                        acc[r][h] = _mm256_fmadd_ps(mins, t, acc[r][h]);
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for h in 0..2 {
+                // SAFETY: `out[r]` holds at least NR = 16 floats.
+                unsafe { _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * h), acc[r][h]) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn matrix(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        (0..len)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Random 4-bit weights with scales and minimums, like GGUF Q4_1.
+    fn four_bit(n: usize, k: usize, seed: u64) -> QWeights {
+        let r = matrix(n * k.div_ceil(QK) * (QK + 2), seed);
+        QWeights::from_blocks(n, k, Bits::Four, |col, b| {
+            let at = (col * k.div_ceil(QK) + b) * (QK + 2);
+            let mut q = [0i16; QK];
+            for (i, v) in q.iter_mut().enumerate() {
+                // Padding values past k must be zero (from_blocks callers pad with zeros).
+                if b * QK + i < k {
+                    *v = ((r[at + i] + 1.0) * 7.99) as i16;
+                }
+            }
+            Block {
+                d: r[at + QK].abs() / 15.0,
+                m: r[at + QK + 1] * 0.5,
+                q,
+            }
+        })
+        .expect("valid blocks")
+    }
+
+    fn run(w: &QWeights, isa: Isa, x: &[f32], m: usize) -> Vec<f32> {
+        let mut y = vec![0f32; m * w.rows()];
+        w.matmul(isa, x, m, &mut y);
+        y
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn close_to_the_f32_product() {
+        let (n, k, m) = (40, 100, 5);
+        let x = matrix(m * k, 2);
+        for w in [
+            QWeights::quantize(&matrix(n * k, 1), n, k).expect("quantize"),
+            four_bit(n, k, 1),
+        ] {
+            let wf = w.dequantize();
+            for isa in Isa::available() {
+                let y = run(&w, isa, &x, m);
+                for r in 0..m {
+                    for c in 0..n {
+                        let exact: f32 = (0..k).map(|i| x[r * k + i] * wf[c * k + i]).sum();
+                        // Activations rounded to 8 bits: under 1% of the dot's scale.
+                        let tol = 0.01 * (k as f32).sqrt();
+                        let got = y[r * n + c];
+                        assert!(
+                            (got - exact).abs() < tol,
+                            "{isa:?} {:?} ({r},{c}): {got} vs {exact}",
+                            w.bits()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn eight_bit_quantization_is_close() {
+        let (n, k) = (7, 70);
+        let wf = matrix(n * k, 9);
+        let w = QWeights::quantize(&wf, n, k).expect("quantize");
+        for (a, b) in w.dequantize().iter().zip(&wf) {
+            assert!((a - b).abs() <= 1.0 / 254.0 + 1e-6, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn out_of_range_blocks_are_refused() {
+        let blk = |q: i16| Block {
+            d: 1.0,
+            m: 0.0,
+            q: [q; QK],
+        };
+        assert!(QWeights::from_blocks(1, 32, Bits::Four, |_, _| blk(16)).is_err());
+        assert!(QWeights::from_blocks(1, 32, Bits::Four, |_, _| blk(-1)).is_err());
+        assert!(QWeights::from_blocks(1, 32, Bits::Eight, |_, _| blk(-128)).is_err());
+        assert!(QWeights::quantize(&[0.0; 5], 2, 3).is_err());
+    }
+
+    #[test]
+    fn zero_and_non_finite_inputs() {
+        let (n, k) = (3, 64);
+        let mut wf = matrix(n * k, 3);
+        wf[..32].iter_mut().for_each(|v| *v = 0.0);
+        let zeros = vec![0f32; k];
+        let mut bad = matrix(k, 4);
+        bad[5] = f32::INFINITY;
+        for w in [
+            QWeights::quantize(&wf, n, k).expect("quantize"),
+            four_bit(n, k, 3),
+        ] {
+            for isa in Isa::available() {
+                assert!(run(&w, isa, &zeros, 1).iter().all(|&v| v == 0.0), "{isa:?}");
+                assert!(
+                    run(&w, isa, &bad, 1).iter().all(|v| v.is_nan()),
+                    "{isa:?}: inf in, NaN out"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn stacking_keeps_every_column() {
+        for (a, b) in [
+            (four_bit(20, 70, 1), four_bit(9, 70, 2)),
+            (
+                QWeights::quantize(&matrix(16 * 40, 3), 16, 40).expect("quantize"),
+                QWeights::quantize(&matrix(5 * 40, 4), 5, 40).expect("quantize"),
+            ),
+        ] {
+            let s = a.stack(&b).expect("same k and bits");
+            assert_eq!(s.rows(), a.rows() + b.rows());
+            let mut both = a.dequantize();
+            both.extend(b.dequantize());
+            assert_eq!(bits(&s.dequantize()), bits(&both));
+        }
+        assert!(four_bit(3, 40, 1).stack(&four_bit(3, 41, 1)).is_none());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Ragged shapes (k not a multiple of 32, n not of 16, m not of 4), both widths: every
+        /// ISA path gives bitwise the scalar reference's result, and a row gives the same bits
+        /// alone as inside the batch.
+        #[test]
+        fn every_path_and_batch_gives_the_same_bits(
+            n in 1usize..70,
+            k in 1usize..200,
+            m in 1usize..11,
+            four in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            let w = if four {
+                four_bit(n, k, seed)
+            } else {
+                QWeights::quantize(&matrix(n * k, seed), n, k).expect("quantize")
+            };
+            let x = matrix(m * k, seed ^ 0xabcdef);
+            let reference = run(&w, Isa::Scalar, &x, m);
+            for isa in Isa::available() {
+                let y = run(&w, isa, &x, m);
+                prop_assert_eq!(bits(&y), bits(&reference), "{:?}", isa);
+                for r in 0..m {
+                    let alone = run(&w, isa, &x[r * k..(r + 1) * k], 1);
+                    prop_assert_eq!(
+                        bits(&alone),
+                        bits(&y[r * n..(r + 1) * n]),
+                        "{:?} row {} alone", isa, r
+                    );
+                }
+            }
+        }
+    }
+}
