@@ -1,6 +1,6 @@
 //! The batched paged runtime against an implementation not written here: candle-transformers'
 //! `quantized_llama`, on the default model, with weights kept quantized on both sides.
-//! (`runtime_reference_dense.rs` checks the default dense mode.)
+//! (`runtime_reference_dense.rs` checks the dense mode against its dequantized twin.)
 
 mod common;
 
@@ -11,14 +11,6 @@ use ferrite_runtime::model::attention::AttentionBackend;
 /// With the generic attention path our forward performs the same floating-point operations as
 /// the reference, through block tables and per-token positions, so it must match exactly.
 const GENERIC_TOLERANCE: f32 = 1e-4;
-/// The fused CPU attention kernel sums in a different order (~1e-5 relative, see
-/// `fused_kernel_matches_generic_path_on_dense_weights`). The quantized matmuls re-quantize every
-/// activation to 8 bits, which turns such differences into occasional whole rounding steps, so
-/// over 30 layers single logits move by up to ~1 (of a range of ~40). Greedy tokens must still
-/// agree, and the mean difference must stay small.
-const FUSED_MAX_TOLERANCE: f32 = 1.5;
-const FUSED_MEAN_TOLERANCE: f32 = 0.2;
-
 /// The default CPU mode against exact arithmetic. It keeps the GGUF's Q4_1 and Q8_0 blocks
 /// exactly and, like candle's (and llama.cpp's) kernels, quantizes activations to 8 bits in
 /// blocks of 32, so it cannot match f32 maths exactly; it must be as close to it as candle's
@@ -52,12 +44,25 @@ fn agreed(name: &str, got: &[u32], exact_tokens: &[u32], exact: &[Vec<f32>]) -> 
 
 #[test]
 fn packed_runtime_is_as_close_to_f32_as_quantized_llama() {
+    as_close_to_f32_as_quantized_llama(WeightMode::Packed);
+}
+
+/// candle's quantized kernels with our fused attention kernel, which sums in another order than
+/// `quantized_llama` (it matches exactly with the generic path, below): 8-bit requantization
+/// turns such differences into occasional whole rounding steps, so this mode is held to the
+/// same bound against f32 rather than to `quantized_llama`'s bits.
+#[test]
+fn quantized_runtime_with_fused_attention_is_as_close_to_f32_as_quantized_llama() {
+    as_close_to_f32_as_quantized_llama(WeightMode::Quantized);
+}
+
+fn as_close_to_f32_as_quantized_llama(mode: WeightMode) {
     // Every step's logits while all decode the same tokens: one step's error is one sample of
     // rounding noise, many of them average it out.
     let (candle, candle_tokens) = reference_all(&prompt_ids());
     let (exact, exact_tokens, _) = ours_all(AttentionBackend::Auto, WeightMode::Dense);
-    let (packed, tokens, text) = ours_all(AttentionBackend::Auto, WeightMode::Packed);
-    let same = agreed("packed", &tokens, &exact_tokens, &exact).min(agreed(
+    let (packed, tokens, text) = ours_all(AttentionBackend::Auto, mode);
+    let same = agreed(&format!("{mode:?}"), &tokens, &exact_tokens, &exact).min(agreed(
         "quantized_llama",
         &candle_tokens,
         &exact_tokens,
@@ -78,32 +83,15 @@ fn packed_runtime_is_as_close_to_f32_as_quantized_llama() {
     let (pmax, pmean) = errors(&packed);
     eprintln!(
         "against f32 over {same} steps: quantized_llama max |dlogit| {cmax:e} mean {cmean:e}; \
-         packed max {pmax:e} mean {pmean:e}; answer {text:?}"
+         {mode:?} max {pmax:e} mean {pmean:e}; answer {text:?}"
     );
     assert!(
         pmean <= 1.2 * cmean,
-        "packed mean error {pmean} vs quantized_llama's {cmean}"
+        "{mode:?} mean error {pmean} vs quantized_llama's {cmean}"
     );
     assert!(
         pmax <= 1.5 * cmax,
-        "packed max error {pmax} vs quantized_llama's {cmax}"
-    );
-    assert!(text.contains("Paris"), "{text}");
-}
-
-#[test]
-fn quantized_runtime_matches_quantized_llama() {
-    let (ref_logits, ref_tokens) = reference(&prompt_ids());
-    let (logits, tokens, text) = ours(AttentionBackend::Auto, WeightMode::Quantized);
-    let (max, mean) = diffs(&logits, &ref_logits);
-    eprintln!(
-        "fused kernel vs quantized_llama: max |dlogit| {max:e}, mean {mean:e}; answer {text:?}"
-    );
-    assert!(max < FUSED_MAX_TOLERANCE, "max logit difference {max}");
-    assert!(mean < FUSED_MEAN_TOLERANCE, "mean logit difference {mean}");
-    assert_eq!(
-        tokens, ref_tokens,
-        "greedy tokens differ from quantized_llama"
+        "{mode:?} max error {pmax} vs quantized_llama's {cmax}"
     );
     assert!(text.contains("Paris"), "{text}");
 }
