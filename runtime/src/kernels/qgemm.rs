@@ -411,7 +411,9 @@ struct QuantRows {
     /// `[m][kb * QK]` int8, zero-padded.
     q: Vec<i8>,
     /// The same plus 128, as unsigned bytes: the left operand of `vpdpbusd` for 8-bit weights
-    /// (empty for 4-bit ones).
+    /// (empty for 4-bit ones). Offsetting here rather than in the kernel also sidesteps an
+    /// LLVM 22 hang: with `target-cpu=native`, a vector xor of a broadcast never finished
+    /// instruction selection (`SelectionDAG::Legalize`).
     u: Vec<u8>,
     /// `[m][kb]` scales.
     d: Vec<f32>,
