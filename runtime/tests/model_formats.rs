@@ -11,27 +11,13 @@ use candle_core::{DType, Device, Tensor};
 use ferrite_runtime::kv::{KvCache, KvCacheConfig};
 use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
 use ferrite_runtime::model::{self, LoadOptions, LoadedModel, ModelError, WeightMode};
+use ferrite_testkit::random::values;
 
 const HIDDEN: usize = 256;
 const FFN: usize = 512;
 const HEADS: usize = 4;
 const KV_HEADS: usize = 2;
 const LAYERS: usize = 2;
-
-/// Deterministic pseudo-random values in [-scale, scale].
-fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut x = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
 
 /// Tokenizer metadata of the default model, reused so tiny models have a real vocabulary.
 fn tokenizer_metadata() -> Vec<(String, Value)> {

@@ -1,9 +1,10 @@
 //! Test support for the workspace's tests and benchmarks (a dev-dependency only): child
 //! processes that die with the test, free ports, polling, the default model, the Prometheus
-//! runner, and a real Kubernetes control plane.
+//! runner, a real Kubernetes control plane, and deterministic random test data.
 
 pub mod kube;
 pub mod model;
 pub mod process;
 pub mod prometheus;
+pub mod random;
 pub mod server;

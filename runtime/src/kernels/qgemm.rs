@@ -313,28 +313,28 @@ impl QWeights {
     ) {
         // Fewer rows take more panels at once, so that enough independent dot products are in
         // flight to hide `vpdpbusd`'s latency. Integer sums are exact in any order, and every
-        // float step stays per element, so the shape never changes a result.
+        // float step stays per element, so the shape never changes a result. Panels a shape
+        // does not take are left to the recursion below; other ISAs take one at a time.
+        let took = match (isa, rows, group) {
+            (Isa::Avx512Vnni, 1, 4) => 4,
+            (Isa::Avx512Vnni, 1, 2 | 3) | (Isa::Avx512Vnni, 2.., 2..) => 2,
+            _ => 1,
+        };
         macro_rules! shapes {
             ($f:ident) => {
-                match (rows, group) {
+                match (rows, took) {
                     (1, 4) => x86::$f::<1, 4>(self, a, p, r0, out),
-                    (1, 2 | 3) => x86::$f::<1, 2>(self, a, p, r0, out),
+                    (1, 2) => x86::$f::<1, 2>(self, a, p, r0, out),
                     (1, _) => x86::$f::<1, 1>(self, a, p, r0, out),
-                    (2, 2..) => x86::$f::<2, 2>(self, a, p, r0, out),
+                    (2, 2) => x86::$f::<2, 2>(self, a, p, r0, out),
                     (2, _) => x86::$f::<2, 1>(self, a, p, r0, out),
-                    (3, 2..) => x86::$f::<3, 2>(self, a, p, r0, out),
+                    (3, 2) => x86::$f::<3, 2>(self, a, p, r0, out),
                     (3, _) => x86::$f::<3, 1>(self, a, p, r0, out),
-                    (_, 2..) => x86::$f::<MR, 2>(self, a, p, r0, out),
+                    (_, 2) => x86::$f::<MR, 2>(self, a, p, r0, out),
                     (_, _) => x86::$f::<MR, 1>(self, a, p, r0, out),
                 }
             };
         }
-        // Shapes that took fewer panels than `group` leave the rest to this loop.
-        let took = match (rows, group) {
-            (1, 4) => 4,
-            (1, 2 | 3) | (2.., 2..) => 2,
-            _ => 1,
-        };
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::Avx512Vnni` is only chosen when the CPU has these features
@@ -357,11 +357,6 @@ impl QWeights {
             },
             _ => self.tile_scalar(a, p, r0, rows, out),
         }
-        let took = if matches!(isa, Isa::Avx512Vnni) {
-            took
-        } else {
-            1
-        };
         if took < group {
             let mut rest: Tile = [[0f32; NR * PMAX]; MR];
             self.tile(isa, a, p + took, group - took, r0, rows, &mut rest);
@@ -698,15 +693,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn matrix(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-        (0..len)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+        ferrite_testkit::random::values(len, seed, 1.0)
     }
 
     /// Random 4-bit weights with scales and minimums, like GGUF Q4_1.

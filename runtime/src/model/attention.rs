@@ -528,19 +528,8 @@ fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
 mod tests {
     use super::*;
     use candle_core::Device;
+    use ferrite_testkit::random::values;
     use proptest::prelude::*;
-
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        (0..len)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-            })
-            .collect()
-    }
 
     fn run(meta: &AttnMeta, q: &[f32], kc: &Tensor, vc: &Tensor, fused: bool) -> Vec<f32> {
         let dim = meta.num_heads * meta.head_dim;
@@ -599,12 +588,12 @@ mod tests {
             };
             let slots = total_blocks * block_size;
             let dev = &Device::Cpu;
-            let kc = Tensor::from_vec(values(slots * kv_dim, seed), (slots, kv_dim), dev)
+            let kc = Tensor::from_vec(values(slots * kv_dim, seed, 2.0), (slots, kv_dim), dev)
                 .expect("k");
-            let vc = Tensor::from_vec(values(slots * kv_dim, !seed), (slots, kv_dim), dev)
+            let vc = Tensor::from_vec(values(slots * kv_dim, !seed, 2.0), (slots, kv_dim), dev)
                 .expect("v");
             let tokens = meta.token_seq.len();
-            let q = values(tokens * nh * hd, seed ^ 0x5555);
+            let q = values(tokens * nh * hd, seed ^ 0x5555, 2.0);
             let fused = run(&meta, &q, &kc, &vc, true);
             let generic = run(&meta, &q, &kc, &vc, false);
             let max = fused

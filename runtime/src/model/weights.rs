@@ -184,9 +184,9 @@ impl CustomOp1 for PackedMatMul {
 
 /// Reads a GGUF tensor's blocks into the packed layout: Q4_0, Q4_1 and Q8_0 exactly (their
 /// blocks are 32 values with f16 scales), anything else dequantized and requantized to 8 bits.
-fn pack(q: &QTensor, device: &Device) -> Result<QWeights, ModelError> {
+fn pack(name: &str, q: &QTensor, device: &Device) -> Result<QWeights, ModelError> {
     let (n, k) = q.shape().dims2()?;
-    let err = |e: qgemm::QuantError| ModelError::Tensor(e.to_string());
+    let err = |e: qgemm::QuantError| ModelError::Tensor(format!("{name}: {e}"));
     let (bits, block_bytes) = match q.dtype() {
         GgmlDType::Q4_0 => (Bits::Four, 18),
         GgmlDType::Q4_1 => (Bits::Four, 20),
@@ -200,7 +200,7 @@ fn pack(q: &QTensor, device: &Device) -> Result<QWeights, ModelError> {
     let kb = k / qgemm::QK;
     if k % qgemm::QK != 0 || data.len() != n * kb * block_bytes {
         return Err(ModelError::Tensor(format!(
-            "{:?} tensor {n} x {k} holds {} bytes",
+            "{name}: {:?} tensor {n} x {k} holds {} bytes",
             q.dtype(),
             data.len()
         )));
@@ -358,7 +358,7 @@ impl Loader<'_> {
         let wrap = |e: candle_core::Error| ModelError::Tensor(format!("{name}: {e}"));
         if self.mode == WeightMode::Packed {
             let packed = match w {
-                RawWeight::Quantized(q) => pack(&q, self.device)?,
+                RawWeight::Quantized(q) => pack(name, &q, self.device)?,
                 RawWeight::Dense(t) => {
                     let (n, k) = t.dims2().map_err(wrap)?;
                     let f = t
