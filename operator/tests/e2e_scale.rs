@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::e2e::{Applier, Operator, condition, get_isvc, install, isvc, pods_ready};
-use common::servers::{load, ready_server};
+use common::servers::{Load, ready_server};
 use ferrite_testkit::kube::{Cluster, Options};
 use ferrite_testkit::process::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -190,15 +190,20 @@ async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
 
     // 8 requests on a server that runs 2 at once: 6 wait, 6 × the target of 1 is past the
     // default panic threshold (3×), so it goes straight to maxReplicas.
-    let base = server.base.clone();
-    let clients = tokio::task::spawn_blocking(move || load(&base, 8, 48))
-        .await
-        .expect("load");
+    let clients = Load::start(&server.base, 8, 48);
     let scaled = eventually(WAIT, "spec.replicas 4", async || {
         let i = get_isvc(&client, &ns, "chat").await?;
         (i["spec"]["replicas"] == 4).then_some(i)
     })
     .await;
+    // The queue has done its part; every request it sent must have succeeded.
+    let statuses = tokio::task::spawn_blocking(move || clients.finish())
+        .await
+        .expect("clients");
+    assert!(
+        !statuses.is_empty() && statuses.iter().all(|s| *s == 200),
+        "{statuses:?}"
+    );
     assert_eq!(
         scaled["metadata"]["generation"], 2,
         "one write of spec.replicas"
@@ -298,15 +303,6 @@ async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
         )),
         Some(1.0)
     );
-    let statuses = tokio::task::spawn_blocking(move || {
-        clients
-            .into_iter()
-            .map(|c| c.join().expect("client"))
-            .collect::<Vec<_>>()
-    })
-    .await
-    .expect("clients");
-    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
     drop(server);
 }
 
@@ -380,10 +376,7 @@ async fn a_real_hpa_scales_on_the_external_metrics_api() {
     .await;
     assert_eq!(items[0]["metricName"], "ferrite_requests_waiting");
 
-    let base = server.base.clone();
-    let clients = tokio::task::spawn_blocking(move || load(&base, 8, 64))
-        .await
-        .expect("load");
+    let clients = Load::start(&server.base, 8, 64);
     let scaled = eventually(WAIT, "the HPA to scale the InferenceService", async || {
         let i = get_isvc(&client, &ns, "chat").await?;
         (i["spec"]["replicas"].as_i64()? > 1).then_some(i)

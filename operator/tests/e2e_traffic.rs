@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::e2e::{
     Applier, Operator, Release, get_isvc, install, install_service_monitor_crd, isvc, pods_ready,
 };
-use common::servers::{load, ready_server};
+use common::servers::{Load, ready_server};
 use ferrite_testkit::kube::{Cluster, Options};
 use ferrite_testkit::process::eventually;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
@@ -142,10 +142,7 @@ async fn the_operator_uses_exactly_the_rbac_the_chart_grants() {
         (pods_ready(&client, &ns, "scaled", "127.0.0.1").await > 0).then_some(())
     })
     .await;
-    let base = server.base.clone();
-    let clients = tokio::task::spawn_blocking(move || load(&base, 6, 32))
-        .await
-        .expect("load");
+    let clients = Load::start(&server.base, 6, 32);
     eventually(WAIT, "the autoscaler to scale", async || {
         let i = get_isvc(&client, &ns, "scaled").await?;
         (i["spec"]["replicas"] == 2).then_some(())
