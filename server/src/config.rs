@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
+use ferrite_runtime::kv::CacheDtype;
 use ferrite_runtime::model::WeightMode;
 
 #[derive(Debug, Clone, Parser)]
@@ -41,6 +42,9 @@ pub struct ServerArgs {
     /// Memory for the device KV cache, e.g. `512MiB`, `2GiB` or plain bytes.
     #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
     pub kv_cache_memory: usize,
+    /// How keys and values are stored: `auto` (float16), float16, bfloat16 or float32.
+    #[arg(long, value_enum, default_value_t = CacheDtype::Auto)]
+    pub kv_cache_dtype: CacheDtype,
     /// Number of device KV blocks; overrides --kv-cache-memory.
     #[arg(long)]
     pub num_gpu_blocks: Option<usize>,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use ferrite_runtime::device::parse_device;
 use ferrite_runtime::engine::core as engine;
 use ferrite_runtime::engine::scheduler::SchedulerConfig;
@@ -100,7 +100,10 @@ async fn main() -> Result<()> {
         block_size: args.block_size,
         num_gpu_blocks: cache.allocator().num_blocks(),
         num_cpu_blocks: cache.host_allocator().num_blocks(),
-        cache_dtype: "auto".into(),
+        cache_dtype: args
+            .kv_cache_dtype
+            .to_possible_value()
+            .map_or_else(|| "auto".into(), |v| v.get_name().to_string()),
         swap_space_gib: args.swap_space,
         enable_prefix_caching: args.prefix_caching(),
     };
@@ -179,7 +182,8 @@ fn load_and_warm(args: &ServerArgs) -> Result<(model::LoadedModel, KvCache)> {
     let loaded = model::load(&args.model, &opts)
         .with_context(|| format!("loading model {}", args.model.display()))?;
     let cfg = loaded.model.config();
-    let probe = KvCacheConfig::for_model(cfg, args.block_size, 0, 0);
+    let dtype = args.kv_cache_dtype.dtype();
+    let probe = KvCacheConfig::for_model(cfg, args.block_size, 0, 0).with_dtype(dtype);
     let num_blocks = args
         .num_gpu_blocks
         .unwrap_or_else(|| probe.blocks_for_bytes(args.kv_cache_memory));
@@ -188,13 +192,15 @@ fn load_and_warm(args: &ServerArgs) -> Result<(model::LoadedModel, KvCache)> {
         num_blocks > 0,
         "the KV cache holds no block: raise --kv-cache-memory"
     );
-    let kv = KvCacheConfig::for_model(cfg, args.block_size, num_blocks, host_blocks);
+    let kv =
+        KvCacheConfig::for_model(cfg, args.block_size, num_blocks, host_blocks).with_dtype(dtype);
     let mut cache = KvCache::new(kv, &device)?;
     info!(
         weights = ?loaded.weight_mode,
         layers = cfg.num_layers,
         num_gpu_blocks = num_blocks,
         num_cpu_blocks = host_blocks,
+        kv_cache_dtype = ?dtype,
         block_size = args.block_size,
         max_model_len = loaded.model.max_len(),
         secs = t0.elapsed().as_secs_f64(),

@@ -251,15 +251,22 @@ impl QWeights {
     /// The weights as f32 `[n, k]` (tests and the reference path).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut w = vec![0f32; self.n * self.k];
-        for col in 0..self.n {
-            for b in 0..self.kb {
-                let blk = self.block(col, b);
-                for i in 0..QK.min(self.k - b * QK) {
-                    w[col * self.k + b * QK + i] = blk.d * f32::from(blk.q[i]) + blk.m;
-                }
-            }
+        for (col, row) in w.chunks_exact_mut(self.k.max(1)).enumerate() {
+            self.dequantize_row(col, row);
         }
         w
+    }
+
+    /// Output feature `col`'s `k` weights as f32 into `out`: `d · q + m` per block, as GGUF
+    /// dequantizes Q8_0 and Q4_1 (so those come out exactly). A tied embedding table reads its
+    /// rows here instead of keeping an f32 copy.
+    pub fn dequantize_row(&self, col: usize, out: &mut [f32]) {
+        for b in 0..self.kb {
+            let blk = self.block(col, b);
+            for i in 0..QK.min(self.k - b * QK) {
+                out[b * QK + i] = blk.d * f32::from(blk.q[i]) + blk.m;
+            }
+        }
     }
 
     /// `y = x Wᵀ` for `m` rows of `x` (`[m, k]`) into `y` (`[m, n]`), on `isa`.

@@ -4,6 +4,33 @@ use candle_core::{DType, Device, Tensor};
 
 use super::{BlockAllocator, BlockId, KvError};
 
+/// How keys and values are stored (vLLM's `--kv-cache-dtype`). Attention always computes in
+/// f32; a 16-bit cache rounds each key and value once, when it is written, which halves the
+/// cache's memory and the bytes attention reads per token (llama.cpp's default is f16 too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CacheDtype {
+    /// `float16`.
+    #[default]
+    Auto,
+    #[value(alias = "half", alias = "fp16")]
+    Float16,
+    #[value(alias = "bf16")]
+    Bfloat16,
+    #[value(alias = "float", alias = "fp32")]
+    Float32,
+}
+
+impl CacheDtype {
+    /// The tensor type the pools are allocated in.
+    pub fn dtype(self) -> DType {
+        match self {
+            CacheDtype::Auto | CacheDtype::Float16 => DType::F16,
+            CacheDtype::Bfloat16 => DType::BF16,
+            CacheDtype::Float32 => DType::F32,
+        }
+    }
+}
+
 /// Shape of the cache. `num_blocks` device blocks are preallocated once, per layer, at start-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvCacheConfig {
@@ -241,7 +268,7 @@ pub struct KvShape {
 }
 
 impl KvCacheConfig {
-    /// A cache shaped for `model`, in f32.
+    /// A cache shaped for `model`, in the default type ([`CacheDtype::Auto`]).
     pub fn for_model(
         model: impl Into<KvShape>,
         block_size: usize,
@@ -256,7 +283,12 @@ impl KvCacheConfig {
             block_size,
             num_blocks,
             num_host_blocks,
-            dtype: DType::F32,
+            dtype: CacheDtype::Auto.dtype(),
         }
+    }
+
+    /// The same cache storing keys and values as `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> Self {
+        Self { dtype, ..self }
     }
 }

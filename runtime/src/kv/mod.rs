@@ -8,7 +8,7 @@ mod prefix;
 mod space;
 
 pub use allocator::{BlockAllocator, BlockId, blocks_for_tokens};
-pub use cache::{KvCache, KvCacheConfig, KvShape};
+pub use cache::{CacheDtype, KvCache, KvCacheConfig, KvShape};
 pub use prefix::{BlockHash, BlockHasher};
 pub use space::{BlockSpace, CountingBlocks};
 

@@ -5,7 +5,9 @@
 //! directly (one op per layer for the whole batch). On other devices the same maths is composed
 //! from generic tensor ops (gather, matmul, softmax). The two are tested against each other.
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// Where each token of the flattened batch sits: which sequence, which position.
@@ -47,7 +49,8 @@ impl AttnMeta {
 /// Which attention implementation a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AttentionBackend {
-    /// The fused CPU kernel where it applies (f32 on CPU), the generic path elsewhere.
+    /// The fused CPU kernel where it applies (f32 queries on CPU, an f32, f16 or bf16 cache),
+    /// the generic path elsewhere.
     #[default]
     Auto,
     /// Always the generic tensor-op path.
@@ -63,7 +66,10 @@ pub fn paged_attention(
     meta: &AttnMeta,
     backend: AttentionBackend,
 ) -> Result<Tensor> {
-    let fused = q.device().is_cpu() && q.dtype() == DType::F32 && k_cache.dtype() == DType::F32;
+    let fused = q.device().is_cpu()
+        && q.dtype() == DType::F32
+        && k_cache.dtype() == v_cache.dtype()
+        && matches!(k_cache.dtype(), DType::F32 | DType::F16 | DType::BF16);
     if backend == AttentionBackend::Auto && fused {
         q.contiguous()?
             .apply_op3_no_bwd(k_cache, v_cache, &CpuPagedAttention(meta))
@@ -159,15 +165,32 @@ impl CustomOp3 for CpuPagedAttention<'_> {
         v: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let q = contiguous::<f32>(q, ql)?;
+        match (k, v) {
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => {
+                self.run(q, contiguous::<f32>(k, kl)?, contiguous::<f32>(v, vl)?)
+            }
+            (CpuStorage::F16(_), CpuStorage::F16(_)) => {
+                self.run(q, contiguous::<f16>(k, kl)?, contiguous::<f16>(v, vl)?)
+            }
+            (CpuStorage::BF16(_), CpuStorage::BF16(_)) => {
+                self.run(q, contiguous::<bf16>(k, kl)?, contiguous::<bf16>(v, vl)?)
+            }
+            _ => candle_core::bail!(
+                "paged-attention: keys {:?} and values {:?} need one cache type of f32, f16, bf16",
+                k.dtype(),
+                v.dtype()
+            ),
+        }
+    }
+}
+
+impl CpuPagedAttention<'_> {
+    fn run<T: KvElem>(&self, q: &[f32], kc: &[T], vc: &[T]) -> Result<(CpuStorage, Shape)> {
         let meta = self.0;
         let (nh, kvh, hd) = (meta.num_heads, meta.num_kv_heads, meta.head_dim);
         let group = nh / kvh;
         let kv_dim = kvh * hd;
-        let (q, kc, vc) = (
-            contiguous_f32(q, ql)?,
-            contiguous_f32(k, kl)?,
-            contiguous_f32(v, vl)?,
-        );
         let tokens = meta.token_seq.len();
         if q.len() != tokens * nh * hd {
             candle_core::bail!(
@@ -227,6 +250,47 @@ impl CustomOp3 for CpuPagedAttention<'_> {
 
 /// Keys per chunk: one 512-bit vector of scores per query row.
 const KC: usize = 16;
+
+/// An element of the KV cache as the fused kernel reads it: f32 as it is, or f16 / bf16
+/// widened to f32 on load. Widening is exact, so a cache type changes what is stored (rounded
+/// once, when a token's keys are written) but never how the kernel sums, and the kernel stays
+/// batch invariant for each type.
+pub trait KvElem: WithDType + Copy + Send + Sync + sealed::Sealed {
+    /// Widens `src` into `dst` (same length).
+    fn widen(src: &[Self], dst: &mut [f32]);
+}
+
+mod sealed {
+    /// The three cache types the kernel's vector loads know.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl KvElem for f16 {
+    #[inline(always)]
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+impl KvElem for bf16 {
+    #[inline(always)]
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+        }
+    }
+}
 /// Query rows per micro-tile.
 const RT: usize = 4;
 
@@ -266,32 +330,74 @@ fn reduce(mut v: [f32; KC], f: impl Fn(f32, f32) -> f32) -> f32 {
 /// (`[hd][KC]`). Exact either way; the AVX-512 path does a 16 × 16 block in 64 shuffles
 /// where the scalar loop moves 256 floats one by one, which mattered for decode, where a
 /// tile has only a few query rows to share each chunk's transposition.
-fn transpose_keys(kc: &[f32], rows: &[usize; KC], n: usize, hd: usize, kt: &mut [f32]) {
+fn transpose_keys<T: KvElem>(
+    kc: &[T],
+    rows: &[usize; KC],
+    n: usize,
+    hd: usize,
+    kt: &mut [f32],
+    avx512: bool,
+) {
     #[cfg(target_arch = "x86_64")]
-    if hd.is_multiple_of(KC) && std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F is present (checked just above).
+    if avx512 && hd.is_multiple_of(KC) {
+        // SAFETY: the caller checked AVX-512F.
         unsafe { x86::transpose_keys(kc, rows, n, hd, kt) };
         return;
     }
+    let _ = avx512;
+    let mut key = vec![0f32; hd];
     for (j, &at) in rows.iter().enumerate() {
-        let key = (j < n).then(|| &kc[at..][..hd]);
+        if j < n {
+            T::widen(&kc[at..][..hd], &mut key);
+        } else {
+            key.fill(0.0);
+        }
         for d in 0..hd {
-            kt[d * KC + j] = key.map_or(0.0, |k| k[d]);
+            kt[d * KC + j] = key[d];
         }
     }
+}
+
+/// Whether the AVX-512 key transposition can run here (asked once per kernel call).
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::KC;
+    use super::{KC, KvElem};
+
+    /// 16 cache elements widened to f32 in one vector.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn load16<T: KvElem>(src: &[T]) -> __m512 {
+        assert!(src.len() >= KC);
+        let p = src.as_ptr();
+        // SAFETY: `src` holds at least KC elements, and each branch reads the type its dtype
+        // names (`KvElem` is sealed: f32, f16 and bf16 only); unaligned loads.
+        unsafe {
+            match T::DTYPE {
+                candle_core::DType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())),
+                candle_core::DType::BF16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast::<__m256i>())),
+                )),
+                _ => _mm512_loadu_ps(p.cast::<f32>()),
+            }
+        }
+    }
 
     /// 16 × 16 transposes: 32-bit and 64-bit interleaves, then two rounds of 128-bit lane
     /// shuffles.
     #[target_feature(enable = "avx512f")]
-    pub(super) fn transpose_keys(
-        kc: &[f32],
+    pub(super) fn transpose_keys<T: KvElem>(
+        kc: &[T],
         rows: &[usize; KC],
         n: usize,
         hd: usize,
@@ -300,9 +406,7 @@ mod x86 {
         for c in 0..hd / KC {
             let mut r = [_mm512_setzero_ps(); KC];
             for (j, v) in r.iter_mut().enumerate().take(n) {
-                let src = &kc[rows[j] + c * KC..][..KC];
-                // SAFETY: `src` holds KC floats.
-                *v = unsafe { _mm512_loadu_ps(src.as_ptr()) };
+                *v = load16(&kc[rows[j] + c * KC..][..KC]);
             }
             let mut t = [_mm512_setzero_ps(); KC];
             for i in 0..KC / 2 {
@@ -374,11 +478,11 @@ fn widen<const R: usize>(s: [[f32; KC]; R]) -> [[f32; KC]; RT] {
 /// Attention for tokens `t0..t1` (one sequence, consecutive positions) and kv head `g`, into
 /// `out` rows `[t][h]` (`(t1 - t0) * group * hd` floats).
 #[allow(clippy::too_many_arguments)]
-pub fn tile(
+pub fn tile<T: KvElem>(
     meta: &AttnMeta,
     q: &[f32],
-    kc: &[f32],
-    vc: &[f32],
+    kc: &[T],
+    vc: &[T],
     t0: usize,
     t1: usize,
     g: usize,
@@ -407,6 +511,7 @@ pub fn tile(
         qs[row * hd..][..hd].copy_from_slice(&q[t * nh * hd + (g * group + h) * hd..][..hd]);
     }
     let mut kt = vec![0f32; hd * KC];
+    let avx512 = has_avx512();
     let mut vrows: [usize; KC] = [0; KC];
     let mut c0 = first / KC * KC;
     while c0 <= last {
@@ -417,7 +522,7 @@ pub fn tile(
             krows[j] = slot * kv_dim + g * hd;
             vrows[j] = slot * kv_dim + g * hd;
         }
-        transpose_keys(kc, &krows, n, hd, &mut kt);
+        transpose_keys(kc, &krows, n, hd, &mut kt, avx512);
         let mut r = 0;
         while r < rows {
             let take = RT.min(rows - r);
@@ -483,17 +588,10 @@ pub fn tile(
                     }
                 }
                 for j in jmin..=jmax {
-                    let src = &vc[vrows[j] + ci * KC..][..w];
-                    // Full chunks read the cache in place (a partial one pads a copy), so the
-                    // accumulators stay in registers.
-                    let mut padded = [0f32; KC];
-                    let v: &[f32; KC] = match src.try_into() {
-                        Ok(full) => full,
-                        Err(_) => {
-                            padded[..w].copy_from_slice(src);
-                            &padded
-                        }
-                    };
+                    // Widened into a vector-sized buffer (a partial chunk padded with zeros),
+                    // so the accumulators stay in registers.
+                    let mut v = [0f32; KC];
+                    T::widen(&vc[vrows[j] + ci * KC..][..w], &mut v[..w]);
                     for i in 0..RT {
                         let pj = e[i][j];
                         for d in 0..KC {
@@ -517,9 +615,9 @@ pub fn tile(
     }
 }
 
-fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
+        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
         None => candle_core::bail!("paged-attention needs contiguous inputs"),
     }
 }
@@ -547,7 +645,8 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(40))]
         /// Mixed batches (prefill chunks after cached context, decodes, several sequences,
-        /// shuffled block tables, sliding windows, head sizes that are not multiples of 16):
+        /// shuffled block tables, sliding windows, head sizes that are not multiples of 16,
+        /// every cache type; the generic path widens the same stored values):
         /// the tiled kernel agrees with the generic path, and each token's output is bitwise
         /// the same when it is computed alone.
         #[test]
@@ -558,6 +657,7 @@ mod tests {
             block_size in prop::sample::select(vec![4usize, 16]),
             seqs in prop::collection::vec((0usize..70, 1usize..45), 1..4),
             window in prop::option::of(1usize..50),
+            cache in prop::sample::select(vec![DType::F32, DType::F16, DType::BF16]),
             seed in any::<u64>(),
         ) {
             let nh = kvh * group;
@@ -588,10 +688,12 @@ mod tests {
             };
             let slots = total_blocks * block_size;
             let dev = &Device::Cpu;
-            let kc = Tensor::from_vec(values(slots * kv_dim, seed, 2.0), (slots, kv_dim), dev)
-                .expect("k");
-            let vc = Tensor::from_vec(values(slots * kv_dim, !seed, 2.0), (slots, kv_dim), dev)
-                .expect("v");
+            let pool = |seed| {
+                Tensor::from_vec(values(slots * kv_dim, seed, 2.0), (slots, kv_dim), dev)
+                    .and_then(|t| t.to_dtype(cache))
+                    .expect("pool")
+            };
+            let (kc, vc) = (pool(seed), pool(!seed));
             let tokens = meta.token_seq.len();
             let q = values(tokens * nh * hd, seed ^ 0x5555, 2.0);
             let fused = run(&meta, &q, &kc, &vc, true);
@@ -621,14 +723,33 @@ mod tests {
         }
     }
 
+    /// Both transpositions (the vector one where this CPU has AVX-512) give every key exactly,
+    /// widened from each cache type; missing keys are zeros.
     #[test]
     fn fast_transpose_matches_scalar() {
         let hd = 64;
-        let kc: Vec<f32> = (0..40 * hd).map(|i| i as f32).collect();
+        // Integers up to 2^8 with a fraction bf16 keeps: exact in every type.
+        let kc: Vec<f32> = (0..40 * hd).map(|i| (i % 251) as f32 * 0.5).collect();
         let rows: [usize; KC] = std::array::from_fn(|j| ((j * 7) % 40) * hd);
-        for n in [KC, 5] {
-            let mut kt = vec![f32::NAN; hd * KC];
-            transpose_keys(&kc, &rows, n, hd, &mut kt);
+        let halves: Vec<f16> = kc.iter().map(|&x| f16::from_f32(x)).collect();
+        let brains: Vec<bf16> = kc.iter().map(|&x| bf16::from_f32(x)).collect();
+        for (n, avx512) in [
+            (KC, false),
+            (5, false),
+            (KC, has_avx512()),
+            (5, has_avx512()),
+        ] {
+            let mut kts = [
+                vec![f32::NAN; hd * KC],
+                vec![0.0; hd * KC],
+                vec![0.0; hd * KC],
+            ];
+            transpose_keys(&kc, &rows, n, hd, &mut kts[0], avx512);
+            transpose_keys(&halves, &rows, n, hd, &mut kts[1], avx512);
+            transpose_keys(&brains, &rows, n, hd, &mut kts[2], avx512);
+            assert_eq!(kts[0], kts[1], "f16, n {n}, avx512 {avx512}");
+            assert_eq!(kts[0], kts[2], "bf16, n {n}, avx512 {avx512}");
+            let kt = &kts[0];
             for d in 0..hd {
                 for j in 0..KC {
                     let want = if j < n { kc[rows[j] + d] } else { 0.0 };

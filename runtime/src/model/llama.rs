@@ -174,10 +174,7 @@ impl LlamaModel {
         let cache_dtype = cache.config().dtype;
         let eps = cfg.rms_norm_eps as f32;
 
-        let mut x = self
-            .weights
-            .embed
-            .index_select(&Tensor::from_vec(ids, n_tokens, dev)?, 0)?;
+        let mut x = self.weights.embed.lookup(ids, dev)?;
         for (l, w) in self.weights.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, eps)?;
             let qkv = w.qkv.forward(&h)?;

@@ -314,10 +314,45 @@ pub struct LayerWeights {
     pub down: Linear,
 }
 
+/// The token-embedding table.
+#[derive(Debug, Clone)]
+pub enum Embedding {
+    /// `[vocab, hidden]` in f32: the lookup is a gather, not a matmul.
+    Dense(Tensor),
+    /// The tied output head's packed rows, dequantized per looked-up token, so a packed model
+    /// keeps no f32 copy of the table (113 MB for SmolLM2). Exact for Q8_0 and Q4_1 tables.
+    Packed(Arc<QWeights>),
+}
+
+impl Embedding {
+    /// Rows `ids` as `[ids.len(), hidden]` f32 on `device`.
+    pub fn lookup(&self, ids: Vec<u32>, device: &Device) -> Result<Tensor, ModelError> {
+        match self {
+            Embedding::Dense(t) => {
+                let n = ids.len();
+                Ok(t.index_select(&Tensor::from_vec(ids, n, device)?, 0)?)
+            }
+            Embedding::Packed(w) => {
+                let h = w.cols();
+                if let Some(&bad) = ids.iter().find(|&&id| id as usize >= w.rows()) {
+                    return Err(ModelError::InvalidBatch(format!(
+                        "token id {bad} is outside the embedding table ({})",
+                        w.rows()
+                    )));
+                }
+                let mut out = vec![0f32; ids.len() * h];
+                for (row, &id) in out.chunks_exact_mut(h.max(1)).zip(&ids) {
+                    w.dequantize_row(id as usize, row);
+                }
+                Ok(Tensor::from_vec(out, (ids.len(), h), device)?)
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct LlamaWeights {
-    /// `[vocab, hidden]`, dense: the lookup is a gather, not a matmul.
-    pub embed: Tensor,
+    pub embed: Embedding,
     pub layers: Vec<LayerWeights>,
     pub norm: Tensor,
     pub lm_head: Linear,
@@ -434,11 +469,37 @@ impl LlamaWeights {
         let (h, ffn) = (cfg.hidden_size, cfg.intermediate_size);
         let embed_raw = l.required("token_embd.weight")?;
         Loader::check_shape("token_embd.weight", &embed_raw, &[cfg.vocab_size, h])?;
+        let tied = cfg.tie_word_embeddings;
         let (embed, tied_head) = match embed_raw {
-            RawWeight::Quantized(q) => (q.dequantize(device)?, RawWeight::Quantized(q)),
+            RawWeight::Quantized(q) if tied && mode == WeightMode::Packed => {
+                let w = Arc::new(pack("token_embd.weight", &q, device)?);
+                let head = Part {
+                    packed: Some(w.clone()),
+                    quant: None,
+                    dense: None,
+                    out: cfg.vocab_size,
+                };
+                (Embedding::Packed(w), Some(head))
+            }
+            RawWeight::Quantized(q) => {
+                let table = Embedding::Dense(q.dequantize(device)?);
+                let head = tied
+                    .then(|| l.part("token_embd.weight", RawWeight::Quantized(q), cfg.vocab_size))
+                    .transpose()?;
+                (table, head)
+            }
             RawWeight::Dense(t) => {
                 let t = t.to_device(device)?.to_dtype(DType::F32)?;
-                (t.clone(), RawWeight::Dense(t))
+                let head = tied
+                    .then(|| {
+                        l.part(
+                            "token_embd.weight",
+                            RawWeight::Dense(t.clone()),
+                            cfg.vocab_size,
+                        )
+                    })
+                    .transpose()?;
+                (Embedding::Dense(t), head)
             }
         };
         let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -460,13 +521,12 @@ impl LlamaWeights {
             });
         }
         let norm = l.vector("output_norm.weight", h)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear {
-                parts: vec![l.part("token_embd.weight", tied_head, cfg.vocab_size)?],
+        let lm_head = match tied_head {
+            Some(part) => Linear {
+                parts: vec![part],
                 bias: None,
-            }
-        } else {
-            l.linear("output", cfg.vocab_size, h, false)?
+            },
+            None => l.linear("output", cfg.vocab_size, h, false)?,
         };
         Ok(Self {
             embed,

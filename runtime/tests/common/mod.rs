@@ -1,7 +1,7 @@
 //! Shared helpers for tests that need the default model.
 #![allow(dead_code)]
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use ferrite_runtime::engine::sampler::argmax;
 use ferrite_runtime::kv::{KvCache, KvCacheConfig};
@@ -72,15 +72,23 @@ pub fn diffs(a: &[f32], b: &[f32]) -> (f32, f32) {
     (max, mean)
 }
 
-/// Greedy-decodes PROMPT with our runtime; chunked prefill (7-token chunks) exercises
-/// multi-step prompts through the block tables.
-pub fn ours(backend: AttentionBackend, mode: WeightMode) -> (Vec<f32>, Vec<u32>, String) {
-    let (mut all, toks, text) = ours_all(backend, mode);
+/// Greedy-decodes PROMPT with our runtime and a KV cache of type `kv`; chunked prefill
+/// (7-token chunks) exercises multi-step prompts through the block tables.
+pub fn ours(
+    backend: AttentionBackend,
+    mode: WeightMode,
+    kv: DType,
+) -> (Vec<f32>, Vec<u32>, String) {
+    let (mut all, toks, text) = ours_all(backend, mode, kv);
     (all.swap_remove(0), toks, text)
 }
 
 /// As [`ours`], with the logits of every step.
-pub fn ours_all(backend: AttentionBackend, mode: WeightMode) -> (Vec<Vec<f32>>, Vec<u32>, String) {
+pub fn ours_all(
+    backend: AttentionBackend,
+    mode: WeightMode,
+    kv: DType,
+) -> (Vec<Vec<f32>>, Vec<u32>, String) {
     let opts = LoadOptions {
         weight_mode: mode,
         ..Default::default()
@@ -88,7 +96,7 @@ pub fn ours_all(backend: AttentionBackend, mode: WeightMode) -> (Vec<Vec<f32>>, 
     let mut loaded = model::load(&default_model(), &opts).expect("load");
     loaded.model.set_attention_backend(backend);
     let prompt = loaded.tokenizer.encode(PROMPT, false).expect("encode");
-    let cfg = KvCacheConfig::for_model(loaded.model.config(), 16, 64, 0);
+    let cfg = KvCacheConfig::for_model(loaded.model.config(), 16, 64, 0).with_dtype(kv);
     let mut cache = KvCache::new(cfg, &Device::Cpu).expect("cache");
     let mut seqs = vec![GreedySeq::new(prompt, NEW_TOKENS)];
     seqs[0].keep_all_logits = true;

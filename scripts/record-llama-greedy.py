@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Records llama.cpp's greedy answers on the default model, for the runtime's agreement test
+(runtime/tests/llama_server_agreement.rs), into runtime/tests/fixtures/llama_server_greedy.json.
+
+llama-server takes ~10 minutes to build on 2 cores, too long for every CI run, so its outputs
+are recorded once and committed: per prompt, the chat-formatted text, its token ids as
+llama.cpp tokenizes them, the greedy tokens, and at each step the gap between the two best
+log-probabilities (equal to the gap between the two best logits), so the test can tell a real
+disagreement from a near-tie.
+
+Usage: scripts/record-llama-greedy.py [LLAMA_SERVER [MODEL]]
+  (defaults: scripts/build-llama-server.sh's binary, scripts/fetch-model.sh's model)
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "runtime/tests/fixtures/llama_server_greedy.json")
+NEW_TOKENS = 24
+
+# Ten user turns of different kinds: facts, lists, code, arithmetic, translation, open prose.
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three rivers in Africa.",
+    "Write a Python function that reverses a string.",
+    "What is 17 times 23?",
+    "Translate 'good morning' into Spanish.",
+    "Explain in one sentence what a CPU cache is.",
+    "Give me a short poem about the sea.",
+    "List the planets of the solar system in order.",
+    "Why is the sky blue?",
+    "Suggest a name for a small bakery.",
+]
+
+
+def chat(question):
+    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def post(base, path, body):
+    req = urllib.request.Request(
+        base + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    server = sys.argv[1] if len(sys.argv) > 1 else subprocess.check_output(
+        [os.path.join(ROOT, "scripts/build-llama-server.sh")], text=True
+    ).strip().splitlines()[-1]
+    model = sys.argv[2] if len(sys.argv) > 2 else subprocess.check_output(
+        [os.path.join(ROOT, "scripts/fetch-model.sh")], text=True
+    ).strip()
+    port = free_port()
+    proc = subprocess.Popen(
+        [server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+         "--parallel", "1", "-c", "2048", "--no-warmup"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        else:
+            sys.exit("llama-server did not come up")
+        with urllib.request.urlopen(base + "/props", timeout=10) as r:
+            version = json.load(r).get("build_info", "unknown")
+        prompts = []
+        for q in QUESTIONS:
+            text = chat(q)
+            ids = post(base, "/tokenize", {"content": text, "add_special": False})["tokens"]
+            r = post(base, "/completion", {
+                "prompt": ids, "n_predict": NEW_TOKENS, "temperature": 0.0, "top_k": 1,
+                "n_probs": 2, "cache_prompt": False,
+                "return_tokens": True,
+            })
+            steps = r["completion_probabilities"]
+            tokens = [s["id"] for s in steps]
+            gaps = []
+            for s in steps:
+                top = sorted((t["logprob"] for t in s["top_logprobs"]), reverse=True)
+                gaps.append(round(top[0] - top[1], 4) if len(top) > 1 else None)
+            prompts.append({"question": q, "text": text, "ids": ids, "tokens": tokens,
+                            "top2_gaps": gaps, "answer": r["content"]})
+            print(f"{q!r} -> {r['content']!r}", file=sys.stderr)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    with open(OUT, "w") as f:
+        json.dump({
+            "recorded_with": f"llama-server {version} (llama-cpp-python 0.3.36's vendored "
+                             "llama.cpp, scripts/build-llama-server.sh)",
+            "model": os.path.basename(model),
+            "new_tokens": NEW_TOKENS,
+            "prompts": prompts,
+        }, f, indent=1)
+        f.write("\n")
+    print(OUT)
+
+
+if __name__ == "__main__":
+    main()
