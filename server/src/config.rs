@@ -39,8 +39,9 @@ pub struct ServerArgs {
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Memory for the device KV cache, e.g. `512MiB`, `2GiB` or plain bytes.
-    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    /// Memory for the device KV cache, e.g. `512MiB`, `2GiB` or plain bytes. The default holds
+    /// as many f16 tokens as 1 GiB held in f32 (23,301 for SmolLM2).
+    #[arg(long, default_value = "512MiB", value_parser = parse_bytes)]
     pub kv_cache_memory: usize,
     /// How keys and values are stored: `auto` (float16), float16, bfloat16 or float32.
     #[arg(long, value_enum, default_value_t = CacheDtype::Auto)]

@@ -73,7 +73,7 @@ struct Pool {
 impl Pool {
     fn new(cfg: &KvCacheConfig, num_blocks: usize, device: &Device) -> Result<Self, KvError> {
         let shape = (num_blocks * cfg.block_size, cfg.kv_dim());
-        let mk = || Tensor::zeros(shape, cfg.dtype, device);
+        let mk = || zeroed(shape, cfg.dtype, device);
         let k = (0..cfg.num_layers)
             .map(|_| mk())
             .collect::<Result<_, _>>()?;
@@ -97,6 +97,27 @@ impl Pool {
                 Ok(t.reshape((rows, block_elems))?)
             })
             .collect()
+    }
+}
+
+/// A zeroed pool tensor. On the CPU its memory comes from a zeroed allocation (`calloc`), whose
+/// pages the kernel maps only when a block is first written, so a pool holds resident memory
+/// only as it fills: the 4 GiB host swap pool costs nothing until something is swapped out.
+/// (candle's `zeros` writes every f16/bf16 element, which made that pool resident at start.)
+fn zeroed(shape: (usize, usize), dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+    use half::vec::HalfBitsVecExt;
+    let n = shape.0 * shape.1;
+    match dtype {
+        DType::F32 if device.is_cpu() => Tensor::from_vec(vec![0f32; n], shape, device),
+        DType::F16 if device.is_cpu() => {
+            Tensor::from_vec(vec![0u16; n].reinterpret_into::<half::f16>(), shape, device)
+        }
+        DType::BF16 if device.is_cpu() => Tensor::from_vec(
+            vec![0u16; n].reinterpret_into::<half::bf16>(),
+            shape,
+            device,
+        ),
+        _ => Tensor::zeros(shape, dtype, device),
     }
 }
 

@@ -512,15 +512,16 @@ pub fn tile<T: KvElem>(
     }
     let mut kt = vec![0f32; hd * KC];
     let avx512 = has_avx512();
-    let mut vrows: [usize; KC] = [0; KC];
+    // The chunk's values widened to f32 once, `[KC][hd]`, for every micro-tile of the tile.
+    let mut vs = vec![0f32; KC * hd];
     let mut c0 = first / KC * KC;
     while c0 <= last {
         let n = KC.min(last + 1 - c0);
         let mut krows = [0usize; KC];
         for j in 0..n {
-            let slot = meta.slot(seq, c0 + j);
-            krows[j] = slot * kv_dim + g * hd;
-            vrows[j] = slot * kv_dim + g * hd;
+            let at = meta.slot(seq, c0 + j) * kv_dim + g * hd;
+            krows[j] = at;
+            T::widen(&vc[at..][..hd], &mut vs[j * hd..][..hd]);
         }
         transpose_keys(kc, &krows, n, hd, &mut kt, avx512);
         let mut r = 0;
@@ -588,10 +589,17 @@ pub fn tile<T: KvElem>(
                     }
                 }
                 for j in jmin..=jmax {
-                    // Widened into a vector-sized buffer (a partial chunk padded with zeros),
-                    // so the accumulators stay in registers.
-                    let mut v = [0f32; KC];
-                    T::widen(&vc[vrows[j] + ci * KC..][..w], &mut v[..w]);
+                    let src = &vs[j * hd + ci * KC..][..w];
+                    // Full chunks are read in place (a partial one pads a copy), so the
+                    // accumulators stay in registers.
+                    let mut padded = [0f32; KC];
+                    let v: &[f32; KC] = match src.try_into() {
+                        Ok(full) => full,
+                        Err(_) => {
+                            padded[..w].copy_from_slice(src);
+                            &padded
+                        }
+                    };
                     for i in 0..RT {
                         let pj = e[i][j];
                         for d in 0..KC {
