@@ -345,15 +345,11 @@ fn transpose_keys<T: KvElem>(
         return;
     }
     let _ = avx512;
-    let mut key = vec![0f32; hd];
     for (j, &at) in rows.iter().enumerate() {
-        if j < n {
-            T::widen(&kc[at..][..hd], &mut key);
-        } else {
-            key.fill(0.0);
-        }
+        let key = (j < n).then(|| &kc[at..][..hd]);
         for d in 0..hd {
-            kt[d * KC + j] = key[d];
+            // Widening through f64 is exact for f32, f16 and bf16 alike.
+            kt[d * KC + j] = key.map_or(0.0, |k| k[d].to_f64() as f32);
         }
     }
 }

@@ -102,6 +102,16 @@ struct Part {
 }
 
 impl Part {
+    /// `out` rows held only as packed weights (`packed` mode).
+    fn packed(w: Arc<QWeights>, out: usize) -> Part {
+        Part {
+            packed: Some(w),
+            quant: None,
+            dense: None,
+            out,
+        }
+    }
+
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if let Some(p) = &self.packed {
             return x.apply_op1_no_bwd(&PackedMatMul(p.clone()));
@@ -403,12 +413,7 @@ impl Loader<'_> {
                         .map_err(|e| ModelError::Tensor(format!("{name}: {e}")))?
                 }
             };
-            return Ok(Part {
-                packed: Some(Arc::new(packed)),
-                quant: None,
-                dense: None,
-                out,
-            });
+            return Ok(Part::packed(Arc::new(packed), out));
         }
         let quantized = |q: QTensor| QMatMul::from_qtensor(q).map_err(wrap);
         let (quant, dense) = match (w, self.mode) {
@@ -473,12 +478,7 @@ impl LlamaWeights {
         let (embed, tied_head) = match embed_raw {
             RawWeight::Quantized(q) if tied && mode == WeightMode::Packed => {
                 let w = Arc::new(pack("token_embd.weight", &q, device)?);
-                let head = Part {
-                    packed: Some(w.clone()),
-                    quant: None,
-                    dense: None,
-                    out: cfg.vocab_size,
-                };
+                let head = Part::packed(w.clone(), cfg.vocab_size);
                 (Embedding::Packed(w), Some(head))
             }
             RawWeight::Quantized(q) => {
