@@ -10,7 +10,7 @@ use kube::core::cel::Validator;
 use serde_json::Value;
 
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    ferrite_testkit::kube::workspace_root()
 }
 
 fn schema() -> Value {

@@ -22,10 +22,8 @@ const MIN_AGREED: usize = 16;
 const TIE_GAP: f32 = 1.0;
 
 fn fixture() -> Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/llama_server_greedy.json"
-    );
+    let path = ferrite_testkit::kube::workspace_root()
+        .join("runtime/tests/fixtures/llama_server_greedy.json");
     let text = std::fs::read_to_string(path).expect("fixture");
     serde_json::from_str(&text).expect("fixture JSON")
 }

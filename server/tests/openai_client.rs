@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::path::PathBuf;
+use ferrite_testkit::kube::workspace_root;
 use std::process::Command;
 
 /// The venv python from `scripts/python-env.sh` (created on first use), or FERRITE_TEST_PYTHON.
@@ -11,7 +11,7 @@ fn python() -> String {
     if let Ok(p) = std::env::var("FERRITE_TEST_PYTHON") {
         return p;
     }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = workspace_root();
     let out = Command::new("bash")
         .arg(root.join("scripts/python-env.sh"))
         .output()
@@ -26,7 +26,7 @@ fn python() -> String {
 
 #[test]
 fn openai_python_client_suite() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python");
+    let dir = workspace_root().join("server/tests/python");
     let out = Command::new(python())
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"])
         .arg(&dir)

@@ -8,7 +8,7 @@ use std::process::Command;
 use serde_json::Value;
 
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    ferrite_testkit::kube::workspace_root()
 }
 
 /// `env` if set, else the path a setup script prints (`scripts/python-env.sh` prints the venv

@@ -87,29 +87,46 @@ pub enum QuantError {
 
 /// Symmetric 8-bit quantization of up to [`QK`] values; the rest of `q` is zeroed.
 ///
-/// Written over fixed 32-lane arrays without early exits so that it vectorizes: it runs on
-/// every activation row of every matmul. Rounds half to even (one `vrndscaleps`).
+/// It runs on every activation row of every matmul, so AVX-512 does it in two vectors where
+/// present; the portable loops compile to scalar code (a sequential `max` fold and saturating
+/// casts). Both round half to even and give the same bytes and scale.
 fn quantize_sym(x: &[f32], q: &mut [i8; QK]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is present.
+        return unsafe { x86::quantize_sym(x, q) };
+    }
+    quantize_sym_portable(x, q)
+}
+
+fn quantize_sym_portable(x: &[f32], q: &mut [i8; QK]) -> f32 {
     let mut v = [0f32; QK];
     v[..x.len()].copy_from_slice(x);
     // `v · 0` is NaN exactly when `v` is infinite or NaN.
     let poison = v.iter().fold(0f32, |a, &e| a + e * 0.0);
     let amax = v.iter().fold(0f32, |m, &e| m.max(e.abs()));
-    if poison.is_nan() {
-        // NaN in, NaN out: a NaN scale poisons every product of the block.
-        *q = [0; QK];
-        return f32::NAN;
+    match quant_scale(poison.is_nan(), amax) {
+        Some((d, inv)) => {
+            for (o, e) in q.iter_mut().zip(v) {
+                *o = (e * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+            }
+            d
+        }
+        None => {
+            *q = [0; QK];
+            if poison.is_nan() { f32::NAN } else { 0.0 }
+        }
     }
-    if amax == 0.0 {
-        *q = [0; QK];
-        return 0.0;
+}
+
+/// A block's scale and its inverse, or `None` when it quantizes to zeros: all zero, or
+/// poisoned by an infinity or NaN (NaN in, NaN out: a NaN scale poisons every product).
+fn quant_scale(poisoned: bool, amax: f32) -> Option<(f32, f32)> {
+    if poisoned || amax == 0.0 {
+        return None;
     }
     let d = amax / 127.0;
-    let inv = 1.0 / d;
-    for (o, e) in q.iter_mut().zip(v) {
-        *o = (e * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
-    }
-    d
+    Some((d, 1.0 / d))
 }
 
 impl QWeights {
@@ -408,6 +425,9 @@ struct SendPtr(*mut f32);
 unsafe impl Sync for SendPtr {}
 unsafe impl Send for SendPtr {}
 
+/// Activation rows from which quantizing them is split across threads.
+const PAR_QUANT_ROWS: usize = 16;
+
 /// Activations quantized per row and block.
 struct QuantRows {
     /// `[m][kb * QK]` int8, zero-padded.
@@ -431,18 +451,33 @@ impl QuantRows {
         let mut d = vec![0f32; m * kb];
         let mut sum = vec![0i32; m * kb];
         let mut u = vec![0u8; if bits == Bits::Eight { m * stride } else { 0 }];
-        let mut blk = [0i8; QK];
-        for r in 0..m {
+        let row = |r: usize, q: &mut [i8], d: &mut [f32], sum: &mut [i32]| {
             for b in 0..kb {
                 let src = &x[r * k + b * QK..r * k + ((b + 1) * QK).min(k)];
-                d[r * kb + b] = quantize_sym(src, &mut blk);
-                sum[r * kb + b] = blk.iter().map(|&v| i32::from(v)).sum();
-                q[r * stride + b * QK..][..QK].copy_from_slice(&blk);
-                if bits == Bits::Eight {
-                    for (o, &v) in u[r * stride + b * QK..][..QK].iter_mut().zip(&blk) {
-                        *o = (v as u8) ^ 0x80;
-                    }
-                }
+                let blk: &mut [i8; QK] = (&mut q[b * QK..][..QK]).try_into().expect("QK bytes");
+                d[b] = quantize_sym(src, blk);
+                sum[b] = blk.iter().map(|&v| i32::from(v)).sum();
+            }
+        };
+        // Rows are independent; a prefill's hundreds of them are worth the threads.
+        let rows = q
+            .chunks_mut(stride)
+            .zip(d.chunks_mut(kb))
+            .zip(sum.chunks_mut(kb));
+        if m >= PAR_QUANT_ROWS {
+            let rows = q
+                .par_chunks_mut(stride)
+                .zip(d.par_chunks_mut(kb))
+                .zip(sum.par_chunks_mut(kb));
+            rows.enumerate()
+                .for_each(|(r, ((q, d), s))| row(r, q, d, s));
+        } else {
+            rows.enumerate()
+                .for_each(|(r, ((q, d), s))| row(r, q, d, s));
+        }
+        if bits == Bits::Eight {
+            for (o, &v) in u.iter_mut().zip(&q) {
+                *o = (v as u8) ^ 0x80;
             }
         }
         QuantRows {
@@ -461,7 +496,47 @@ impl QuantRows {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Bits, NR, QK, QWeights, QuantRows, Tile};
+    use super::{Bits, NR, QK, QWeights, QuantRows, Tile, quant_scale};
+
+    /// [`super::quantize_sym_portable`] in two 512-bit vectors, operation for operation.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn quantize_sym(x: &[f32], q: &mut [i8; QK]) -> f32 {
+        let n = x.len().min(QK);
+        let mask = |lo: usize| -> __mmask16 {
+            let k = n.saturating_sub(lo).min(16);
+            ((1u32 << k) - 1) as __mmask16
+        };
+        // SAFETY: masked lanes past `n` are neither read nor faulted on.
+        let (a, b) = unsafe {
+            (
+                _mm512_maskz_loadu_ps(mask(0), x.as_ptr()),
+                _mm512_maskz_loadu_ps(mask(16), x.as_ptr().wrapping_add(16)),
+            )
+        };
+        let zero = _mm512_setzero_ps();
+        let poison = _mm512_add_ps(_mm512_mul_ps(a, zero), _mm512_mul_ps(b, zero));
+        let poisoned = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(poison, poison) != 0;
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        let Some((d, inv)) = quant_scale(poisoned, amax) else {
+            *q = [0; QK];
+            return if poisoned { f32::NAN } else { 0.0 };
+        };
+        let (inv, lo, hi) = (
+            _mm512_set1_ps(inv),
+            _mm512_set1_ps(-127.0),
+            _mm512_set1_ps(127.0),
+        );
+        for (h, v) in [a, b].into_iter().enumerate() {
+            let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(v, inv),
+            );
+            let bytes =
+                _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi)));
+            // SAFETY: `q` holds 2 × 16 bytes.
+            unsafe { _mm_storeu_si128(q.as_mut_ptr().add(16 * h).cast(), bytes) };
+        }
+        d
+    }
 
     /// Four consecutive activation bytes broadcast to every i32 lane.
     #[target_feature(enable = "avx512f")]
@@ -804,6 +879,37 @@ mod tests {
                     "{isa:?}: inf in, NaN out"
                 );
             }
+        }
+    }
+
+    proptest! {
+        /// The AVX-512 block quantizer gives the portable one's bytes and scale: ragged
+        /// lengths, ties at .5 after scaling, zeros, infinities and NaN.
+        #[test]
+        fn vector_quantizer_matches_portable(
+            len in 0usize..=QK,
+            scale in prop::sample::select(vec![1e-30f32, 1e-3, 1.0, 254.0, 1e30]),
+            special in prop::option::of((0usize..QK, prop::sample::select(vec![
+                0.0f32, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 127.0, -63.5,
+            ]))),
+            seed in any::<u64>(),
+        ) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                prop_assume!(std::arch::is_x86_feature_detected!("avx512f"));
+                let mut x: Vec<f32> = matrix(len, seed).iter().map(|v| v * scale).collect();
+                if let Some((at, v)) = special.filter(|&(at, _)| at < len) {
+                    x[at] = v;
+                }
+                let (mut a, mut b) = ([1i8; QK], [2i8; QK]);
+                let da = quantize_sym_portable(&x, &mut a);
+                // SAFETY: checked above.
+                let db = unsafe { x86::quantize_sym(&x, &mut b) };
+                prop_assert_eq!(da.to_bits(), db.to_bits());
+                prop_assert_eq!(a, b);
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (len, scale, special, seed);
         }
     }
 

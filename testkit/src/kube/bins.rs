@@ -13,10 +13,17 @@ pub struct Binaries {
     pub controller_manager: PathBuf,
 }
 
-/// The workspace's root directory.
+/// The workspace's root directory: the parent of the package directory cargo (or nextest)
+/// names in `CARGO_MANIFEST_DIR` when it runs a test, else of this crate's at build time.
+///
+/// The run-time value comes first because test binaries in a target directory shared between
+/// checkouts (CI's `CARGO_TARGET_DIR`) can be reused by a checkout other than the one that
+/// built them; a path baked in at build time then names the other checkout's files, or none.
 pub fn workspace_root() -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().unwrap_or(manifest).to_path_buf()
+    let manifest = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest.parent().unwrap_or(&manifest).to_path_buf()
 }
 
 /// Cargo's target directory of the running test or benchmark (the ancestor of the executable
