@@ -1,45 +1,55 @@
 #!/usr/bin/env bash
 # Serving benchmark: the same GGUF behind llama.cpp's llama-server (the baseline) and
-# ferrite-server, driven in one run by bench-serve (streaming /v1/completions, ~128-token prompts,
-# max_tokens 128, temperature 0, ignore_eos, concurrency 1, 8, 32). Prints ratios vs llama.cpp.
+# ferrite-server, driven in one run by bench-serve (streaming /v1/completions, temperature 0,
+# ignore_eos, prompts that differ from the first token). Three scenarios, each printing
+# ratios against llama.cpp:
+#   standard  ~128-token prompts, 128 tokens out, concurrency 1, 8 and 32
+#   chat      ~1,000-token prompts, 256 tokens out, concurrency 8
+#   long      ~4,000-token prompts, 128 tokens out, concurrency 4 (attention-bound prefill)
+# llama-server gets as many slots as the scenario's concurrency, each large enough for its
+# requests (-c is split across --parallel slots).
 #
-#   LLAMA_SERVER=/path/to/llama-server bench/serve.sh [extra bench-serve flags]
+#   bench/serve.sh [--repeat N] [extra bench-serve flags]
+#   SCENARIOS="standard chat long" (the default) picks scenarios.
 #
-# llama-server is built from the llama.cpp vendored in PyPI llama-cpp-python's sdist; see
-# docs/benchmarks.md. Without LLAMA_SERVER only ferrite-server is measured.
+# llama-server comes from LLAMA_SERVER, else scripts/build-llama-server.sh's output if built
+# (see docs/benchmarks.md); without it only ferrite-server is measured.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-model="${FERRITE_MODEL:-$(scripts/fetch-model.sh)}"
-cargo build --release -q -p ferrite-server -p ferrite-bench
-target=${CARGO_TARGET_DIR:-$root/target}
+source "$(dirname "$0")/common.sh"
 threads="${THREADS:-$(nproc)}"
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
-trap cleanup EXIT
+llama="${LLAMA_SERVER:-${LLAMA_CPP_DIR:-$HOME/.cache/ferrite/llama.cpp}/bin/llama-server}"
 
-wait_health() {
-  for _ in $(seq 1 600); do
-    curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
-    sleep 0.2
-  done
-  echo "server on port $1 did not become healthy" >&2; exit 1
+serve 18181 /tmp/bench-ferrite-server.log
+wait_health 18181
+
+scenario() { # name, llama slots, llama context, bench-serve flags...
+  local name=$1 slots=$2 ctx=$3 llama_pid=
+  shift 3
+  echo "== $name"
+  local targets=()
+  if [ -x "$llama" ]; then
+    "$llama" -m "$model" --host 127.0.0.1 --port 18180 --parallel "$slots" --cont-batching \
+      -c "$ctx" -t "$threads" --log-disable >"/tmp/bench-llama-server-$name.log" 2>&1 &
+    llama_pid=$!
+    pids+=("$llama_pid")
+    wait_health 18180
+    targets+=(--target "llama.cpp=http://127.0.0.1:18180")
+  fi
+  targets+=(--target "ferrite=http://127.0.0.1:18181")
+  # The servers take turns: only one is under load at any time.
+  "$target"/release/bench-serve "${targets[@]}" --model default "$@" "${extra[@]}"
+  if [ -n "$llama_pid" ]; then
+    kill "$llama_pid"
+    wait "$llama_pid" 2>/dev/null || true
+  fi
 }
 
-targets=()
-if [ -n "${LLAMA_SERVER:-}" ]; then
-  # 32 slots of 512 tokens each (-c is split across --parallel slots).
-  "$LLAMA_SERVER" -m "$model" --host 127.0.0.1 --port 18180 --parallel 32 --cont-batching \
-    -c 16384 -t "$threads" --log-disable >/tmp/bench-llama-server.log 2>&1 &
-  pids+=($!)
-  wait_health 18180
-  targets+=(--target "llama.cpp=http://127.0.0.1:18180")
-fi
-"$target"/release/ferrite-server --model "$model" --host 127.0.0.1 --port 18181 ${FERRITE_ARGS:-} \
-  --served-model-name default >/tmp/bench-ferrite-server.log 2>&1 &
-pids+=($!)
-wait_health 18181
-targets+=(--target "ferrite=http://127.0.0.1:18181")
-
-# The servers take turns: only one is under load at any time.
-"$target"/release/bench-serve "${targets[@]}" --model default "$@"
+extra=("$@")
+for s in ${SCENARIOS:-standard chat long}; do
+  case "$s" in
+    standard) scenario standard 32 16384 ;;
+    chat) scenario chat 8 16384 --concurrency 8 --prompt-tokens 1000 --max-tokens 256 ;;
+    long) scenario long 4 20480 --concurrency 4 --prompt-tokens 4000 --max-tokens 128 ;;
+    *) echo "unknown scenario $s (standard, chat, long)" >&2; exit 1 ;;
+  esac
+done

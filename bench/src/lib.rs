@@ -1,3 +1,4 @@
 //! Shared by the bench binaries.
 
+pub mod roofline;
 pub mod stats;

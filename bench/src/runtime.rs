@@ -1,22 +1,29 @@
 //! Runtime benchmark: decode tokens/s of the batched paged forward at batch 1, 8 and 32, and
 //! prefill tokens/s of a 512-token prompt, on the default model. Batch-1 decode, measured in the
 //! same run, is the baseline every figure is printed against.
+//!
+//! Each line also places itself on the roofline (`roofline.rs`, ceilings measured in the same
+//! run): the model's int8 matmul work per second against the int8 dot-product peak, attention's
+//! f32 work against the FMA peak, and (decode) the weight bytes a step reads against the read
+//! bandwidth. Work is what the model needs, divided by the whole step's time, so each fraction
+//! is a lower bound for its kernel.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use ferrite_bench::roofline::{self, Peaks};
 use ferrite_runtime::kv::{BlockId, KvCache, KvCacheConfig, blocks_for_tokens};
 use ferrite_runtime::model::driver::argmax_rows;
-use ferrite_runtime::model::{self, LoadOptions, SeqInput, WeightMode};
+use ferrite_runtime::model::{self, LoadOptions, ModelConfig, SeqInput, WeightMode};
 
 #[derive(Parser, Debug)]
 struct Args {
     /// GGUF file or HF folder (default: fetched by scripts/fetch-model.sh).
     #[arg(long)]
     model: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = WeightMode::Quantized)]
+    #[arg(long, value_enum, default_value_t = WeightMode::Auto)]
     weights: WeightMode,
     /// Decode steps timed per batch size.
     #[arg(long, default_value_t = 32)]
@@ -125,6 +132,58 @@ fn prefill_rate(m: &model::LlamaModel, cache: &mut KvCache, len: usize) -> Resul
     Ok(len as f64 / secs)
 }
 
+/// The work one token asks of the model.
+struct Work {
+    /// Multiply-adds of the layers' linear maps.
+    layer_macs: f64,
+    /// Multiply-adds of the output head (once per sequence and step).
+    head_macs: f64,
+    /// Attention f32 operations per key attended (QK and PV, all layers and heads).
+    attn_flops_per_key: f64,
+}
+
+impl Work {
+    fn of(c: &ModelConfig) -> Work {
+        let (h, q, kv) = (
+            c.hidden_size as f64,
+            (c.num_heads * c.head_dim) as f64,
+            (c.num_kv_heads * c.head_dim) as f64,
+        );
+        let layer = h * q + 2.0 * h * kv + q * h + 3.0 * h * c.intermediate_size as f64;
+        Work {
+            layer_macs: c.num_layers as f64 * layer,
+            head_macs: h * c.vocab_size as f64,
+            attn_flops_per_key: 4.0 * (c.num_layers * c.num_heads * c.head_dim) as f64,
+        }
+    }
+
+    /// `int8 ops, attention flops` for `tokens` new tokens of `seqs` sequences attending to
+    /// `keys` keys in all.
+    fn ops(&self, tokens: f64, seqs: f64, keys: f64) -> (f64, f64) {
+        (
+            2.0 * (self.layer_macs * tokens + self.head_macs * seqs),
+            self.attn_flops_per_key * keys,
+        )
+    }
+}
+
+/// `int8 X GOP/s (P% of peak), attention Y GFLOP/s (Q% of f32 peak)` for work done in `secs`.
+fn placed(peaks: &Peaks, (int8, attn): (f64, f64), secs: f64) -> String {
+    let int8_rate = int8 / secs;
+    let share = |rate: f64, peak: Option<f64>, what: &str| {
+        peak.map_or("no peak".to_string(), |p| {
+            format!("{:.1}% of the {what} peak", 100.0 * rate / p)
+        })
+    };
+    format!(
+        "matmuls {:.1} GOP/s ({}), attention {:.1} GFLOP/s ({})",
+        int8_rate / 1e9,
+        share(int8_rate, peaks.int8_ops, "int8"),
+        attn / secs / 1e9,
+        share(attn / secs, Some(peaks.f32_flops), "f32"),
+    )
+}
+
 fn best(reps: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
     let mut b = 0f64;
     for _ in 0..reps.max(1) {
@@ -165,26 +224,55 @@ fn main() -> Result<()> {
     println!(
         "model: {} ({:?} weights), {} threads",
         path.display(),
-        args.weights,
+        loaded.weight_mode,
         rayon_threads()
     );
+    // What a decode step reads: the weights, about the GGUF's size.
+    let weight_bytes = std::fs::metadata(&path)
+        .map(|m| m.len() as f64)
+        .unwrap_or(0.0);
+    let peaks = roofline::measure(rayon_threads(), weight_bytes as usize);
+    println!(
+        "ceilings, {} threads: f32 FMA {:.1} GFLOP/s, int8 dot products {}, reading {:.0} MB \
+         {:.1} GB/s",
+        peaks.threads,
+        peaks.f32_flops / 1e9,
+        peaks
+            .int8_ops
+            .map_or("n/a (no AVX-512 VNNI)".to_string(), |p| format!(
+                "{:.1} GOP/s",
+                p / 1e9
+            )),
+        weight_bytes / 1e6,
+        peaks.read_bytes / 1e9,
+    );
+    let work = Work::of(m.config());
     let mut baseline = None;
     for &b in &args.batches {
         let rate = best(args.reps, || decode_rate(m, &mut cache, b, &args))?;
         let base = *baseline.get_or_insert(rate);
+        // One second's worth: `rate` tokens, each attending to the mean context of the steps.
+        let keys = rate * (args.context as f64 + (args.steps as f64 + 1.0) / 2.0);
+        let steps_per_s = rate / b as f64;
         println!(
-            "decode batch {b:>3}: {rate:>8.1} tok/s  ({:.2}x batch-{} decode)",
+            "decode batch {b:>3}: {rate:>8.1} tok/s  ({:.2}x batch-{} decode); {}; weights \
+             {:.1} GB/s ({:.0}% of read)",
             rate / base,
-            args.batches[0]
+            args.batches[0],
+            placed(&peaks, work.ops(rate, rate, keys), 1.0),
+            weight_bytes * steps_per_s / 1e9,
+            100.0 * weight_bytes * steps_per_s / peaks.read_bytes,
         );
     }
     let base = baseline.unwrap_or(1.0);
     let rate = best(args.reps, || prefill_rate(m, &mut cache, args.prefill_len))?;
+    let n = args.prefill_len as f64;
     println!(
-        "prefill {} tokens: {rate:>8.1} tok/s  ({:.2}x batch-{} decode)",
+        "prefill {} tokens: {rate:>8.1} tok/s  ({:.2}x batch-{} decode); {}",
         args.prefill_len,
         rate / base,
-        args.batches[0]
+        args.batches[0],
+        placed(&peaks, work.ops(n, 1.0, n * (n + 1.0) / 2.0), n / rate),
     );
     Ok(())
 }

@@ -1,0 +1,162 @@
+//! The machine's ceilings, measured in the same run as the figures they bound: f32 FMA and
+//! int8 dot-product throughput on every thread, and the read bandwidth over a buffer the size
+//! of the model's weights. A benchmark divides what it achieved by these to say how far from
+//! the machine it runs (the roofline).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+/// Ceilings of this machine, all threads together.
+#[derive(Debug, Clone, Copy)]
+pub struct Peaks {
+    /// f32 floating-point operations per second (an FMA counts two).
+    pub f32_flops: f64,
+    /// int8 operations per second from `vpdpbusd` (a multiply-add of a byte pair counts two),
+    /// where the CPU has AVX-512 VNNI.
+    pub int8_ops: Option<f64>,
+    /// Bytes per second read from a buffer of the size asked for.
+    pub read_bytes: f64,
+    pub threads: usize,
+}
+
+/// How long each ceiling is measured.
+const SPAN: Duration = Duration::from_millis(300);
+
+/// Measures every ceiling on `threads` threads; `bytes` sizes the read-bandwidth buffer.
+pub fn measure(threads: usize, bytes: usize) -> Peaks {
+    let threads = threads.max(1);
+    Peaks {
+        f32_flops: on_threads(threads, fma_kernel),
+        int8_ops: vnni_kernel().map(|k| on_threads(threads, k)),
+        read_bytes: read_bandwidth(threads, bytes),
+        threads,
+    }
+}
+
+/// A kernel runs `iters` rounds and returns the operations it did.
+type Kernel = fn(u64) -> f64;
+
+/// Runs `k` on every thread at once for about [`SPAN`]; operations per second in total.
+fn on_threads(threads: usize, k: Kernel) -> f64 {
+    // Calibrate one thread's rounds to the span, then time all threads together.
+    let mut iters = 1u64 << 10;
+    loop {
+        let t = Instant::now();
+        black_box(k(iters));
+        if t.elapsed() > SPAN / 8 || iters > 1 << 40 {
+            break;
+        }
+        iters *= 2;
+    }
+    let start = Instant::now();
+    let ops: f64 = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads).map(|_| s.spawn(|| k(iters))).collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+    });
+    ops / start.elapsed().as_secs_f64()
+}
+
+/// Independent accumulators per kernel: enough to cover the FMA unit's latency × ports.
+const ACC: usize = 12;
+
+fn fma_kernel(iters: u64) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is present.
+        return unsafe { x86::fma512(iters) };
+    }
+    let mut acc = [[1f32; 8]; ACC];
+    let (a, b) = (black_box(0.999_f32), black_box(1e-7_f32));
+    for _ in 0..iters {
+        for r in acc.iter_mut() {
+            for v in r.iter_mut() {
+                *v = v.mul_add(a, b);
+            }
+        }
+    }
+    black_box(acc);
+    (iters * (ACC * 8 * 2) as u64) as f64
+}
+
+fn vnni_kernel() -> Option<Kernel> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512vnni") {
+        return Some(|iters| {
+            // SAFETY: AVX-512 VNNI (and so AVX-512F) is present.
+            unsafe { x86::dpbusd512(iters) }
+        });
+    }
+    None
+}
+
+/// Sums a `bytes`-sized buffer, split across the threads, until [`SPAN`] has passed.
+fn read_bandwidth(threads: usize, bytes: usize) -> f64 {
+    let words = (bytes / 8).max(threads * 1024);
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let part = words.div_ceil(threads);
+    let start = Instant::now();
+    let read: usize = std::thread::scope(|s| {
+        let hs: Vec<_> = buf
+            .chunks(part)
+            .map(|c| {
+                s.spawn(move || {
+                    let mut done = 0;
+                    while start.elapsed() < SPAN {
+                        // Four sums side by side so the adds are not one dependency chain.
+                        let mut sums = [0u64; 4];
+                        for q in c.chunks_exact(4) {
+                            for (s, &v) in sums.iter_mut().zip(q) {
+                                *s = s.wrapping_add(v);
+                            }
+                        }
+                        black_box(sums);
+                        done += c.len() / 4 * 32;
+                    }
+                    done
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(0)).sum()
+    });
+    read as f64 / start.elapsed().as_secs_f64()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+    use std::hint::black_box;
+
+    use super::ACC;
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn fma512(iters: u64) -> f64 {
+        let mut acc = [_mm512_set1_ps(1.0); ACC];
+        let (a, b) = (
+            _mm512_set1_ps(black_box(0.999)),
+            _mm512_set1_ps(black_box(1e-7)),
+        );
+        for _ in 0..iters {
+            for r in acc.iter_mut() {
+                *r = _mm512_fmadd_ps(*r, a, b);
+            }
+        }
+        black_box(acc);
+        (iters * (ACC * 16 * 2) as u64) as f64
+    }
+
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    pub(super) fn dpbusd512(iters: u64) -> f64 {
+        let mut acc = [_mm512_setzero_si512(); ACC];
+        let (a, b) = (
+            _mm512_set1_epi8(black_box(3)),
+            _mm512_set1_epi8(black_box(-5)),
+        );
+        for _ in 0..iters {
+            for r in acc.iter_mut() {
+                *r = _mm512_dpbusd_epi32(*r, a, b);
+            }
+        }
+        black_box(acc);
+        (iters * (ACC * 64 * 2) as u64) as f64
+    }
+}
