@@ -28,7 +28,9 @@ pub fn measure(threads: usize, bytes: usize) -> Peaks {
     Peaks {
         f32_flops: on_threads(threads, fma_kernel),
         int8_ops: vnni_kernel().map(|k| on_threads(threads, k)),
-        read_bytes: read_bandwidth(threads, bytes),
+        read_bytes: (0..TRIES)
+            .map(|_| read_bandwidth(threads, bytes))
+            .fold(0.0, f64::max),
         threads,
     }
 }
@@ -48,13 +50,21 @@ fn on_threads(threads: usize, k: Kernel) -> f64 {
         }
         iters *= 2;
     }
-    let start = Instant::now();
-    let ops: f64 = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..threads).map(|_| s.spawn(|| k(iters))).collect();
-        hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
-    });
-    ops / start.elapsed().as_secs_f64()
+    // A ceiling is the best the machine does: on a VM two vCPUs sometimes share one core.
+    (0..TRIES)
+        .map(|_| {
+            let start = Instant::now();
+            let ops: f64 = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..threads).map(|_| s.spawn(|| k(iters))).collect();
+                hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+            });
+            ops / start.elapsed().as_secs_f64()
+        })
+        .fold(0.0, f64::max)
 }
+
+/// Timed tries of each ceiling; the best counts.
+const TRIES: usize = 3;
 
 /// Independent accumulators per kernel: enough to cover the FMA unit's latency × ports.
 const ACC: usize = 12;

@@ -412,10 +412,10 @@ mod x86 {
                 sc[i],
                 _mm512_set1_ps(c.scale),
             );
-            let mx = s.m[i].max(fold_max(x));
+            let mx = s.m[i].max(fold(x, |a, b| _mm512_max_ps(a, b)));
             let ei = exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx)));
             alpha[i] = exp_approx(s.m[i] - mx);
-            s.l[i] = s.l[i].mul_add(alpha[i], fold_add(ei));
+            s.l[i] = s.l[i].mul_add(alpha[i], fold(ei, |a, b| _mm512_add_ps(a, b)));
             s.m[i] = mx;
             // SAFETY: e[i] holds KC floats.
             unsafe { _mm512_storeu_ps(e[i].as_mut_ptr(), ei) };
@@ -448,24 +448,14 @@ mod x86 {
         }
     }
 
-    /// The portable halving tree (lanes j and j + 8, then j + 4, j + 2, j + 1) with `max`.
+    /// The portable halving tree (lanes j and j + 8, then j + 4, j + 2, j + 1) with `f`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    fn fold_max(v: __m512) -> f32 {
-        let v = _mm512_max_ps(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
-        let v = _mm512_max_ps(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v));
-        let v = _mm512_max_ps(v, _mm512_permute_ps::<0b01_00_11_10>(v));
-        _mm512_cvtss_f32(_mm512_max_ps(v, _mm512_permute_ps::<0b10_11_00_01>(v)))
-    }
-
-    /// The same tree with `+`.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn fold_add(v: __m512) -> f32 {
-        let v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
-        let v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v));
-        let v = _mm512_add_ps(v, _mm512_permute_ps::<0b01_00_11_10>(v));
-        _mm512_cvtss_f32(_mm512_add_ps(v, _mm512_permute_ps::<0b10_11_00_01>(v)))
+    fn fold(v: __m512, f: impl Fn(__m512, __m512) -> __m512) -> f32 {
+        let v = f(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
+        let v = f(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v));
+        let v = f(v, _mm512_permute_ps::<0b01_00_11_10>(v));
+        _mm512_cvtss_f32(f(v, _mm512_permute_ps::<0b10_11_00_01>(v)))
     }
 
     /// [`exp_approx`] on 16 lanes.
