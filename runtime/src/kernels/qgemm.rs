@@ -425,7 +425,7 @@ struct SendPtr(*mut f32);
 unsafe impl Sync for SendPtr {}
 unsafe impl Send for SendPtr {}
 
-/// Activation rows from which quantizing them is split across threads.
+/// Fewest activation rows a thread quantizes (fewer run on the calling thread).
 const PAR_QUANT_ROWS: usize = 16;
 
 /// Activations quantized per row and block.
@@ -459,22 +459,14 @@ impl QuantRows {
                 sum[b] = blk.iter().map(|&v| i32::from(v)).sum();
             }
         };
-        // Rows are independent; a prefill's hundreds of them are worth the threads.
-        let rows = q
-            .chunks_mut(stride)
-            .zip(d.chunks_mut(kb))
-            .zip(sum.chunks_mut(kb));
-        if m >= PAR_QUANT_ROWS {
-            let rows = q
-                .par_chunks_mut(stride)
-                .zip(d.par_chunks_mut(kb))
-                .zip(sum.par_chunks_mut(kb));
-            rows.enumerate()
-                .for_each(|(r, ((q, d), s))| row(r, q, d, s));
-        } else {
-            rows.enumerate()
-                .for_each(|(r, ((q, d), s))| row(r, q, d, s));
-        }
+        // Rows are independent; a prefill's hundreds of them are worth the threads, a decode
+        // step's few run in place (rayon does not split below the minimum length).
+        q.par_chunks_mut(stride)
+            .zip(d.par_chunks_mut(kb))
+            .zip(sum.par_chunks_mut(kb))
+            .enumerate()
+            .with_min_len(PAR_QUANT_ROWS)
+            .for_each(|(r, ((q, d), s))| row(r, q, d, s));
         if bits == Bits::Eight {
             for (o, &v) in u.iter_mut().zip(&q) {
                 *o = (v as u8) ^ 0x80;
