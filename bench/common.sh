@@ -28,6 +28,32 @@ serve() { # port, log file, extra flags...; does not wait for health (SERVER_BIN
   pids+=($!)
 }
 
+# llama.cpp's llama-server (the baseline of the comparisons): LLAMA_SERVER, else
+# scripts/build-llama-server.sh's output. have_llama says whether it is there.
+llama="${LLAMA_SERVER:-${LLAMA_CPP_DIR:-$HOME/.cache/ferrite/llama.cpp}/bin/llama-server}"
+threads="${THREADS:-$(nproc)}"
+have_llama() { [ -x "$llama" ]; }
+
+start_llama() { # port, log file, slots, context (split across the slots); sets llama_pid
+  "$llama" -m "$model" --host 127.0.0.1 --port "$1" --parallel "$3" --cont-batching -c "$4" \
+    -t "$threads" --log-disable >"$2" 2>&1 &
+  llama_pid=$!
+  pids+=("$llama_pid")
+  wait_health "$1"
+}
+
+stop_llama() { # stops the llama-server start_llama started last
+  kill "$llama_pid" 2>/dev/null || true
+  wait "$llama_pid" 2>/dev/null || true
+}
+
+kv_tokens() { # port of a healthy ferrite-server: prints how many tokens its KV cache holds
+  curl -sf "http://127.0.0.1:$1/metrics" | awk '/^vllm:cache_config_info/ {
+    match($0, /block_size="[0-9]+"/); b = substr($0, RSTART + 12, RLENGTH - 13)
+    match($0, /num_gpu_blocks="[0-9]+"/); n = substr($0, RSTART + 16, RLENGTH - 17)
+    print b * n; exit }'
+}
+
 stop_servers() { # stops every server started so far and waits for them to exit
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done

@@ -10,8 +10,6 @@
 # without it only the two ferrite-servers are measured.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
-threads="${THREADS:-$(nproc)}"
-llama="${LLAMA_SERVER:-${LLAMA_CPP_DIR:-$HOME/.cache/ferrite/llama.cpp}/bin/llama-server}"
 
 targets=()
 serve 18181 /tmp/bench-prefix-ferrite.log
@@ -19,13 +17,10 @@ serve 18182 /tmp/bench-prefix-ferrite-nocache.log --no-enable-prefix-caching
 wait_health 18181
 wait_health 18182
 targets+=(--target "ferrite=http://127.0.0.1:18181" --target "ferrite-no-cache=http://127.0.0.1:18182")
-if [ -x "$llama" ]; then
+if have_llama; then
   # 8 slots of 4,096 tokens (-c is split across --parallel slots); the prompt cache is on by
   # default (slots keep their last prompt, plus --cache-ram in host memory).
-  "$llama" -m "$model" --host 127.0.0.1 --port 18180 --parallel 8 --cont-batching \
-    -c 32768 -t "$threads" --log-disable >/tmp/bench-prefix-llama-server.log 2>&1 &
-  pids+=($!)
-  wait_health 18180
+  start_llama 18180 /tmp/bench-prefix-llama-server.log 8 32768
   targets+=(--target "llama.cpp=http://127.0.0.1:18180")
 fi
 "$target"/release/bench-prefix-cache "${targets[@]}" --model default "$@"

@@ -53,6 +53,11 @@ struct Args {
     /// Names of targets to scrape (repeatable).
     #[arg(long = "scrape")]
     scrape: Vec<String>,
+    /// `name=PID` (repeatable): sample that process's resident memory (VmRSS) while its target
+    /// is under load and report the peak per level. Both servers stay up for the whole run, so
+    /// each peak includes whatever earlier levels left resident.
+    #[arg(long = "pid")]
+    pids: Vec<String>,
     /// Run every target this many times, alternating their order (A B, B A, …), and report the
     /// pooled figures; spreads drift (thermal, page cache, noisy neighbours) over all targets.
     #[arg(long, default_value_t = 1)]
@@ -90,6 +95,9 @@ struct LevelResult {
     /// Latencies of `/metrics` scrapes taken during the level.
     scrapes: Vec<f64>,
     scrape_bytes: usize,
+    /// Peak resident memory of the target's process during the level (`--pid`), KiB.
+    #[serde(default)]
+    peak_rss_kib: u64,
 }
 
 impl LevelResult {
@@ -103,6 +111,7 @@ impl LevelResult {
         self.e2e.extend(o.e2e);
         self.scrapes.extend(o.scrapes);
         self.scrape_bytes = self.scrape_bytes.max(o.scrape_bytes);
+        self.peak_rss_kib = self.peak_rss_kib.max(o.peak_rss_kib);
     }
     fn tok_per_s(&self) -> f64 {
         self.output_tokens as f64 / self.wall
@@ -263,6 +272,33 @@ fn scrape_loop(
     })
 }
 
+/// `VmRSS` of a process, KiB, from `/proc/PID/status`.
+fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    parse_vm_rss(&status).ok_or_else(|| anyhow!("no VmRSS line in /proc/{pid}/status"))
+}
+
+fn parse_vm_rss(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Samples `pid`'s resident memory every 100 ms until `stop` is set and returns the peak, on a
+/// thread of its own for the same reason as [`scrape_loop`].
+fn rss_loop(pid: u32, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Result<u64>> {
+    std::thread::spawn(move || {
+        let mut peak = rss_kib(pid)?;
+        while !stop.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(100));
+            peak = peak.max(rss_kib(pid)?);
+        }
+        Ok(peak)
+    })
+}
+
 /// End (exclusive) of the first complete SSE event in `buf`, if any.
 fn find_event_end(buf: &[u8]) -> Option<usize> {
     buf.windows(2)
@@ -274,6 +310,7 @@ fn find_event_end(buf: &[u8]) -> Option<usize> {
 async fn run_level(
     t: Arc<Target>,
     args: &Args,
+    pid: Option<u32>,
     concurrency: usize,
     seed: usize,
 ) -> Result<LevelResult> {
@@ -287,6 +324,7 @@ async fn run_level(
             stop.clone(),
         )
     });
+    let rss = pid.map(|p| rss_loop(p, stop.clone()));
     let started = Instant::now();
     let mut workers = Vec::new();
     for _ in 0..concurrency {
@@ -338,6 +376,11 @@ async fn run_level(
             .await?
             .map_err(|_| anyhow!("the scraper thread panicked"))??;
     }
+    if let Some(s) = rss {
+        r.peak_rss_kib = tokio::task::spawn_blocking(move || s.join())
+            .await?
+            .map_err(|_| anyhow!("the RSS sampler thread panicked"))??;
+    }
     Ok(r)
 }
 
@@ -364,6 +407,13 @@ fn print_level(name: &str, r: &LevelResult) {
             percentile(&r.scrapes, 99.0) * 1e3,
             percentile(&r.scrapes, 100.0) * 1e3,
             r.scrape_bytes,
+        );
+    }
+    if r.peak_rss_kib > 0 {
+        println!(
+            "{name:>10} c={:<3} peak RSS {:.0} MiB",
+            r.concurrency,
+            r.peak_rss_kib as f64 / 1024.0
         );
     }
 }
@@ -414,8 +464,32 @@ fn print_ratios(names: &[String], results: &[Vec<LevelResult>]) {
                 percentile(&r.e2e, 50.0) / percentile(&b.e2e, 50.0),
                 percentile(&r.e2e, 99.0) / percentile(&b.e2e, 99.0),
             );
+            if r.peak_rss_kib > 0 && b.peak_rss_kib > 0 {
+                println!(
+                    "{:>10} c={:<3} peak RSS {:>5.3}x ({:.0} MiB against {:.0} MiB)",
+                    name,
+                    r.concurrency,
+                    r.peak_rss_kib as f64 / b.peak_rss_kib as f64,
+                    r.peak_rss_kib as f64 / 1024.0,
+                    b.peak_rss_kib as f64 / 1024.0
+                );
+            }
         }
     }
+}
+
+/// `name=PID` for a target named in `--target`.
+fn parse_pid(s: &str, targets: &[Arc<Target>]) -> Result<(String, u32)> {
+    let (name, pid) = s
+        .split_once('=')
+        .ok_or_else(|| anyhow!("--pid wants name=PID, got {s}"))?;
+    if !targets.iter().any(|t| t.name == name) {
+        bail!("--pid {s}: no --target is named {name}");
+    }
+    let pid = pid
+        .parse()
+        .with_context(|| format!("--pid {s}: {pid} is not a process id"))?;
+    Ok((name.to_string(), pid))
 }
 
 /// `--pool`: the saved runs' figures pooled, then the ratios.
@@ -499,6 +573,11 @@ async fn main() -> Result<()> {
         .iter()
         .map(|s| parse_target(s).map(Arc::new))
         .collect::<Result<_>>()?;
+    let pids = args
+        .pids
+        .iter()
+        .map(|s| parse_pid(s, &targets))
+        .collect::<Result<std::collections::HashMap<_, _>>>()?;
     let mut results: Vec<Vec<LevelResult>> = vec![Vec::new(); targets.len()];
     for rep in 0..args.repeat.max(1) {
         let mut order: Vec<usize> = (0..targets.len()).collect();
@@ -516,7 +595,8 @@ async fn main() -> Result<()> {
             let mut run = Vec::new();
             for (k, &c) in args.concurrency.iter().enumerate() {
                 let seed = 100_000 * (k + 1) + 10_000_000 * rep;
-                let r = run_level(t.clone(), &args, c, seed).await?;
+                let pid = pids.get(&t.name).copied();
+                let r = run_level(t.clone(), &args, pid, c, seed).await?;
                 print_level(&t.name, &r);
                 run.push(r);
             }
@@ -564,5 +644,14 @@ mod tests {
         assert!(percentile(&[], 50.0).is_nan());
         assert_ne!(prompt(1, 128)[..4], prompt(2, 128)[..4]);
         assert_eq!(prompt(1, 128).split_whitespace().count(), 127);
+    }
+
+    #[test]
+    fn vm_rss_is_read_from_proc_status() {
+        let status = "Name:\tx\nVmPeak:\t  9000 kB\nVmRSS:\t  123456 kB\nRssAnon:\t 1 kB\n";
+        assert_eq!(parse_vm_rss(status), Some(123_456));
+        assert_eq!(parse_vm_rss("Name:\tkthreadd\n"), None);
+        let own = rss_kib(std::process::id()).expect("this process has a VmRSS");
+        assert!(own > 0);
     }
 }

@@ -7,7 +7,9 @@
 //! dense f32 GEMM (whose blocking follows the batch size), while each weight block still
 //! serves every row of a step, unlike candle's per-row quantized matmul.
 
+pub(crate) mod exp;
 pub mod qgemm;
+pub mod swiglu;
 
 /// The instruction set a kernel runs on, chosen once at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -340,8 +340,9 @@ impl QWeights {
         // float step stays per element, so the shape never changes a result. Panels a shape
         // does not take are left to the recursion below; other ISAs take one at a time.
         let took = match (isa, rows, group) {
-            (Isa::Avx512Vnni, 1, 4) => 4,
-            (Isa::Avx512Vnni, 1, 2 | 3) | (Isa::Avx512Vnni, 2.., 2..) => 2,
+            (Isa::Avx512Vnni, 1, 4..) => 4,
+            (Isa::Avx512Vnni, 2.., 3..) => 3,
+            (Isa::Avx512Vnni, _, 2..) => 2,
             _ => 1,
         };
         macro_rules! shapes {
@@ -350,11 +351,14 @@ impl QWeights {
                     (1, 4) => x86::$f::<1, 4>(self, a, p, r0, out),
                     (1, 2) => x86::$f::<1, 2>(self, a, p, r0, out),
                     (1, _) => x86::$f::<1, 1>(self, a, p, r0, out),
+                    (2, 3) => x86::$f::<2, 3>(self, a, p, r0, out),
                     (2, 2) => x86::$f::<2, 2>(self, a, p, r0, out),
                     (2, _) => x86::$f::<2, 1>(self, a, p, r0, out),
+                    (3, 3) => x86::$f::<3, 3>(self, a, p, r0, out),
                     (3, 2) => x86::$f::<3, 2>(self, a, p, r0, out),
                     (3, _) => x86::$f::<3, 1>(self, a, p, r0, out),
                     (_, 2) => x86::$f::<MR, 2>(self, a, p, r0, out),
+                    (_, 3) => x86::$f::<MR, 3>(self, a, p, r0, out),
                     (_, _) => x86::$f::<MR, 1>(self, a, p, r0, out),
                 }
             };
@@ -405,7 +409,7 @@ impl QWeights {
                     let da = a.d[row * self.kb + b];
                     *acc = (dot as f32).mul_add(da * blk.d, *acc);
                     if self.bits == Bits::Four {
-                        *acc = blk.m.mul_add(da * a.sum[row * self.kb + b] as f32, *acc);
+                        *acc = blk.m.mul_add(a.dsum[row * self.kb + b], *acc);
                     }
                 }
             }
@@ -414,7 +418,7 @@ impl QWeights {
 }
 
 /// Most panels one micro-tile covers.
-const PMAX: usize = 4;
+const PMAX: usize = 6;
 
 /// A micro-tile's output: up to [`MR`] rows of up to [`PMAX`] panels.
 type Tile = [[f32; NR * PMAX]; MR];
@@ -439,8 +443,8 @@ struct QuantRows {
     u: Vec<u8>,
     /// `[m][kb]` scales.
     d: Vec<f32>,
-    /// `[m][kb]` sums of each block's integers (for the 4-bit minimum term).
-    sum: Vec<i32>,
+    /// `[m][kb]` `d · Σq` per block: the 4-bit minimum term's row factor, rounded once here.
+    dsum: Vec<f32>,
     stride: usize,
 }
 
@@ -449,21 +453,22 @@ impl QuantRows {
         let stride = kb * QK;
         let mut q = vec![0i8; m * stride];
         let mut d = vec![0f32; m * kb];
-        let mut sum = vec![0i32; m * kb];
+        let mut dsum = vec![0f32; m * kb];
         let mut u = vec![0u8; if bits == Bits::Eight { m * stride } else { 0 }];
-        let row = |r: usize, q: &mut [i8], d: &mut [f32], sum: &mut [i32]| {
+        let row = |r: usize, q: &mut [i8], d: &mut [f32], dsum: &mut [f32]| {
             for b in 0..kb {
                 let src = &x[r * k + b * QK..r * k + ((b + 1) * QK).min(k)];
                 let blk: &mut [i8; QK] = (&mut q[b * QK..][..QK]).try_into().expect("QK bytes");
                 d[b] = quantize_sym(src, blk);
-                sum[b] = blk.iter().map(|&v| i32::from(v)).sum();
+                let sum: i32 = blk.iter().map(|&v| i32::from(v)).sum();
+                dsum[b] = d[b] * sum as f32;
             }
         };
         // Rows are independent; a prefill's hundreds of them are worth the threads, a decode
         // step's few run in place (rayon does not split below the minimum length).
         q.par_chunks_mut(stride)
             .zip(d.par_chunks_mut(kb))
-            .zip(sum.par_chunks_mut(kb))
+            .zip(dsum.par_chunks_mut(kb))
             .enumerate()
             .with_min_len(PAR_QUANT_ROWS)
             .for_each(|(r, ((q, d), s))| row(r, q, d, s));
@@ -476,7 +481,7 @@ impl QuantRows {
             q,
             u,
             d,
-            sum,
+            dsum,
             stride,
         }
     }
@@ -628,8 +633,9 @@ mod x86 {
         let pbb = Bits::Four.panel_block_bytes();
         let mut acc = [[_mm512_setzero_ps(); P]; R];
         for b in 0..w.kb {
-            let mut dlo = [[_mm512_setzero_si512(); P]; R];
-            let mut dhi = [[_mm512_setzero_si512(); P]; R];
+            // Low and high nibbles feed the same accumulator: integer sums are exact in any
+            // order, and one accumulator per (row, panel) leaves registers for more of them.
+            let mut dot = [[_mm512_setzero_si512(); P]; R];
             for q4 in 0..4 {
                 let mut lo = [_mm512_setzero_si512(); P];
                 let mut hi = [_mm512_setzero_si512(); P];
@@ -647,8 +653,8 @@ mod x86 {
                     // SAFETY: `at + 20` is inside the row's padded blocks.
                     let (al, ah) = unsafe { (four(&a.q, at), four(&a.q, at + 16)) };
                     for j in 0..P {
-                        dlo[r][j] = _mm512_dpbusd_epi32(dlo[r][j], lo[j], al);
-                        dhi[r][j] = _mm512_dpbusd_epi32(dhi[r][j], hi[j], ah);
+                        dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], lo[j], al);
+                        dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], hi[j], ah);
                     }
                 }
             }
@@ -663,10 +669,8 @@ mod x86 {
                 };
                 for r in 0..R {
                     let i = (r0 + r) * w.kb + b;
-                    let da = a.d[i];
-                    let dot = _mm512_add_epi32(dlo[r][j], dhi[r][j]);
-                    let m = Some((mins, da * a.sum[i] as f32));
-                    acc[r][j] = block_epilogue(acc[r][j], dot, da, ws, m);
+                    let m = Some((mins, a.dsum[i]));
+                    acc[r][j] = block_epilogue(acc[r][j], dot[r][j], a.d[i], ws, m);
                 }
             }
         }
@@ -735,7 +739,7 @@ mod x86 {
             for r in 0..R {
                 let i = (r0 + r) * w.kb + b;
                 let da = a.d[i];
-                let t = _mm256_set1_ps(da * a.sum[i] as f32);
+                let t = _mm256_set1_ps(a.dsum[i]);
                 for h in 0..2 {
                     // SAFETY: NR scales and extras per panel block.
                     let (ws, mins) = unsafe {
@@ -930,7 +934,7 @@ mod tests {
         /// alone as inside the batch.
         #[test]
         fn every_path_and_batch_gives_the_same_bits(
-            n in 1usize..70,
+            n in 1usize..200,
             k in 1usize..200,
             m in 1usize..11,
             four in any::<bool>(),

@@ -10,6 +10,8 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, W
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::kernels::exp::exp_approx;
+
 /// Where each token of the flattened batch sits: which sequence, which position.
 #[derive(Debug, Clone)]
 pub struct AttnMeta {
@@ -294,35 +296,6 @@ impl KvElem for bf16 {
 /// Query rows per micro-tile.
 const RT: usize = 4;
 
-/// `e^x`, vectorizable: `2^(x·log2 e)` split into an integer power (exponent bits) and a
-/// degree-6 polynomial on [-0.5, 0.5] (relative error under 4e-6, far below what softmax
-/// weights need). Below -87 (and `-inf`) gives 0.
-#[inline(always)]
-fn exp_approx(x: f32) -> f32 {
-    let v = x.max(EXP_MIN) * std::f32::consts::LOG2_E;
-    let n = v.round_ties_even();
-    let f = v - n;
-    let mut p = EXP_POLY[0];
-    for &c in &EXP_POLY[1..] {
-        p = p.mul_add(f, c);
-    }
-    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
-    if x < EXP_MIN { 0.0 } else { p * scale }
-}
-
-/// Below this, [`exp_approx`] gives 0 (and its power of two would leave the normal range).
-const EXP_MIN: f32 = -87.0;
-/// [`exp_approx`]'s polynomial for `2^f`, highest degree first (Horner's scheme).
-const EXP_POLY: [f32; 7] = [
-    1.535_336_2e-4,
-    1.339_887_4e-3,
-    9.618_437e-3,
-    5.550_332_5e-2,
-    2.402_264_4e-1,
-    6.931_472e-1,
-    1.0,
-];
-
 /// Folds 16 lanes with `f` as a halving tree (8 + 4 + 2 + 1 lane-wise steps).
 #[inline(always)]
 fn reduce(mut v: [f32; KC], f: impl Fn(f32, f32) -> f32) -> f32 {
@@ -378,7 +351,8 @@ fn has_avx512() -> bool {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Chunk, EXP_MIN, EXP_POLY, KC, KvElem, Rows, exp_approx};
+    use super::{Chunk, KC, KvElem, Rows, exp_approx};
+    use crate::kernels::exp::x86::exp16;
 
     /// [`super::micro_tile`] in 512-bit vectors: the portable path's operations lane for lane
     /// (fused multiply-adds in the same order, the same halving trees, the same exponential).
@@ -456,28 +430,6 @@ mod x86 {
         let v = f(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v));
         let v = f(v, _mm512_permute_ps::<0b01_00_11_10>(v));
         _mm512_cvtss_f32(f(v, _mm512_permute_ps::<0b10_11_00_01>(v)))
-    }
-
-    /// [`exp_approx`] on 16 lanes.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn exp16(x: __m512) -> __m512 {
-        let v = _mm512_mul_ps(
-            _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN)),
-            _mm512_set1_ps(std::f32::consts::LOG2_E),
-        );
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
-        let f = _mm512_sub_ps(v, n);
-        let mut p = _mm512_set1_ps(EXP_POLY[0]);
-        for &c in &EXP_POLY[1..] {
-            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-        }
-        let pow = _mm512_slli_epi32::<23>(_mm512_add_epi32(
-            _mm512_cvtps_epi32(n),
-            _mm512_set1_epi32(127),
-        ));
-        let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_MIN));
-        _mm512_maskz_mul_ps(!under, p, _mm512_castsi512_ps(pow))
     }
 
     /// 16 cache elements widened to f32 in one vector.
@@ -969,21 +921,5 @@ mod tests {
             prop_assert_eq!(bits(&got[0].1), bits(&got[1].1), "running sum");
             prop_assert_eq!(bits(&got[0].2), bits(&got[1].2), "output");
         }
-    }
-
-    #[test]
-    fn exp_approx_is_close_to_exp() {
-        let mut worst = 0f32;
-        for i in 0..200_000 {
-            let x = -90.0 + i as f32 * 0.00046;
-            let (got, want) = (exp_approx(x), x.exp());
-            if want > 1e-30 {
-                worst = worst.max(((got - want) / want).abs());
-            }
-        }
-        assert!(worst < 1e-5, "relative error {worst}");
-        assert_eq!(exp_approx(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_approx(-100.0), 0.0);
-        assert_eq!(exp_approx(0.0), 1.0);
     }
 }

@@ -203,8 +203,7 @@ impl LlamaModel {
             let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
             let gate_up = w.gate_up.forward(&h)?;
             let ffn = cfg.intermediate_size;
-            let act = (candle_nn::ops::silu(&gate_up.narrow(1, 0, ffn)?)?
-                * gate_up.narrow(1, ffn, ffn)?)?;
+            let act = super::activation::swiglu(&gate_up, ffn)?;
             x = (x + w.down.forward(&act)?)?;
         }
         let x = x.index_select(&Tensor::from_vec(last, batch.len(), dev)?, 0)?;

@@ -1,6 +1,7 @@
 //! Model runtime: checkpoint formats, tokenizer, chat template, and the batched paged forward.
 //! It knows tensors, never requests.
 
+pub mod activation;
 pub mod attention;
 pub mod chat_template;
 pub mod config;
