@@ -6,6 +6,8 @@
 //! operations, so both paths give the same bits. Each element depends on its own inputs only,
 //! so a row's result never depends on the batch.
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use super::exp::{EXP_MAX, exp_approx};
@@ -23,6 +25,23 @@ fn silu_mul(x: f32, u: f32) -> f32 {
 /// `out[r][i] = silu(gate_up[r][i]) · gate_up[r][ffn + i]` for every row `r` of `gate_up`,
 /// a row-major `[rows, 2·ffn]` buffer (gate columns first, as the fused projection writes them).
 pub fn swiglu(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
+    // SAFETY: `f32` and `MaybeUninit<f32>` share a layout, and `swiglu_into` only writes
+    // initialized values.
+    let out = unsafe { &mut *(out as *mut [f32] as *mut [MaybeUninit<f32>]) };
+    swiglu_into(gate_up, ffn, out);
+}
+
+/// [`swiglu`] into a new buffer, which is not zeroed first: every element is written.
+pub fn swiglu_vec(gate_up: &[f32], ffn: usize) -> Vec<f32> {
+    let len = gate_up.len() / 2;
+    let mut out = Vec::with_capacity(len);
+    swiglu_into(gate_up, ffn, &mut out.spare_capacity_mut()[..len]);
+    // SAFETY: `swiglu_into` wrote all `len` elements.
+    unsafe { out.set_len(len) };
+    out
+}
+
+fn swiglu_into(gate_up: &[f32], ffn: usize, out: &mut [MaybeUninit<f32>]) {
     assert!(ffn > 0, "empty MLP");
     assert_eq!(
         gate_up.len() % (2 * ffn),
@@ -47,15 +66,16 @@ pub fn swiglu(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
         });
 }
 
-fn row_portable(g: &[f32], u: &[f32], o: &mut [f32]) {
+fn row_portable(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     for ((o, &x), &u) in o.iter_mut().zip(g).zip(u) {
-        *o = silu_mul(x, u);
+        o.write(silu_mul(x, u));
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
 
     use super::EXP_MAX;
     use crate::kernels::exp::x86::exp16;
@@ -63,7 +83,7 @@ mod x86 {
     /// [`super::silu_mul`] 16 lanes at a time (IEEE division and the same exponential, so the
     /// same bits); a masked tail instead of a scalar loop.
     #[target_feature(enable = "avx512f")]
-    pub(super) fn row(g: &[f32], u: &[f32], o: &mut [f32]) {
+    pub(super) fn row(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
         let n = o.len().min(g.len()).min(u.len());
         let (one, top) = (_mm512_set1_ps(1.0), _mm512_set1_ps(EXP_MAX));
         let mut i = 0;
@@ -78,7 +98,8 @@ mod x86 {
                 let neg = _mm512_sub_ps(_mm512_setzero_ps(), x);
                 let e = exp16(_mm512_min_ps(top, neg));
                 let s = _mm512_div_ps(x, _mm512_add_ps(one, e));
-                _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), mask, _mm512_mul_ps(s, up));
+                let dst = o.as_mut_ptr().add(i).cast::<f32>();
+                _mm512_mask_storeu_ps(dst, mask, _mm512_mul_ps(s, up));
             }
             i += 16;
         }
@@ -149,11 +170,11 @@ mod tests {
             let out = run(&gate_up, ffn);
             for r in 0..rows {
                 let gu = &gate_up[r * 2 * ffn..(r + 1) * 2 * ffn];
-                let mut want = vec![0f32; ffn];
-                row_portable(&gu[..ffn], &gu[ffn..], &mut want);
+                let want: Vec<f32> = gu[..ffn].iter().zip(&gu[ffn..]).map(|(&x, &u)| silu_mul(x, u)).collect();
                 let got: Vec<u32> = out[r * ffn..(r + 1) * ffn].iter().map(|v| v.to_bits()).collect();
                 prop_assert_eq!(got, want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
-                prop_assert_eq!(run(gu, ffn), want);
+                prop_assert_eq!(run(gu, ffn), want.clone());
+                prop_assert_eq!(swiglu_vec(gu, ffn), want);
             }
         }
     }

@@ -186,8 +186,7 @@ impl CustomOp1 for PackedMatMul {
                 w.cols()
             );
         }
-        let mut y = vec![0f32; m * w.rows()];
-        w.matmul(Isa::best(), x, m, &mut y);
+        let y = w.matmul_vec(Isa::best(), x, m);
         Ok((CpuStorage::F32(y), Shape::from((m, w.rows()))))
     }
 }
