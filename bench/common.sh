@@ -34,9 +34,10 @@ llama="${LLAMA_SERVER:-${LLAMA_CPP_DIR:-$HOME/.cache/ferrite/llama.cpp}/bin/llam
 threads="${THREADS:-$(nproc)}"
 have_llama() { [ -x "$llama" ]; }
 
-start_llama() { # port, log file, slots, context (split across the slots); sets llama_pid
+start_llama() { # port, log file, slots, context (split across the slots); sets llama_pid.
+  # LLAMA_ARGS: more flags (e.g. "--cache-ram 0": no host-memory prompt cache).
   "$llama" -m "$model" --host 127.0.0.1 --port "$1" --parallel "$3" --cont-batching -c "$4" \
-    -t "$threads" --log-disable >"$2" 2>&1 &
+    -t "$threads" --log-disable ${LLAMA_ARGS:-} >"$2" 2>&1 &
   llama_pid=$!
   pids+=("$llama_pid")
   wait_health "$1"

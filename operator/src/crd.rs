@@ -30,6 +30,26 @@ impl InferenceService {
     pub fn port(&self) -> i32 {
         self.spec.runtime.port.unwrap_or(DEFAULT_PORT)
     }
+
+    /// The router's policy for this service.
+    pub fn routing_policy(&self) -> RoutingPolicy {
+        self.spec
+            .routing
+            .as_ref()
+            .map(|r| r.policy)
+            .unwrap_or_default()
+    }
+
+    /// How long the router holds a request while no replica is ready.
+    pub fn cold_start_timeout(&self) -> std::time::Duration {
+        let secs = self
+            .spec
+            .routing
+            .as_ref()
+            .and_then(|r| r.cold_start_timeout_seconds)
+            .unwrap_or(DEFAULT_COLD_START_TIMEOUT_SECONDS);
+        std::time::Duration::from_secs(secs.max(1) as u64)
+    }
 }
 
 /// Desired state of an InferenceService.
@@ -106,6 +126,52 @@ pub struct InferenceServiceSpec {
     /// Prometheus ServiceMonitor and Grafana dashboards.
     #[serde(default)]
     pub monitoring: MonitoringSpec,
+    /// How ferrite-router spreads requests over the replicas and holds them while the service
+    /// scales from zero. Absent: the defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing: Option<RoutingSpec>,
+}
+
+/// Seconds ferrite-router holds a request while no replica is ready, by default.
+pub const DEFAULT_COLD_START_TIMEOUT_SECONDS: i32 = 600;
+
+/// ferrite-router's settings for this service.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RoutingSpec {
+    /// `prefix-affinity` (default): requests sharing a prompt prefix go to the same replica
+    /// (its prefix cache), overflowing to the next one when it has more than its share of the
+    /// load; `least-load`; or `round-robin`.
+    #[serde(default)]
+    pub policy: RoutingPolicy,
+    /// Seconds a request is held while the service has no ready replica (scaling from zero)
+    /// before the client gets 503 with Retry-After (default 600).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub cold_start_timeout_seconds: Option<i32>,
+}
+
+/// How ferrite-router picks a replica.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RoutingPolicy {
+    #[default]
+    #[serde(rename = "prefix-affinity")]
+    PrefixAffinity,
+    #[serde(rename = "least-load")]
+    LeastLoad,
+    #[serde(rename = "round-robin")]
+    RoundRobin,
+}
+
+impl RoutingPolicy {
+    /// The spec's spelling, also the router's metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoutingPolicy::PrefixAffinity => "prefix-affinity",
+            RoutingPolicy::LeastLoad => "least-load",
+            RoutingPolicy::RoundRobin => "round-robin",
+        }
+    }
 }
 
 /// What to serve and under which name.

@@ -36,13 +36,26 @@ pub fn binary() -> PathBuf {
 }
 
 impl Server {
-    /// Starts `bin` on the default model at `host:port`; `extra` flags come last.
+    /// Starts `bin` on the default model at `host:port`, served as `smol`; `extra` flags come
+    /// last.
     pub fn spawn(bin: &Path, host: &str, port: u16, extra: &[&str], stdout: Stdio) -> Server {
+        Server::spawn_as(bin, "smol", host, port, extra, stdout)
+    }
+
+    /// [`Server::spawn`], serving the model under `name`.
+    pub fn spawn_as(
+        bin: &Path,
+        name: &str,
+        host: &str,
+        port: u16,
+        extra: &[&str],
+        stdout: Stdio,
+    ) -> Server {
         let child = Command::new(bin)
             .arg("--model")
             .arg(default_model())
             .args(["--host", host, "--port", &port.to_string()])
-            .args(["--served-model-name", "smol"])
+            .args(["--served-model-name", name])
             .args(extra)
             .stdout(stdout)
             .stderr(Stdio::null())

@@ -1,0 +1,172 @@
+//! Each replica's load as the router weighs it: the queue and running requests last scraped
+//! from its `/metrics` (the operator's scraper and parser, the autoscaler's view), plus the
+//! requests this router sent it since that scrape and still has open: a burst between two
+//! scrapes spreads out instead of piling onto the replica that looked idle.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferrite_operator::autoscale::scrape::{PodTarget, Scraper};
+use ferrite_operator::signal::PodSample;
+
+use crate::registry::Registry;
+
+#[derive(Debug, Default, Clone, Copy)]
+struct PodLoad {
+    /// Waiting + running at the last scrape.
+    scraped: f64,
+    /// Requests this router has open there.
+    open: u64,
+    /// Of those, the ones sent after the last scrape began.
+    since_scrape: u64,
+}
+
+/// Loads by replica base URL.
+#[derive(Debug, Clone, Default)]
+pub struct Loads {
+    pods: Arc<Mutex<HashMap<String, PodLoad>>>,
+}
+
+impl Loads {
+    /// The load the policies weigh for the replica at `base_url`.
+    pub fn get(&self, base_url: &str) -> f64 {
+        let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        pods.get(base_url)
+            .map_or(0.0, |p| p.scraped + p.since_scrape as f64)
+    }
+
+    /// Counts a request sent to `base_url` until the guard drops.
+    pub fn open(&self, base_url: &str) -> Open {
+        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        let p = pods.entry(base_url.to_string()).or_default();
+        p.open += 1;
+        p.since_scrape += 1;
+        Open {
+            loads: self.clone(),
+            base_url: base_url.to_string(),
+        }
+    }
+
+    fn close(&self, base_url: &str) {
+        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = pods.get_mut(base_url) {
+            p.open = p.open.saturating_sub(1);
+            p.since_scrape = p.since_scrape.min(p.open);
+        }
+    }
+
+    /// Records a scrape of `base_url` that began when `sent_before` of its open requests
+    /// had been sent: those are in the scraped numbers, later ones are not.
+    fn scraped(&self, base_url: &str, value: Option<f64>, sent_before: u64) {
+        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        let p = pods.entry(base_url.to_string()).or_default();
+        if let Some(v) = value {
+            p.scraped = v;
+        }
+        p.since_scrape = p.since_scrape.saturating_sub(sent_before);
+    }
+
+    fn since_scrape(&self, base_url: &str) -> u64 {
+        let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        pods.get(base_url).map_or(0, |p| p.since_scrape)
+    }
+
+    /// Forgets replicas that are gone and have nothing open.
+    fn retain(&self, live: &[String]) {
+        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        pods.retain(|url, p| p.open > 0 || live.contains(url));
+    }
+
+    /// Scrapes every ready replica of every service every `every`, for ever.
+    pub async fn refresh(self, registry: Registry, every: Duration) {
+        let scraper = Scraper::new(every.max(Duration::from_millis(200)));
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let targets: Vec<PodTarget> = registry
+                .all()
+                .into_iter()
+                .flat_map(|s| s.endpoints)
+                .map(|e| PodTarget {
+                    name: e.name,
+                    base_url: e.base_url,
+                    ready: true,
+                })
+                .collect();
+            let sent: Vec<u64> = targets
+                .iter()
+                .map(|t| self.since_scrape(&t.base_url))
+                .collect();
+            let results = scraper.scrape_all(&targets).await;
+            for ((t, r), sent) in targets.iter().zip(results).zip(sent) {
+                let value = match r.sample {
+                    PodSample::Ready(m) => Some(m.waiting + m.running),
+                    _ => None,
+                };
+                if let Some(e) = r.error {
+                    tracing::debug!(pod = %t.name, error = %e, "scrape failed; keeping the last load");
+                }
+                self.scraped(&t.base_url, value, sent);
+            }
+            let live: Vec<String> = targets.into_iter().map(|t| t.base_url).collect();
+            self.retain(&live);
+        }
+    }
+}
+
+/// A request open to one replica; dropping it closes it.
+#[derive(Debug)]
+pub struct Open {
+    loads: Loads,
+    base_url: String,
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.loads.close(&self.base_url);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn open_requests_count_until_a_scrape_sees_them() {
+        let loads = Loads::default();
+        let a = "http://10.0.0.1:8000";
+        loads.scraped(a, Some(3.0), 0);
+        let first = loads.open(a);
+        let second = loads.open(a);
+        assert_eq!(loads.get(a), 5.0);
+        // A scrape that began after both were sent already counts them.
+        loads.scraped(a, Some(5.0), 2);
+        assert_eq!(loads.get(a), 5.0);
+        drop(first);
+        drop(second);
+        assert_eq!(
+            loads.get(a),
+            5.0,
+            "the scraped value stands until the next scrape"
+        );
+        loads.scraped(a, Some(0.0), 0);
+        assert_eq!(loads.get(a), 0.0);
+        // A failed scrape keeps the last value, and gone replicas with nothing open go.
+        loads.scraped(a, None, 0);
+        assert_eq!(loads.get(a), 0.0);
+        loads.retain(&[]);
+        assert_eq!(loads.pods.lock().expect("lock").len(), 0);
+    }
+
+    #[test]
+    fn requests_closed_before_a_scrape_stop_counting() {
+        let loads = Loads::default();
+        let a = "http://10.0.0.2:8000";
+        let r = loads.open(a);
+        assert_eq!(loads.get(a), 1.0);
+        drop(r);
+        assert_eq!(loads.get(a), 0.0);
+    }
+}

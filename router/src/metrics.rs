@@ -1,0 +1,117 @@
+//! The router's own metrics, in the operator's style (`ferrite_router_*`), on `/metrics`.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Upstream latency buckets: a cache hit's first byte in milliseconds up to a long
+/// generation's minutes.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+/// Cold starts: a pod's start, from seconds to the 10-minute default timeout.
+const COLD_START_BUCKETS: &[f64] = &[
+    1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0, 450.0, 600.0,
+];
+
+/// Every metric, registered once.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// Requests by model, policy and outcome.
+    pub requests: IntCounterVec,
+    /// Requests held while their service has no ready replica.
+    pub held: IntGaugeVec,
+    /// How long held requests waited for a replica (also those that timed out).
+    pub cold_start: HistogramVec,
+    /// Replica choices, and whether prefix affinity was kept or overflowed.
+    pub decisions: IntCounterVec,
+    /// Upstream time to response headers.
+    pub upstream_headers: HistogramVec,
+    /// Upstream time until the response body ended.
+    pub upstream_duration: HistogramVec,
+    /// Requests retried on another replica, by reason.
+    pub retries: IntCounterVec,
+    /// Requests open per replica.
+    pub in_flight: IntGaugeVec,
+}
+
+impl Metrics {
+    pub fn new() -> Result<Metrics, prometheus::Error> {
+        let registry = Registry::new();
+        let counter =
+            |name: &str, help: &str, labels: &[&str]| -> Result<IntCounterVec, prometheus::Error> {
+                let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+                registry.register(Box::new(c.clone()))?;
+                Ok(c)
+            };
+        let histogram =
+            |name: &str, help: &str, buckets: &[f64]| -> Result<HistogramVec, prometheus::Error> {
+                let h = HistogramVec::new(
+                    HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+                    &["model"],
+                )?;
+                registry.register(Box::new(h.clone()))?;
+                Ok(h)
+            };
+        let gauge =
+            |name: &str, help: &str, labels: &[&str]| -> Result<IntGaugeVec, prometheus::Error> {
+                let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
+                registry.register(Box::new(g.clone()))?;
+                Ok(g)
+            };
+        let m = Metrics {
+            requests: counter(
+                "ferrite_router_requests_total",
+                "Requests by model, routing policy and outcome.",
+                &["model", "policy", "outcome"],
+            )?,
+            held: gauge(
+                "ferrite_router_held_requests",
+                "Requests held while their InferenceService has no ready replica.",
+                &["namespace", "inferenceservice", "model"],
+            )?,
+            cold_start: histogram(
+                "ferrite_router_cold_start_seconds",
+                "Time held requests waited for a ready replica.",
+                COLD_START_BUCKETS,
+            )?,
+            decisions: counter(
+                "ferrite_router_routing_decisions_total",
+                "Replica choices by model, policy and prefix affinity (kept, overflowed, none).",
+                &["model", "policy", "affinity"],
+            )?,
+            upstream_headers: histogram(
+                "ferrite_router_upstream_headers_seconds",
+                "Time from sending a request to a replica to its response headers.",
+                LATENCY_BUCKETS,
+            )?,
+            upstream_duration: histogram(
+                "ferrite_router_upstream_duration_seconds",
+                "Time from sending a request to a replica to the end of its response.",
+                LATENCY_BUCKETS,
+            )?,
+            retries: counter(
+                "ferrite_router_retries_total",
+                "Requests retried on another replica before any byte was streamed, by reason.",
+                &["model", "reason"],
+            )?,
+            in_flight: gauge(
+                "ferrite_router_in_flight_requests",
+                "Requests open to each replica.",
+                &["model", "pod"],
+            )?,
+            registry,
+        };
+        Ok(m)
+    }
+
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
+            tracing::warn!(error = %e, "encoding metrics");
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}

@@ -1,0 +1,190 @@
+//! Which InferenceServices serve which model, and their ready pods: two watch caches (the
+//! InferenceServices, and the pods the operator's Deployments make), read on every request.
+//! Every change bumps a counter that held requests wait on, so a request waiting for a cold
+//! service moves the moment its first pod turns Ready.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferrite_operator::autoscale::runner::pod_targets;
+use ferrite_operator::build::served_name;
+use ferrite_operator::crd::{InferenceService, RoutingPolicy};
+use ferrite_operator::labels::{COMPONENT_LABEL, INSTANCE_LABEL, MANAGED_SELECTOR};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::WatchStreamExt;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::watcher::{self, watcher};
+use kube::{Api, Client, Resource, ResourceExt};
+use tokio::sync::watch;
+
+/// One ready pod to send requests to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Pod name: the hash ring is built from names.
+    pub name: String,
+    /// `http://ip:port`.
+    pub base_url: String,
+}
+
+/// An InferenceService as the router needs it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Service {
+    pub namespace: String,
+    pub name: String,
+    /// The `model` clients send.
+    pub model: String,
+    pub policy: RoutingPolicy,
+    pub cold_start_timeout: Duration,
+    /// `spec.replicas` as the scale subresource has it.
+    pub replicas: i32,
+    /// Ready pods, by name.
+    pub endpoints: Vec<Endpoint>,
+}
+
+/// The watch caches, shared by every request.
+#[derive(Clone)]
+pub struct Registry {
+    isvcs: Store<InferenceService>,
+    pods: Store<Pod>,
+    changes: watch::Receiver<u64>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("isvcs", &self.isvcs.state().len())
+            .field("pods", &self.pods.state().len())
+            .finish()
+    }
+}
+
+impl Registry {
+    /// Starts the watches, cluster-wide or in `namespace`.
+    pub fn start(client: Client, namespace: Option<&str>) -> Registry {
+        let (tx, changes) = watch::channel(0u64);
+        let tx = Arc::new(tx);
+        let (isvc_api, pod_api): (Api<InferenceService>, Api<Pod>) = match namespace {
+            Some(ns) => (
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client, ns),
+            ),
+            None => (Api::all(client.clone()), Api::all(client)),
+        };
+        let isvcs = reflect(
+            "InferenceService",
+            isvc_api,
+            watcher::Config::default(),
+            tx.clone(),
+        );
+        let pods = reflect(
+            "Pod",
+            pod_api,
+            watcher::Config::default()
+                .labels(&format!("{MANAGED_SELECTOR},{COMPONENT_LABEL}=server")),
+            tx,
+        );
+        Registry {
+            isvcs,
+            pods,
+            changes,
+        }
+    }
+
+    /// Waits until both caches have been listed once.
+    pub async fn ready(&self) -> Result<(), reflector::store::WriterDropped> {
+        self.isvcs.wait_until_ready().await?;
+        self.pods.wait_until_ready().await
+    }
+
+    /// A receiver that sees every change of either cache.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.clone()
+    }
+
+    /// The service serving `model`. Two services claiming one name (in different namespaces)
+    /// resolve to the first by namespace and name, so every router replica agrees.
+    pub fn find(&self, model: &str) -> Option<Service> {
+        let mut matches: Vec<Arc<InferenceService>> = self
+            .isvcs
+            .state()
+            .into_iter()
+            .filter(|i| i.meta().deletion_timestamp.is_none() && served_name(i) == model)
+            .collect();
+        matches.sort_by_key(|i| (i.namespace(), i.name_any()));
+        matches.first().map(|i| self.service(i))
+    }
+
+    /// Every service, sorted by model name.
+    pub fn all(&self) -> Vec<Service> {
+        let mut all: Vec<Service> = self
+            .isvcs
+            .state()
+            .iter()
+            .filter(|i| i.meta().deletion_timestamp.is_none())
+            .map(|i| self.service(i))
+            .collect();
+        all.sort_by(|a, b| {
+            (&a.model, &a.namespace, &a.name).cmp(&(&b.model, &b.namespace, &b.name))
+        });
+        all
+    }
+
+    fn service(&self, isvc: &InferenceService) -> Service {
+        let (ns, name) = (isvc.namespace().unwrap_or_default(), isvc.name_any());
+        let pods: Vec<Pod> = self
+            .pods
+            .state()
+            .iter()
+            .filter(|p| {
+                p.namespace().as_deref() == Some(ns.as_str())
+                    && p.labels().get(INSTANCE_LABEL) == Some(&name)
+            })
+            .map(|p| (**p).clone())
+            .collect();
+        let mut endpoints: Vec<Endpoint> = pod_targets(&pods, isvc.port())
+            .into_iter()
+            .filter(|t| t.ready)
+            .map(|t| Endpoint {
+                name: t.name,
+                base_url: t.base_url,
+            })
+            .collect();
+        endpoints.sort_by(|a, b| a.name.cmp(&b.name));
+        Service {
+            model: served_name(isvc),
+            policy: isvc.routing_policy(),
+            cold_start_timeout: isvc.cold_start_timeout(),
+            replicas: isvc.spec.replicas.unwrap_or(1),
+            endpoints,
+            namespace: ns,
+            name,
+        }
+    }
+}
+
+/// Runs a watch into a new store, bumping `changed` on every event; retries with backoff.
+fn reflect<K>(
+    kind: &'static str,
+    api: Api<K>,
+    config: watcher::Config,
+    changed: Arc<watch::Sender<u64>>,
+) -> Store<K>
+where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default + Send + Sync,
+{
+    let (store, writer) = reflector::store();
+    tokio::spawn(async move {
+        let stream = watcher(api, config).default_backoff().reflect(writer);
+        let mut stream = std::pin::pin!(stream);
+        while let Some(event) = stream.next().await {
+            if let Err(e) = event {
+                tracing::warn!(kind, error = %e, "watch failed; retrying");
+                continue;
+            }
+            changed.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    });
+    store
+}
