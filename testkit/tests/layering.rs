@@ -155,13 +155,18 @@ fn production_crates_depend_only_downward_and_never_on_test_support() {
     let cases = [
         (
             "ferrite-runtime",
-            &["ferrite-server", "ferrite-operator"][..],
+            &["ferrite-server", "ferrite-operator", "ferrite-router"][..],
         ),
-        ("ferrite-server", &["ferrite-operator"][..]),
+        (
+            "ferrite-server",
+            &["ferrite-operator", "ferrite-router"][..],
+        ),
         (
             "ferrite-operator",
-            &["ferrite-server", "ferrite-runtime"][..],
+            &["ferrite-server", "ferrite-runtime", "ferrite-router"][..],
         ),
+        // The router shares the operator's CRD types and scraper; it serves no model.
+        ("ferrite-router", &["ferrite-server", "ferrite-runtime"][..]),
     ];
     for (krate, above) in cases {
         let deps = g.closure_names(krate);
@@ -172,6 +177,10 @@ fn production_crates_depend_only_downward_and_never_on_test_support() {
     assert!(
         g.closure_names("ferrite-server")
             .contains("ferrite-runtime")
+    );
+    assert!(
+        g.closure_names("ferrite-router")
+            .contains("ferrite-operator")
     );
 }
 
