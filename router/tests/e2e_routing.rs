@@ -44,6 +44,16 @@ async fn install_crd(client: &kube::Client) {
     .await;
 }
 
+/// A cluster of this test's own with the CRD installed, a client, and a fresh namespace; `None`
+/// where the control-plane binaries are missing outside CI (the testkit says so loudly).
+async fn cluster_with_crd(prefix: &str) -> Option<(Cluster, kube::Client, String)> {
+    let cluster = Cluster::start().await?;
+    let client = cluster.client().await;
+    install_crd(&client).await;
+    let ns = cluster.namespace(prefix).await;
+    Some((cluster, client, ns))
+}
+
 fn isvc_api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
     let gvk = GroupVersionKind::gvk("ferrite.dev", "v1alpha1", "InferenceService");
     Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk))
@@ -154,15 +164,7 @@ async fn post(url: String, body: Value) -> (u16, Value, Option<String>) {
 }
 
 async fn get(url: String) -> Value {
-    tokio::task::spawn_blocking(move || {
-        ureq::get(&url)
-            .call()
-            .expect("GET")
-            .into_json()
-            .expect("JSON")
-    })
-    .await
-    .expect("request thread")
+    serde_json::from_str(&get_text(url).await).expect("JSON")
 }
 
 fn completion(model: &str) -> Value {
@@ -173,12 +175,9 @@ fn completion(model: &str) -> Value {
 /// models get OpenAI's 404, and `/v1/models` lists both with their ready replicas.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_by_model_across_two_inference_services() {
-    let Some(cluster) = Cluster::start().await else {
+    let Some((_cluster, client, ns)) = cluster_with_crd("router").await else {
         return;
     };
-    let client = cluster.client().await;
-    install_crd(&client).await;
-    let ns = cluster.namespace("router").await;
     let (chat_port, code_port) = (free_port(), free_port());
     create_isvc(
         &client,
@@ -247,12 +246,9 @@ async fn routes_by_model_across_two_inference_services() {
 /// timeout and nothing starting, the client gets 503 with Retry-After.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holds_requests_while_scaling_from_zero() {
-    let Some(cluster) = Cluster::start().await else {
+    let Some((_cluster, client, ns)) = cluster_with_crd("cold").await else {
         return;
     };
-    let client = cluster.client().await;
-    install_crd(&client).await;
-    let ns = cluster.namespace("cold").await;
     let port = free_port();
     create_isvc(
         &client,
