@@ -310,3 +310,45 @@ async fn get_text(url: String) -> String {
     .await
     .expect("request thread")
 }
+
+/// A replica that refuses connections (its pod still listed Ready, as in the seconds before
+/// the kubelet notices a crash) costs a retry on the other replica, not a failed request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_replica_is_retried_on_another() {
+    let Some((_cluster, client, ns)) = cluster_with_crd("retry").await else {
+        return;
+    };
+    let port = free_port();
+    create_isvc(
+        &client,
+        &ns,
+        "chat",
+        json!({"model": {"source": "/models/smol.gguf"}, "replicas": 2,
+            "runtime": {"port": port}, "routing": {"policy": "round-robin"}}),
+    )
+    .await;
+    let _server = server("127.0.0.1", port, "chat");
+    ready_pod(&client, &ns, "chat", "chat-0", "127.0.0.1").await;
+    // Nothing listens on 127.0.0.2 at this port.
+    ready_pod(&client, &ns, "chat", "chat-1", "127.0.0.2").await;
+    let base = router(&client, &ns).await;
+    eventually(WAIT, "both replicas listed", async || {
+        let v = get(format!("{base}/v1/models")).await;
+        (v["data"][0]["ready_replicas"] == 2).then_some(())
+    })
+    .await;
+    for _ in 0..4 {
+        let (status, body, _) = post(format!("{base}/v1/completions"), completion("chat")).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    // Round robin sends every other first attempt to the dead replica.
+    let metrics = get_text(format!("{base}/metrics")).await;
+    let retries: f64 = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("ferrite_router_retries_total{") && l.contains("reason=\"connect\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(retries >= 2.0, "retries {retries}: {metrics}");
+}
