@@ -416,10 +416,8 @@ impl Caches {
 
     /// The pods of one InferenceService.
     pub fn pods_of(&self, namespace: &str, name: &str) -> Vec<Arc<Pod>> {
-        self.pods.state_filter(|p| {
-            p.metadata.namespace.as_deref() == Some(namespace)
-                && p.labels().get(INSTANCE_LABEL).map(String::as_str) == Some(name)
-        })
+        self.pods
+            .state_filter(|p| crate::labels::belongs_to(p, namespace, name))
     }
 
     /// The InferenceService `namespace/name`, if cached.

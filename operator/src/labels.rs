@@ -7,3 +7,10 @@ pub const INSTANCE_LABEL: &str = "ferrite.dev/inferenceservice";
 pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
 /// Label selector matching every object the operator makes (children and pods alike).
 pub const MANAGED_SELECTOR: &str = "app.kubernetes.io/managed-by=ferrite-operator";
+
+/// Whether `obj` (a pod, a child) belongs to the InferenceService `namespace/name`: the
+/// operator's watch caches and ferrite-router pick an InferenceService's pods by this.
+pub fn belongs_to<K: kube::ResourceExt>(obj: &K, namespace: &str, name: &str) -> bool {
+    obj.meta().namespace.as_deref() == Some(namespace)
+        && obj.labels().get(INSTANCE_LABEL).map(String::as_str) == Some(name)
+}

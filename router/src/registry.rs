@@ -9,7 +9,7 @@ use std::time::Duration;
 use ferrite_operator::autoscale::runner::pod_targets;
 use ferrite_operator::build::served_name;
 use ferrite_operator::crd::{InferenceService, RoutingPolicy};
-use ferrite_operator::labels::{COMPONENT_LABEL, INSTANCE_LABEL, MANAGED_SELECTOR};
+use ferrite_operator::labels::{COMPONENT_LABEL, MANAGED_SELECTOR, belongs_to};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::WatchStreamExt;
@@ -132,17 +132,8 @@ impl Registry {
 
     fn service(&self, isvc: &InferenceService) -> Service {
         let (ns, name) = (isvc.namespace().unwrap_or_default(), isvc.name_any());
-        let pods: Vec<Pod> = self
-            .pods
-            .state()
-            .iter()
-            .filter(|p| {
-                p.namespace().as_deref() == Some(ns.as_str())
-                    && p.labels().get(INSTANCE_LABEL) == Some(&name)
-            })
-            .map(|p| (**p).clone())
-            .collect();
-        let mut endpoints: Vec<Endpoint> = pod_targets(&pods, isvc.port())
+        let pods = self.pods.state_filter(|p| belongs_to(p, &ns, &name));
+        let mut endpoints: Vec<Endpoint> = pod_targets(pods.iter().map(|p| &**p), isvc.port())
             .into_iter()
             .filter(|t| t.ready)
             .map(|t| Endpoint {

@@ -321,13 +321,8 @@ async fn evaluate(
         // After a restart, keep the time the previous operator recorded.
         *last_scale = isvc.status.as_ref().and_then(|s| s.last_scale_time.clone());
     }
-    let pods: Vec<Pod> = env
-        .caches
-        .pods_of(ns, name)
-        .iter()
-        .map(|p| (**p).clone())
-        .collect();
-    let targets = pod_targets(&pods, cfg.port);
+    let pods = env.caches.pods_of(ns, name);
+    let targets = pod_targets(pods.iter().map(|p| &**p), cfg.port);
     let results = env.scraper.scrape_all(&targets).await;
     for r in &results {
         if let Some(e) = &r.error {
@@ -459,9 +454,9 @@ fn publish_signals(env: &TaskEnv, cfg: &TaskConfig, signals: &Signals) {
 
 /// The pods to scrape: ready ones (with an IP) by their IP; pods still starting as unready,
 /// so that they count as capacity on the way.
-pub fn pod_targets(pods: &[Pod], port: i32) -> Vec<PodTarget> {
+pub fn pod_targets<'a>(pods: impl IntoIterator<Item = &'a Pod>, port: i32) -> Vec<PodTarget> {
     // Pods being deleted or finished will never take load: they are not capacity at all.
-    pods.iter()
+    pods.into_iter()
         .filter(|p| {
             p.metadata.deletion_timestamp.is_none()
                 && !matches!(
