@@ -14,6 +14,7 @@ use clap::Parser;
 use ferrite_bench::roofline;
 use ferrite_runtime::kernels::Isa;
 use ferrite_runtime::kernels::qgemm::{Bits, Block, QK, QWeights};
+use ferrite_testkit::random::values;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -32,28 +33,24 @@ struct Args {
     reps: usize,
 }
 
-/// Deterministic weights of `bits` in the kernel's block format.
+/// Deterministic weights of `bits`: 8-bit ones quantized from random values by the kernel's
+/// own quantizer, 4-bit ones as GGUF Q4_1 blocks (random nibbles, scales and minimums).
 fn weights(n: usize, k: usize, bits: Bits) -> Result<QWeights> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ (n * 31 + k) as u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
-    Ok(QWeights::from_blocks(n, k, bits, |_, b| {
+    let seed = (n * 31 + k) as u64;
+    if bits == Bits::Eight {
+        return Ok(QWeights::quantize(&values(n * k, seed, 1.0), n, k)?);
+    }
+    let kb = k.div_ceil(QK);
+    let r = values(n * kb * (QK + 2), seed, 1.0);
+    Ok(QWeights::from_blocks(n, k, bits, |col, b| {
+        let at = (col * kb + b) * (QK + 2);
         let mut q = [0i16; QK];
-        for (i, v) in q.iter_mut().enumerate() {
-            if b * QK + i < k {
-                *v = match bits {
-                    Bits::Four => (next() % 16) as i16,
-                    Bits::Eight => (next() % 255) as i16 - 127,
-                };
-            }
+        for (i, v) in q.iter_mut().enumerate().take(k.saturating_sub(b * QK)) {
+            *v = ((r[at + i] + 1.0) * 7.99) as i16;
         }
         Block {
-            d: 0.01 + (next() % 100) as f32 * 1e-4,
-            m: if bits == Bits::Four { -0.08 } else { 0.0 },
+            d: 0.01 + r[at + QK].abs() * 0.01,
+            m: r[at + QK + 1] * 0.1,
             q,
         }
     })?)
@@ -71,9 +68,15 @@ fn main() -> Result<()> {
             p / 1e9
         ))
     );
-    let mut isas = vec![Isa::Avx2];
-    if Isa::detect() == Isa::Avx512Vnni {
-        isas.push(Isa::Avx512Vnni);
+    // Every path this CPU runs, slowest first: the first (AVX2, or scalar code where even AVX2
+    // is missing) is the baseline.
+    let mut isas: Vec<Isa> = Isa::available()
+        .into_iter()
+        .rev()
+        .filter(|&i| i != Isa::Scalar)
+        .collect();
+    if isas.is_empty() {
+        isas.push(Isa::Scalar);
     }
     for bits in [Bits::Four, Bits::Eight] {
         for shape in &args.shapes {
@@ -83,9 +86,7 @@ fn main() -> Result<()> {
                 .ok_or_else(|| anyhow::anyhow!("--shapes wants NxK, got {shape}"))?;
             let w = weights(n, k, bits)?;
             for &m in &args.rows {
-                let x: Vec<f32> = (0..m * k)
-                    .map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5)
-                    .collect();
+                let x = values(m * k, m as u64, 0.5);
                 let mut y = vec![0f32; m * n];
                 // Enough calls for ~50 ms per repetition.
                 let ops = 2.0 * (m * n * k) as f64;
