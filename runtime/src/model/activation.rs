@@ -30,7 +30,7 @@ impl CustomOp1 for SwiGlu {
             (CpuStorage::F32(v), Some((a, b))) => &v[a..b],
             _ => candle_core::bail!("swiglu needs a contiguous f32 input"),
         };
-        let out = swiglu::swiglu_vec(x, ffn);
+        let out = swiglu::swiglu(x, ffn);
         Ok((CpuStorage::F32(out), Shape::from((tokens, ffn))))
     }
 }
