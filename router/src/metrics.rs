@@ -49,7 +49,7 @@ impl Metrics {
             |name: &str, help: &str, buckets: &[f64]| -> Result<HistogramVec, prometheus::Error> {
                 let h = HistogramVec::new(
                     HistogramOpts::new(name, help).buckets(buckets.to_vec()),
-                    &["model"],
+                    &["model_name"],
                 )?;
                 registry.register(Box::new(h.clone()))?;
                 Ok(h)
@@ -64,12 +64,12 @@ impl Metrics {
             requests: counter(
                 "ferrite_router_requests_total",
                 "Requests by model, routing policy and outcome.",
-                &["model", "policy", "outcome"],
+                &["model_name", "policy", "outcome"],
             )?,
             held: gauge(
                 "ferrite_router_held_requests",
                 "Requests held while their InferenceService has no ready replica.",
-                &["namespace", "inferenceservice", "model"],
+                &["namespace", "inferenceservice", "model_name"],
             )?,
             cold_start: histogram(
                 "ferrite_router_cold_start_seconds",
@@ -79,7 +79,7 @@ impl Metrics {
             decisions: counter(
                 "ferrite_router_routing_decisions_total",
                 "Replica choices by model, policy and prefix affinity (kept, overflowed, none).",
-                &["model", "policy", "affinity"],
+                &["model_name", "policy", "affinity"],
             )?,
             upstream_headers: histogram(
                 "ferrite_router_upstream_headers_seconds",
@@ -94,12 +94,12 @@ impl Metrics {
             retries: counter(
                 "ferrite_router_retries_total",
                 "Requests retried on another replica before any byte was streamed, by reason.",
-                &["model", "reason"],
+                &["model_name", "reason"],
             )?,
             in_flight: gauge(
                 "ferrite_router_in_flight_requests",
                 "Requests open to each replica.",
-                &["model", "pod"],
+                &["model_name", "pod"],
             )?,
             registry,
         };

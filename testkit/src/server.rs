@@ -24,9 +24,16 @@ impl Drop for Server {
 /// The workspace's ferrite-server binary, built beside the running test by `cargo nextest run
 /// --workspace` (a test of the server crate itself passes `CARGO_BIN_EXE_ferrite-server`).
 pub fn binary() -> PathBuf {
+    workspace_binary("ferrite-server")
+}
+
+/// A binary of another workspace crate (`ferrite-server`, `ferrite-router`), built beside the
+/// running test by `cargo nextest run --workspace`; a test cannot name it through
+/// `CARGO_BIN_EXE_*`, which covers only its own crate's binaries.
+pub fn workspace_binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
-    let bin = dir.join("ferrite-server");
+    let bin = dir.join(name);
     assert!(
         bin.exists(),
         "{} is missing: run the tests with `cargo nextest run --workspace`",
