@@ -9,10 +9,13 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use common::chart::{NAMESPACE, chart_dir, find, helm, one, operator_args, path_str, render};
+use common::chart::{
+    NAMESPACE, chart_dir, container_args, find, find_component, granted, helm, one, one_component,
+    operator_args, operator_deployment, path_str, render, router_deployment,
+};
 use common::validate::{custom_resources, kubernetes, root, temp_dir};
 use serde_json::{Value, json};
 
@@ -134,7 +137,15 @@ fn validate_objects(docs: &[Value], tag: &str) {
 fn every_value_set_lints_strictly_and_renders_objects_that_pass_their_schemas() {
     let sets = value_sets();
     let names: Vec<String> = sets.iter().map(|p| set_name(p)).collect();
-    for wanted in ["default", "monitoring-off", "ha", "external-metrics"] {
+    for wanted in [
+        "default",
+        "monitoring-off",
+        "ha",
+        "external-metrics",
+        "router-off",
+        "router-namespaced",
+        "router-no-wake",
+    ] {
         assert!(
             names.iter().any(|n| n == wanted),
             "ci/{wanted}-values.yaml is missing"
@@ -168,7 +179,7 @@ fn check_value_set(tag: &str, docs: &[Value]) {
         args.iter()
             .any(|x| x == a || x.starts_with(&format!("{a}=")))
     };
-    let deployment = one(docs, "Deployment");
+    let deployment = operator_deployment(docs);
     let pod = &deployment["spec"]["template"]["spec"];
     // Everywhere: non-root, read-only, no privilege escalation, probes on the operator's port.
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{tag}");
@@ -185,9 +196,11 @@ fn check_value_set(tag: &str, docs: &[Value]) {
     assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz", "{tag}");
     assert_eq!(
         pod["serviceAccountName"],
-        one(docs, "ServiceAccount")["metadata"]["name"],
+        one_component(docs, "ServiceAccount", "operator")["metadata"]["name"],
         "{tag}"
     );
+    check_selectors(tag, docs);
+    let router = (tag != "router-off").then(|| check_router(tag, docs));
     let sidecar_dashboards: Vec<_> = find(docs, "ConfigMap")
         .into_iter()
         .filter(|c| c["metadata"]["labels"]["grafana_dashboard"] == "1")
@@ -205,6 +218,114 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             assert!(find(docs, "PrometheusRule").is_empty());
             assert_eq!(sidecar_dashboards.len(), dashboard_count);
             assert!(has_arg("--dashboards-dir"), "{args:?}");
+            // The router, as the README uses it: `port-forward svc/ferrite-router 8000:8000`,
+            // cluster-wide, waking services scaled to zero.
+            let router = router.expect("the router is on by default");
+            assert_eq!(router.name, "ferrite-router");
+            assert_eq!(
+                router.args,
+                ["--addr=0.0.0.0:8080", "--drain-delay-seconds=5"]
+            );
+            assert_eq!(router.service["spec"]["type"], "ClusterIP");
+            assert_eq!(router.service["spec"]["ports"][0]["port"], 8000);
+            assert_eq!(router.role_kind, "ClusterRole");
+            assert_eq!(router.rules, router_rules(true));
+            let image = router.deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+                .as_str()
+                .expect("image");
+            assert!(
+                image.starts_with("ghcr.io/ferrite-dev/ferrite-router:"),
+                "{image}"
+            );
+            assert_eq!(router.deployment["spec"]["replicas"], 1);
+        }
+        "router-off" => {
+            let routers: Vec<_> = docs
+                .iter()
+                .filter(|d| {
+                    d["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
+                        || d["metadata"]["name"]
+                            .as_str()
+                            .is_some_and(|n| n.contains("router"))
+                })
+                .map(|d| format!("{} {}", d["kind"], d["metadata"]["name"]))
+                .collect();
+            assert!(routers.is_empty(), "router objects: {routers:?}");
+            // The operator's ServiceMonitor alone.
+            assert_eq!(
+                one(docs, "ServiceMonitor")["metadata"]["labels"]["app.kubernetes.io/component"],
+                "operator"
+            );
+        }
+        "router-namespaced" => {
+            let router = router.expect("router");
+            assert!(
+                router.args.iter().any(|a| a == "--namespace=llm"),
+                "{:?}",
+                router.args
+            );
+            assert_eq!(router.role_kind, "Role");
+            assert_eq!(router.rules, router_rules(true));
+            // The Role and its binding live in the watched namespace, the ServiceAccount in
+            // the release's; nothing cluster-wide is bound to the router.
+            for kind in ["Role", "RoleBinding"] {
+                let o = one_component(docs, kind, "router");
+                assert_eq!(o["metadata"]["namespace"], "llm", "{kind}");
+            }
+            assert!(find_component(docs, "ClusterRole", "router").is_empty());
+            assert!(find_component(docs, "ClusterRoleBinding", "router").is_empty());
+            assert_eq!(router.deployment["spec"]["replicas"], 2);
+            let pdb = one_component(docs, "PodDisruptionBudget", "router");
+            assert_eq!(pdb["spec"]["maxUnavailable"], 1);
+            let pod = &router.deployment["spec"]["template"]["spec"];
+            assert_eq!(pod["priorityClassName"], "system-cluster-critical");
+            assert_eq!(pod["nodeSelector"]["kubernetes.io/os"], "linux");
+            assert_eq!(pod["tolerations"][0]["value"], "gateway");
+            assert_eq!(pod["topologySpreadConstraints"][0]["maxSkew"], 1);
+            assert_eq!(pod["containers"][0]["resources"]["limits"]["memory"], "1Gi");
+            let meta = &router.deployment["spec"]["template"]["metadata"];
+            assert_eq!(meta["labels"]["tier"], "gateway");
+            assert_eq!(meta["annotations"]["example.com/team"], "llm");
+            // The operator keeps one replica: only the router's PDB.
+            assert_eq!(find(docs, "PodDisruptionBudget").len(), 1);
+        }
+        "router-no-wake" => {
+            let router = router.expect("router");
+            assert_eq!(router.name, "llm-gateway");
+            assert!(
+                router.args.iter().any(|a| a == "--no-wake"),
+                "{:?}",
+                router.args
+            );
+            assert_eq!(router.role_kind, "ClusterRole");
+            assert_eq!(router.rules, router_rules(false), "read only");
+            assert_eq!(
+                router.args,
+                [
+                    "--addr=0.0.0.0:8080",
+                    "--no-wake",
+                    "--drain-delay-seconds=15",
+                    "--prefix-chars=512",
+                    "--epsilon=0.5"
+                ]
+            );
+            assert_eq!(router.service["spec"]["type"], "LoadBalancer");
+            assert_eq!(router.service["spec"]["ports"][0]["port"], 80);
+            let pod = &router.deployment["spec"]["template"]["spec"];
+            let c = &pod["containers"][0];
+            assert_eq!(
+                c["image"],
+                "ghcr.io/ferrite-dev/ferrite-router@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+            );
+            assert_eq!(c["imagePullPolicy"], "Always");
+            assert_eq!(c["env"][0]["value"], "ferrite_router=debug,info");
+            assert_eq!(pod["terminationGracePeriodSeconds"], 120);
+            let sa = one_component(docs, "ServiceAccount", "router");
+            assert_eq!(sa["metadata"]["annotations"]["example.com/role"], "gateway");
+            let sm = router
+                .service_monitor
+                .expect("monitoring.serviceMonitor.enabled: true");
+            assert_eq!(sm["metadata"]["labels"]["release"], "kube-prometheus-stack");
         }
         "monitoring-off" => {
             assert!(find(docs, "ServiceMonitor").is_empty());
@@ -213,7 +334,15 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             assert!(!has_arg("--dashboards-dir"), "{args:?}");
         }
         "monitoring-on" => {
-            let sm = one(docs, "ServiceMonitor");
+            let router_sm = router
+                .and_then(|r| r.service_monitor)
+                .expect("the router's ServiceMonitor");
+            assert_eq!(
+                router_sm["metadata"]["labels"]["release"],
+                "kube-prometheus-stack"
+            );
+            assert_eq!(router_sm["spec"]["endpoints"][0]["interval"], "15s");
+            let sm = one_component(docs, "ServiceMonitor", "operator");
             assert_eq!(sm["metadata"]["labels"]["release"], "kube-prometheus-stack");
             assert_eq!(sm["spec"]["endpoints"][0]["port"], "http-metrics");
             assert_eq!(sm["spec"]["endpoints"][0]["honorLabels"], true);
@@ -295,6 +424,220 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             assert_eq!(reader["subjects"][0]["namespace"], "kube-system");
         }
         other => panic!("ci/{other}-values.yaml has no checks here: add them"),
+    }
+}
+
+/// What a value set renders for the router.
+struct RenderedRouter<'a> {
+    name: String,
+    deployment: &'a Value,
+    args: Vec<String>,
+    service: &'a Value,
+    /// `ClusterRole` or `Role`.
+    role_kind: String,
+    /// (verb, group, resource) of every rule bound to the router's ServiceAccount.
+    rules: BTreeSet<(String, String, String)>,
+    service_monitor: Option<&'a Value>,
+}
+
+/// The rules ferrite-router needs: its two watch caches (router/src/registry.rs), and with
+/// `wake` the scale subresource it patches to wake a service scaled to zero
+/// (router/src/proxy.rs).
+fn router_rules(wake: bool) -> BTreeSet<(String, String, String)> {
+    let mut rules = vec![
+        ("list", "ferrite.dev", "inferenceservices"),
+        ("watch", "ferrite.dev", "inferenceservices"),
+        ("list", "", "pods"),
+        ("watch", "", "pods"),
+    ];
+    if wake {
+        rules.push(("patch", "ferrite.dev", "inferenceservices/scale"));
+    }
+    rules
+        .into_iter()
+        .map(|(v, g, r)| (v.to_string(), g.to_string(), r.to_string()))
+        .collect()
+}
+
+/// Checks every value set with the router on: hardened like the operator, probes and the
+/// Service on its `http` port, a graceful drain, its own ServiceAccount, the RBAC and
+/// `--no-wake` agreeing, `--namespace` and a Role agreeing, and a ServiceMonitor exactly where
+/// the operator has one, with the same labels.
+fn check_router<'a>(tag: &str, docs: &'a [Value]) -> RenderedRouter<'a> {
+    let deployment = router_deployment(docs);
+    let name = deployment["metadata"]["name"]
+        .as_str()
+        .expect("name")
+        .to_string();
+    let args = container_args(deployment);
+    let pod = &deployment["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{tag}");
+    assert_eq!(
+        pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault",
+        "{tag}"
+    );
+    let c = &pod["containers"][0];
+    let sc = &c["securityContext"];
+    assert_eq!(sc["readOnlyRootFilesystem"], true, "{tag}");
+    assert_eq!(sc["allowPrivilegeEscalation"], false, "{tag}");
+    assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]), "{tag}");
+    assert_eq!(c["ports"][0]["name"], "http", "{tag}");
+    let port = c["ports"][0]["containerPort"].as_u64().expect("port");
+    assert!(
+        args.contains(&format!("--addr=0.0.0.0:{port}")),
+        "{tag}: the router listens on its container port: {args:?}"
+    );
+    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+        assert_eq!(c[probe]["httpGet"]["path"], path, "{tag}");
+        assert_eq!(c[probe]["httpGet"]["port"], "http", "{tag}");
+    }
+    assert!(
+        c["env"]
+            .as_array()
+            .is_some_and(|e| e.iter().any(|e| e["name"] == "RUST_LOG")),
+        "{tag}"
+    );
+    let drain: u64 = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--drain-delay-seconds="))
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_else(|| panic!("{tag}: no --drain-delay-seconds: {args:?}"));
+    let grace = pod["terminationGracePeriodSeconds"]
+        .as_u64()
+        .expect("terminationGracePeriodSeconds");
+    assert!(
+        grace >= drain + 10,
+        "{tag}: grace {grace} s, drain {drain} s"
+    );
+    let sa = pod["serviceAccountName"]
+        .as_str()
+        .expect("serviceAccountName");
+    assert_eq!(
+        one_component(docs, "ServiceAccount", "router")["metadata"]["name"],
+        sa,
+        "{tag}"
+    );
+    assert_ne!(
+        sa,
+        operator_deployment(docs)["spec"]["template"]["spec"]["serviceAccountName"],
+        "{tag}: the router has a ServiceAccount of its own"
+    );
+    let service = one_component(docs, "Service", "router");
+    assert_eq!(service["metadata"]["name"], name.as_str(), "{tag}");
+    assert_eq!(service["spec"]["ports"][0]["targetPort"], "http", "{tag}");
+    let rules = granted(docs, sa);
+    let wakes = !args.iter().any(|a| a == "--no-wake");
+    assert_eq!(rules, router_rules(wakes), "{tag}: the router's RBAC");
+    let namespace = args.iter().find_map(|a| a.strip_prefix("--namespace="));
+    let role_kind = if namespace.is_some() {
+        "Role"
+    } else {
+        "ClusterRole"
+    };
+    let role = one_component(docs, role_kind, "router");
+    assert_eq!(
+        role["metadata"]["namespace"].as_str(),
+        namespace,
+        "{tag}: a Role in the watched namespace, or a ClusterRole"
+    );
+    let monitors = find_component(docs, "ServiceMonitor", "router");
+    let operator_monitors = find_component(docs, "ServiceMonitor", "operator");
+    assert_eq!(monitors.len(), operator_monitors.len(), "{tag}");
+    let service_monitor = monitors.first().copied();
+    if let (Some(sm), Some(op)) = (service_monitor, operator_monitors.first()) {
+        let endpoint = &sm["spec"]["endpoints"][0];
+        assert_eq!(endpoint["port"], "http", "{tag}");
+        assert_eq!(endpoint["path"], "/metrics", "{tag}");
+        assert_eq!(endpoint["honorLabels"], true, "{tag}");
+        for key in ["interval", "scrapeTimeout"] {
+            assert_eq!(endpoint[key], op["spec"]["endpoints"][0][key], "{tag}");
+        }
+        // The same extra labels as the operator's, for the same Prometheus selector.
+        for (k, v) in op["metadata"]["labels"].as_object().into_iter().flatten() {
+            if k != "app.kubernetes.io/component" && k != "app.kubernetes.io/name" {
+                assert_eq!(&sm["metadata"]["labels"][k], v, "{tag}: label {k}");
+            }
+        }
+    }
+    RenderedRouter {
+        name,
+        deployment,
+        args,
+        service,
+        role_kind: role_kind.to_string(),
+        rules,
+        service_monitor,
+    }
+}
+
+/// Whether `labels` has every key and value of `selector`.
+fn selects(selector: &Value, labels: &Value) -> bool {
+    selector
+        .as_object()
+        .is_some_and(|m| !m.is_empty() && m.iter().all(|(k, v)| &labels[k] == v))
+}
+
+/// Every selector picks the pods of exactly one Deployment (the operator's and the router's
+/// pods share the release's labels, so a loose selector would mix them): each Service with a
+/// selector and each PodDisruptionBudget, and each ServiceMonitor selects exactly one Service.
+fn check_selectors(tag: &str, docs: &[Value]) {
+    let pods: Vec<(&Value, &Value)> = find(docs, "Deployment")
+        .into_iter()
+        .map(|d| {
+            (
+                &d["metadata"]["name"],
+                &d["spec"]["template"]["metadata"]["labels"],
+            )
+        })
+        .collect();
+    for d in find(docs, "Deployment") {
+        let own = &d["spec"]["selector"]["matchLabels"];
+        let matched: Vec<_> = pods.iter().filter(|(_, l)| selects(own, l)).collect();
+        assert_eq!(
+            matched.len(),
+            1,
+            "{tag}: Deployment {} selects {matched:?}",
+            d["metadata"]["name"]
+        );
+    }
+    for (kind, selector) in [
+        ("Service", "/spec/selector"),
+        ("PodDisruptionBudget", "/spec/selector/matchLabels"),
+    ] {
+        for o in find(docs, kind) {
+            let Some(sel) = o.pointer(selector) else {
+                continue;
+            };
+            let matched: Vec<_> = pods
+                .iter()
+                .filter(|(_, l)| selects(sel, l))
+                .map(|(n, _)| n)
+                .collect();
+            assert_eq!(
+                matched.len(),
+                1,
+                "{tag}: {kind} {} selects the pods of {matched:?}",
+                o["metadata"]["name"]
+            );
+        }
+    }
+    for sm in find(docs, "ServiceMonitor") {
+        let matched: Vec<_> = find(docs, "Service")
+            .into_iter()
+            .filter(|s| {
+                selects(
+                    &sm["spec"]["selector"]["matchLabels"],
+                    &s["metadata"]["labels"],
+                )
+            })
+            .map(|s| &s["metadata"]["name"])
+            .collect();
+        assert_eq!(
+            matched.len(),
+            1,
+            "{tag}: ServiceMonitor {} selects {matched:?}",
+            sm["metadata"]["name"]
+        );
     }
 }
 

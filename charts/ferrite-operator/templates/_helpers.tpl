@@ -50,6 +50,45 @@ app.kubernetes.io/part-of: ferrite
 {{- end }}
 {{- end }}
 
+{{/*
+ferrite-router's name: `ferrite-router` whatever the release is called (the README's
+`kubectl port-forward svc/ferrite-router` relies on it), or router.fullnameOverride.
+*/}}
+{{- define "ferrite-operator.router.fullname" -}}
+{{- default "ferrite-router" .Values.router.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "ferrite-operator.router.selectorLabels" -}}
+app.kubernetes.io/name: ferrite-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{- define "ferrite-operator.router.labels" -}}
+helm.sh/chart: {{ include "ferrite-operator.chart" . }}
+{{ include "ferrite-operator.router.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: ferrite
+{{- end }}
+
+{{- define "ferrite-operator.router.serviceAccountName" -}}
+{{- if .Values.router.serviceAccount.create }}
+{{- default (include "ferrite-operator.router.fullname" .) .Values.router.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.router.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "ferrite-operator.router.image" -}}
+{{- $image := .Values.router.image }}
+{{- if $image.digest }}
+{{- printf "%s@%s" $image.repository $image.digest }}
+{{- else }}
+{{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
+{{- end }}
+{{- end }}
+
 {{/* The Service of the External Metrics API (the APIService points here). */}}
 {{- define "ferrite-operator.externalMetricsService" -}}
 {{- printf "%s-external-metrics" (include "ferrite-operator.fullname" .) | trunc 63 | trimSuffix "-" }}
@@ -86,5 +125,12 @@ the Prometheus Operator's API for it). Call with (list $enabled "monitoring.core
 {{- end }}
 {{- if and .Values.externalMetrics.enabled (eq (int .Values.externalMetrics.port) (int .Values.service.port)) }}
 {{- fail "externalMetrics.port must differ from service.port" }}
+{{- end }}
+{{- $router := .Values.router }}
+{{- if and $router.enabled (lt (int $router.terminationGracePeriodSeconds) (add (int $router.drainDelaySeconds) 10)) }}
+{{- fail "router.terminationGracePeriodSeconds must be at least router.drainDelaySeconds + 10 (after the drain delay, open streams need time to finish)" }}
+{{- end }}
+{{- if and $router.enabled (eq (include "ferrite-operator.router.fullname" .) (include "ferrite-operator.fullname" .)) }}
+{{- fail "router.fullnameOverride must differ from the operator's name" }}
 {{- end }}
 {{- end }}

@@ -1,6 +1,7 @@
 //! Rendering the Helm chart with the real Helm SDK (operator/tests/python/chart.py), for the
 //! chart's own tests and for installing it into a test cluster.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -70,12 +71,109 @@ pub fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
     found[0]
 }
 
-/// The operator container's arguments.
-pub fn operator_args(docs: &[Value]) -> Vec<String> {
-    one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+/// The objects of `kind` labelled `app.kubernetes.io/component: component` (`operator`,
+/// `router`, ...).
+pub fn find_component<'a>(docs: &'a [Value], kind: &str, component: &str) -> Vec<&'a Value> {
+    find(docs, kind)
+        .into_iter()
+        .filter(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] == component)
+        .collect()
+}
+
+/// The one object of `kind` of `component`.
+pub fn one_component<'a>(docs: &'a [Value], kind: &str, component: &str) -> &'a Value {
+    let found = find_component(docs, kind, component);
+    assert_eq!(
+        found.len(),
+        1,
+        "expected one {kind} of component {component}, found {}",
+        found.len()
+    );
+    found[0]
+}
+
+/// The operator's Deployment.
+pub fn operator_deployment(docs: &[Value]) -> &Value {
+    one_component(docs, "Deployment", "operator")
+}
+
+/// ferrite-router's Deployment.
+pub fn router_deployment(docs: &[Value]) -> &Value {
+    one_component(docs, "Deployment", "router")
+}
+
+/// The first container's arguments of `deployment`.
+pub fn container_args(deployment: &Value) -> Vec<String> {
+    deployment["spec"]["template"]["spec"]["containers"][0]["args"]
         .as_array()
         .expect("args")
         .iter()
         .filter_map(|a| a.as_str().map(String::from))
         .collect()
+}
+
+/// The operator container's arguments.
+pub fn operator_args(docs: &[Value]) -> Vec<String> {
+    container_args(operator_deployment(docs))
+}
+
+/// The router container's arguments.
+pub fn router_args(docs: &[Value]) -> Vec<String> {
+    container_args(router_deployment(docs))
+}
+
+/// (verb, API group, resource) of every rule of the Roles and ClusterRoles bound to the
+/// ServiceAccount `sa` of the release's namespace.
+pub fn granted(docs: &[Value], sa: &str) -> BTreeSet<(String, String, String)> {
+    // (kind, name, namespace) of each bound role: a RoleBinding's Role is in its namespace.
+    let bound: Vec<(&Value, &Value, &Value)> = docs
+        .iter()
+        .filter(|d| {
+            matches!(
+                d["kind"].as_str(),
+                Some("ClusterRoleBinding" | "RoleBinding")
+            )
+        })
+        .filter(|d| {
+            d["subjects"].as_array().is_some_and(|s| {
+                s.iter().any(|s| {
+                    s["kind"] == "ServiceAccount" && s["name"] == sa && s["namespace"] == NAMESPACE
+                })
+            })
+        })
+        .map(|d| {
+            (
+                &d["roleRef"]["kind"],
+                &d["roleRef"]["name"],
+                &d["metadata"]["namespace"],
+            )
+        })
+        .collect();
+    let mut out = BTreeSet::new();
+    for role in docs.iter().filter(|d| {
+        bound.iter().any(|(kind, name, ns)| {
+            d["kind"] == **kind
+                && d["metadata"]["name"] == **name
+                && d["metadata"]["namespace"] == **ns
+        })
+    }) {
+        for rule in role["rules"].as_array().into_iter().flatten() {
+            let list = |k: &str| -> Vec<String> {
+                rule[k]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|v| v.as_str().map(String::from))
+                    .collect()
+            };
+            for g in list("apiGroups") {
+                for r in list("resources") {
+                    for v in list("verbs") {
+                        out.insert((v.clone(), g.clone(), r.clone()));
+                    }
+                }
+            }
+        }
+    }
+    out
 }
