@@ -24,6 +24,11 @@ ISVC = 'namespace=~"$namespace", inferenceservice=~"$inferenceservice"'
 # Variables are looked up through a ferrite/vLLM series, so other exporters' `model_name` or
 # `namespace` labels never show up in the lists.
 ANCHOR = "vllm:num_requests_running"
+# The router's series (ferrite-router, scraped with honorLabels) are filtered by the model alone:
+# their `namespace` (and `pod`) target labels are the router pod's own. Two carry labels of the
+# model's own: ferrite_router_held_requests its InferenceService's `namespace`, and
+# ferrite_router_in_flight_requests the replica's `pod`.
+ROUTER = 'model_name=~"$model_name"'
 # Joins a per-pod series without `model_name` (process, DCGM) to the pods serving the model.
 MODEL_PODS = f"on (namespace, pod) group_left () (max by (namespace, pod) ({ANCHOR}{{{SEL}}}) * 0 + 1)"
 
@@ -169,8 +174,9 @@ def stat(title, description, expr, unit="short", decimals=None):
     }
 
 
-def row(title):
-    return {"type": "row", "title": title, "collapsed": False, "panels": []}
+def row(title, collapsed=False):
+    """A row; a collapsed one holds the panels after it (until the next row) in its `panels`."""
+    return {"type": "row", "title": title, "collapsed": collapsed, "panels": []}
 
 
 def quantiles(metric, sel=SEL, with_mean=True):
@@ -190,24 +196,32 @@ def quantiles(metric, sel=SEL, with_mean=True):
 
 
 def layout(items):
-    """Places panels left to right, 24 columns wide; `items` are (panel, width, height) or rows."""
+    """Places panels left to right, 24 columns wide; `items` are (panel, width, height) or rows.
+
+    A collapsed row's panels go into the row, placed below it as Grafana places them when the
+    row opens; while closed they take no room, so the next row follows right under it."""
     x = y = line_h = 0
     panels = []
+    collapsed = None  # the collapsed row taking the panels
     for n, item in enumerate(items, start=1):
         if isinstance(item, dict):  # a row
-            if x:
-                y, x = y + line_h, 0
+            if collapsed is not None:
+                y = collapsed["gridPos"]["y"] + 1
+            elif x:
+                y += line_h
+            x, line_h = 0, 0
             item["gridPos"] = {"h": 1, "w": 24, "x": 0, "y": y}
             item["id"] = n
             panels.append(item)
-            y, line_h = y + 1, 0
+            collapsed = item if item["collapsed"] else None
+            y += 1
             continue
         panel, w, h = item
         if x + w > 24:
             y, x, line_h = y + line_h, 0, 0
         panel["gridPos"] = {"h": h, "w": w, "x": x, "y": y}
         panel["id"] = n
-        panels.append(panel)
+        (collapsed["panels"] if collapsed is not None else panels).append(panel)
         x, line_h = x + w, max(line_h, h)
     return panels
 
@@ -242,6 +256,79 @@ def gpu_util(title):
         [(f"avg by (pod, gpu) (DCGM_FI_DEV_GPU_UTIL{{namespace=~\"$namespace\", pod=~\"$pod\"}} * {MODEL_PODS})", "{{pod}} GPU {{gpu}}")],
         unit="percent",
     )
+
+
+def router_row():
+    """The ferrite-router's view of the model: a collapsed row, empty where no router runs."""
+    decisions = f"ferrite_router_routing_decisions_total{{{ROUTER}}}"
+    return [
+        row("Router", collapsed=True),
+        (timeseries(
+            "Router requests by outcome",
+            "Requests the router answered per second, by outcome: success; client_error and "
+            "upstream_error (the replica's 4xx or 5xx, or no replica answered); "
+            "cold_start_timeout (held past spec.routing.coldStartTimeoutSeconds, answered 503). "
+            "Summed over router replicas.",
+            [(f"sum by (outcome) (rate(ferrite_router_requests_total{{{ROUTER}}}[$__rate_interval]))", "{{outcome}}")],
+            unit="reqps",
+            stack=True,
+        ), 8, 8),
+        (timeseries(
+            "Routing decisions by affinity",
+            "Share of the router's replica choices that kept the prompt prefix's replica (kept), "
+            "went on to the next replica on the ring because that one was over the load bound "
+            "(overflowed), or had no affinity (policy least-load or round-robin: none). A retry "
+            "is a second choice.",
+            [(
+                f"sum by (affinity) (rate({decisions}[$__rate_interval])) / ignoring (affinity) "
+                f"group_left () sum(rate({decisions}[$__rate_interval]))",
+                "{{affinity}}",
+            )],
+            unit="percentunit",
+            stack=True,
+        ), 8, 8),
+        (timeseries(
+            "Upstream latency (router)",
+            "From the router sending a request to a replica until the response headers, and "
+            "until the end of the response (p50, p99). Headers come at the first token when "
+            "streaming, at the end otherwise.",
+            [
+                (f"histogram_quantile({q}, sum by (le) (rate(ferrite_router_upstream_{m}_seconds_bucket{{{ROUTER}}}[$__rate_interval])))", f"{label} {name}")
+                for m, label in [("headers", "headers"), ("duration", "end")]
+                for name, q in [("p50", 0.5), ("p99", 0.99)]
+            ],
+            unit="s",
+        ), 8, 8),
+        (timeseries(
+            "Held requests",
+            "Requests the router holds while the model's InferenceService has no ready replica "
+            "(scaling from zero, or starting), summed over router replicas.",
+            [(f'sum(ferrite_router_held_requests{{namespace=~"$namespace", {ROUTER}}})', "held")],
+        ), 6, 8),
+        (timeseries(
+            "Cold-start wait",
+            "How long held requests waited for a ready replica (p50, p95), timed-out ones "
+            "included. Shown while cold starts end.",
+            [
+                (f"histogram_quantile({q}, sum by (le) (rate(ferrite_router_cold_start_seconds_bucket{{{ROUTER}}}[$__rate_interval])))", name)
+                for name, q in [("p95", 0.95), ("p50", 0.5)]
+            ],
+            unit="s",
+        ), 6, 8),
+        (timeseries(
+            "Router retries by reason",
+            "Requests retried on another replica before any byte reached the client, per "
+            "second: connect (the replica refused or timed out) or unavailable (it answered 503).",
+            [(f"sum by (reason) (rate(ferrite_router_retries_total{{{ROUTER}}}[$__rate_interval]))", "{{reason}}")],
+            unit="reqps",
+        ), 6, 8),
+        (timeseries(
+            "Router in-flight per replica",
+            "Requests the router has open to each replica pod, summed over router replicas: "
+            "an uneven spread shows affinity at work, or a hot prefix.",
+            [(f'sum by (pod) (ferrite_router_in_flight_requests{{{ROUTER}, pod=~"$pod"}})', "{{pod}}")],
+        ), 6, 8),
+    ]
 
 
 def overview():
@@ -300,6 +387,7 @@ def overview():
             stack=True,
         ), 12, 8),
         (gpu_util("GPU utilization"), 12, 8),
+        *router_row(),
     ]
     return dashboard(
         "Ferrite / vLLM overview",

@@ -17,7 +17,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -26,6 +26,7 @@ use common::e2e::{Applier, Operator, install, isvc, pods_ready_at};
 use common::servers::{Server, free_port, start_server_at, wait_healthy};
 use common::validate::{root, run_validator, tool_path};
 use ferrite_testkit::kube::Cluster;
+use ferrite_testkit::process::{Guard, TempDir};
 use ferrite_testkit::prometheus::{Prometheus, tool, unix_now};
 use serde_json::{Value, json};
 
@@ -481,8 +482,31 @@ fn the_dashboards_follow_the_conventions() {
                         q.name()
                     );
                 }
-                // Aggregation over replicas: queue and running add up; KV usage averages.
+                // The router's series: by model only, since their `namespace` is the router
+                // pod's own; held requests name their InferenceService's namespace (honorLabels).
+                if metric.starts_with("ferrite_router_") {
+                    let sel = at.unwrap_or_else(|| panic!("{}: bare {metric}", q.name()));
+                    let sel = &sel[..sel.find('}').unwrap_or(sel.len())];
+                    assert!(
+                        sel.contains("model_name=~\"$model_name\""),
+                        "{}: {metric} is not filtered by model_name",
+                        q.name()
+                    );
+                    assert_eq!(
+                        sel.contains("namespace=~\"$namespace\""),
+                        metric == "ferrite_router_held_requests",
+                        "{}: {metric}: only held requests carry the model's namespace",
+                        q.name()
+                    );
+                }
+                // Aggregation over replicas: queue and running add up; KV usage averages; the
+                // router's gauges add up over router replicas.
                 let within = within.unwrap_or_default();
+                if metric == "ferrite_router_held_requests"
+                    || metric == "ferrite_router_in_flight_requests"
+                {
+                    assert_eq!(within, "sum", "{}: {metric} aggregated with", q.name());
+                }
                 if metric.starts_with("vllm:num_requests_") {
                     assert!(
                         ["sum", "count", "max"].contains(&within.as_str()),
@@ -530,6 +554,14 @@ fn each_dashboard_shows_what_the_monitoring_guide_lists() {
                 "vllm:prefix_cache_hits_total",
                 "vllm:prefix_cache_queries_total",
                 "DCGM_FI_DEV_GPU_UTIL",
+                "ferrite_router_requests_total",
+                "ferrite_router_routing_decisions_total",
+                "ferrite_router_upstream_headers_seconds_bucket",
+                "ferrite_router_upstream_duration_seconds_bucket",
+                "ferrite_router_held_requests",
+                "ferrite_router_cold_start_seconds_bucket",
+                "ferrite_router_retries_total",
+                "ferrite_router_in_flight_requests",
             ],
         ),
         (
@@ -574,6 +606,29 @@ fn each_dashboard_shows_what_the_monitoring_guide_lists() {
             .collect();
         for m in metrics {
             assert!(used.contains(*m), "{name} does not show {m}");
+        }
+    }
+    // The router's panels sit in the overview's collapsed "Router" row, and only there: they
+    // are empty where no router runs.
+    for name in DASHBOARDS {
+        let d = load(name);
+        for p in d["panels"].as_array().into_iter().flatten() {
+            let router = |p: &Value| {
+                p["targets"].as_array().into_iter().flatten().any(|t| {
+                    t["expr"]
+                        .as_str()
+                        .is_some_and(|e| e.contains("ferrite_router_"))
+                })
+            };
+            let inside: Vec<&Value> = p["panels"].as_array().into_iter().flatten().collect();
+            if p["type"] == "row" && p["title"] == "Router" {
+                assert_eq!(name, "overview");
+                assert_eq!(p["collapsed"], true);
+                assert!(inside.len() >= 7 && inside.iter().all(|i| router(i)), "{p}");
+            } else {
+                assert!(!router(p), "{name}: {} outside the Router row", p["title"]);
+                assert!(inside.iter().all(|i| !router(i)), "{name}");
+            }
         }
     }
     // Heatmaps in the real-time dashboard.
@@ -641,7 +696,7 @@ fn the_alert_rules_pass_promtool_check_and_their_unit_tests() {
             .args(["check", "rules"])
             .arg(dashboards_dir().join("alerts.yaml")),
     );
-    assert!(ok && out.contains("SUCCESS: 5 rules found"), "{out}");
+    assert!(ok && out.contains("SUCCESS: 6 rules found"), "{out}");
     let (ok, out) = run_validator(Command::new(&promtool).current_dir(dashboards_dir()).args([
         "test",
         "rules",
@@ -719,7 +774,9 @@ fn wait_ready(servers: &mut [Server]) {
     }
 }
 
-fn complete(base: &str, i: usize) -> u16 {
+/// One completion, streamed or not; its status (0 when the connection failed, or a stream did
+/// not end with `data: [DONE]`). The whole body is read: a client that leaves aborts the request.
+fn complete(base: &str, i: usize, stream: bool) -> u16 {
     // Prompts of different lengths, for the length distributions, each starting with its own
     // number. Every third asks for two choices of a prompt at least two blocks long: the second
     // choice finds the first's prompt blocks cached, for the prefix-cache hit rate, however
@@ -734,9 +791,15 @@ fn complete(base: &str, i: usize) -> u16 {
         (format!("Request {i}: {story}"), 1)
     };
     let body = json!({"model": "smol", "prompt": prompt, "max_tokens": 8 + (i % 3) * 4, "n": n,
-                      "ignore_eos": true, "temperature": 0.0});
+                      "ignore_eos": true, "temperature": 0.0, "stream": stream});
     match ureq::post(&format!("{base}/v1/completions")).send_json(body) {
-        Ok(r) => r.status(),
+        Ok(r) => {
+            let status = r.status();
+            match r.into_string() {
+                Ok(text) if !stream || text.trim_end().ends_with("data: [DONE]") => status,
+                _ => 0,
+            }
+        }
         Err(ureq::Error::Status(code, _)) => code,
         Err(_) => 0,
     }
@@ -779,6 +842,51 @@ fn get_text(url: &str) -> String {
         .expect("body")
 }
 
+/// The real ferrite-router binary (built beside this test: `cargo build -p ferrite-router`),
+/// with the cluster's admin kubeconfig, watching `ns` and serving on 127.0.0.1:`port`; it
+/// scrapes the replicas' load every 500 ms. Its log goes to `log`. Returns once `/readyz`
+/// answers (its watch caches have listed).
+fn start_router(cluster: &Cluster, ns: &str, port: u16, log: &Path) -> Guard {
+    let file = std::fs::File::create(log).expect("router log");
+    let mut cmd = Command::new(ferrite_testkit::server::workspace_binary("ferrite-router"));
+    cmd.args([
+        format!("--addr=127.0.0.1:{port}"),
+        format!("--namespace={ns}"),
+        "--scrape-interval-ms=500".to_string(),
+    ])
+    .env("KUBECONFIG", cluster.admin_kubeconfig())
+    .env_remove("KUBERNETES_SERVICE_HOST")
+    .stdin(Stdio::null())
+    .stdout(file.try_clone().expect("log"))
+    .stderr(file);
+    let mut router = Guard::spawn("ferrite-router", cmd).expect("ferrite-router starts");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let url = format!("http://127.0.0.1:{port}/readyz");
+    while ureq::get(&url).call().is_err() {
+        let log = || std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(status) = router.exited() {
+            panic!("ferrite-router exited with {status}:\n{}", log());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ferrite-router not ready in 30 s:\n{}",
+            log()
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+    router
+}
+
+/// The expression of the alert `name` in alerts.yaml.
+fn alert_expr(rules: &Value, name: &str) -> String {
+    alert_rules(rules)
+        .into_iter()
+        .find(|r| r["alert"] == name)
+        .and_then(|r| r["expr"].as_str())
+        .unwrap_or_else(|| panic!("no alert {name}"))
+        .to_string()
+}
+
 #[test]
 fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_and_the_operator() {
     let started = Instant::now();
@@ -806,6 +914,49 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
         "ferrite-operator-0",
         &[],
     ));
+    // The router in front of them: part of the load goes through it. Its endpoints are chat's
+    // Ready pods, the unreachable third one included, whose connect errors it retries.
+    let router_dir = TempDir::new("ferrite-dashboards-router");
+    let router_log = router_dir.path().join("router.log");
+    let router_port = free_port();
+    let router = start_router(&cluster, "ml", router_port, &router_log);
+    let router_base = format!("http://127.0.0.1:{router_port}");
+    let router_log = move || std::fs::read_to_string(&router_log).unwrap_or_default();
+
+    // Prometheus scrapes the pods with the target labels a Prometheus Operator ServiceMonitor
+    // gives them (namespace, pod, service), the operator and the router with honor_labels
+    // (their series carry the InferenceServices' namespace, the router's in-flight gauge the
+    // replica's pod; their own target labels are ferrite-system's), and itself as a foreign
+    // exporter that happens to use `model_name` and `pod` labels: the dashboards must not list
+    // or show it. It starts before chat has ready pods, to see the router's cold start.
+    let target = |host: &str, pod: &str| {
+        format!(
+            "      - targets: ['{host}:{port}']\n        labels: {{namespace: ml, service: chat, pod: {pod}}}\n"
+        )
+    };
+    let config = [
+        "  - job_name: chat\n    static_configs:\n".to_string(),
+        target("127.0.0.1", "chat-0"),
+        target("127.0.0.2", "chat-1"),
+        "  - job_name: ferrite-operator\n    honor_labels: true\n    static_configs:\n".to_string(),
+        format!("      - targets: ['127.0.0.1:{}']\n", op.http_port),
+        "        labels: {namespace: ferrite-system, pod: ferrite-operator-0}\n".to_string(),
+        "  - job_name: ferrite-router\n    honor_labels: true\n    static_configs:\n".to_string(),
+        format!("      - targets: ['127.0.0.1:{router_port}']\n"),
+        "        labels: {namespace: ferrite-system, pod: ferrite-router-0}\n".to_string(),
+        "  - job_name: foreign\n    static_configs:\n      - targets: ['$PROMETHEUS']\n"
+            .to_string(),
+        "        labels: {namespace: ml, pod: other-0, model_name: foreign}\n".to_string(),
+    ]
+    .concat();
+    let prom = Prometheus::start_with_rules(&config, &[dashboards_dir().join("alerts.yaml")]);
+    prom.wait_for("count(up == 1)", Duration::from_secs(30), |v| v == 5.0);
+    let from = unix_now() - 1.0;
+    let rules: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(dashboards_dir().join("alerts.yaml")).expect("alerts.yaml"),
+    )
+    .expect("yaml");
+
     let chat = isvc(
         "ml",
         "chat",
@@ -832,6 +983,46 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
                 json!({"model": {"source": "/models/smol.gguf"}}),
             ))
             .await;
+    });
+
+    // A cold start of "smol": chat wants 3 replicas but none is Ready yet, so the router holds
+    // a request (nothing to wake) until the first pod turns Ready. Prometheus sees it held,
+    // and FerriteRouterHoldingRequests' expression names the InferenceService in its own
+    // namespace.
+    let cold_start = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ureq::get(&format!("{router_base}/v1/models"))
+        .call()
+        .ok()
+        .and_then(|r| r.into_json::<Value>().ok())
+        .is_some_and(|v| v["data"][0]["id"] == "smol")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the router never listed smol:\n{}",
+            router_log()
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+    let held = {
+        let base = router_base.clone();
+        thread::spawn(move || complete(&base, 0, false))
+    };
+    prom.wait_for(
+        r#"sum(ferrite_router_held_requests{namespace="ml", model_name="smol"})"#,
+        Duration::from_secs(30),
+        |v| v >= 1.0,
+    );
+    let holding = prom
+        .query(&alert_expr(&rules, "FerriteRouterHoldingRequests"))
+        .expect("query");
+    assert_eq!(holding.len(), 1, "{holding:?}");
+    assert_eq!(
+        holding[0]["metric"],
+        json!({"namespace": "ml", "inferenceservice": "chat", "model_name": "smol"})
+    );
+    assert!(!held.is_finished(), "the request is held, not refused");
+    let chat_pods: BTreeSet<String> = rt.block_on(async {
         let deadline = Instant::now() + Duration::from_secs(60);
         while pods_ready_at(
             &client,
@@ -845,44 +1036,36 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
             assert!(Instant::now() < deadline, "chat's 3 pods");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        // The router's `pod` labels are these pods' names (Prometheus knows the two live ones
+        // as chat-0 and chat-1: static targets).
+        let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+            kube::Api::namespaced(client.clone(), "ml");
+        let list = pods
+            .list(&kube::api::ListParams::default().labels("ferrite.dev/inferenceservice=chat"))
+            .await
+            .expect("chat's pods");
+        list.items
+            .into_iter()
+            .filter_map(|p| p.metadata.name)
+            .collect()
     });
-
-    // Prometheus scrapes the pods with the target labels a Prometheus Operator ServiceMonitor
-    // gives them (namespace, pod, service), the operator with honor_labels (its series carry
-    // the InferenceServices' namespace), and itself as a foreign exporter that happens to use
-    // `model_name` and `pod` labels: the dashboards must not list or show it.
-    let target = |host: &str, pod: &str| {
-        format!(
-            "      - targets: ['{host}:{port}']\n        labels: {{namespace: ml, service: chat, pod: {pod}}}\n"
-        )
-    };
-    let config = [
-        "  - job_name: chat\n    static_configs:\n".to_string(),
-        target("127.0.0.1", "chat-0"),
-        target("127.0.0.2", "chat-1"),
-        "  - job_name: ferrite-operator\n    honor_labels: true\n    static_configs:\n".to_string(),
-        format!("      - targets: ['127.0.0.1:{}']\n", op.http_port),
-        "        labels: {namespace: ferrite-system, pod: ferrite-operator-0}\n".to_string(),
-        "  - job_name: foreign\n    static_configs:\n      - targets: ['$PROMETHEUS']\n"
-            .to_string(),
-        "        labels: {namespace: ml, pod: other-0, model_name: foreign}\n".to_string(),
-    ]
-    .concat();
-    let prom = Prometheus::start_with_rules(&config, &[dashboards_dir().join("alerts.yaml")]);
-    prom.wait_for("count(up == 1)", Duration::from_secs(30), |v| v == 4.0);
+    let status = held.join().expect("held request");
+    assert_eq!(status, 200, "the held request\n{}", router_log());
+    let cold_start_secs = cold_start.elapsed().as_secs_f64();
     prom.wait_for(
         "sum(ferrite_operator_autoscaler_desired_replicas)",
         Duration::from_secs(30),
         |v| v >= 1.0,
     );
-    let from = unix_now() - 1.0;
     let setup_secs = started.elapsed().as_secs_f64();
 
     // The servers' KV caches are 6 blocks of 16 tokens (--num-gpu-blocks 6), so two sequences
     // of these prompts outgrow them: sequences are preempted and swapped to the small host pool.
     // Load until Prometheus has seen a queue and a swapped sequence, the autoscaler has scaled
     // on the queue in panic mode (its threshold is 1.5 × the target here), the operator's error
-    // counters have moved, and 12 requests have started (90 s at most).
+    // counters have moved, the router has retried a request on the unreachable pod and
+    // answered a few, and 12 requests have started (90 s at most). Half the requests go
+    // through the router, half of those streamed.
     let next = AtomicUsize::new(0);
     let done = AtomicBool::new(false);
     let statuses = std::sync::Mutex::new(Vec::new());
@@ -891,14 +1074,22 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
             scope.spawn(|| {
                 while !done.load(Ordering::SeqCst) {
                     let i = next.fetch_add(1, Ordering::SeqCst);
-                    let status = complete(&servers[i % 2].base, i);
+                    // Every fourth streams through the router, as most clients do. (The
+                    // router times the end of a response when it polls the body to its end,
+                    // which hyper skips for a body of known length: only streams have
+                    // ferrite_router_upstream_duration_seconds observations today.)
+                    let base = match i % 4 {
+                        0 | 1 => &servers[i % 2].base,
+                        _ => &router_base,
+                    };
+                    let status = complete(base, i, i % 4 == 3);
                     statuses.lock().expect("lock").push(status);
                 }
             });
         }
         let deadline = Instant::now() + Duration::from_secs(90);
         let (mut saw_queue, mut saw_swapped) = (0.0f64, 0.0f64);
-        let mut conditions = [false; 5];
+        let mut conditions = [false; 6];
         // "broken" is retried with a growing backoff, so its failures thin out; an annotation
         // changed every 2 s makes it fail again at once, so the errors panel has data within
         // the load window however long setup took.
@@ -940,13 +1131,22 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
                         .value("sum(ferrite_operator_autoscaler_scrape_errors_total)")
                         .is_some_and(|v| v >= 1.0),
                 next.load(Ordering::SeqCst) >= 12,
+                prom.value(r#"sum(ferrite_router_retries_total{model_name="smol"})"#)
+                    .is_some_and(|v| v >= 1.0)
+                    && prom
+                        .value(r#"sum(ferrite_router_requests_total{model_name="smol", outcome="success"})"#)
+                        .is_some_and(|v| v >= 4.0)
+                    && prom
+                        .value(r#"sum(ferrite_router_upstream_duration_seconds_count{model_name="smol"})"#)
+                        .is_some_and(|v| v >= 1.0),
             ];
         }
         done.store(true, Ordering::SeqCst);
         assert!(
             conditions.iter().all(|c| *c),
             "after 90 s of load: queue seen {}, swapped seen {}, scaled in panic mode {}, \
-             operator errors {} (reconcile {:?}, scrape {:?}), 12 requests {}\n{}",
+             operator errors {} (reconcile {:?}, scrape {:?}), 12 requests {}, router retried \
+             and answered {}\n{}\nrouter:\n{}",
             conditions[0],
             conditions[1],
             conditions[2],
@@ -954,35 +1154,50 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
             prom.value("sum(ferrite_operator_reconcile_errors_total)"),
             prom.value("sum(ferrite_operator_autoscaler_scrape_errors_total)"),
             conditions[4],
-            op.log()
+            conditions[5],
+            op.log(),
+            router_log()
         );
         saw_queue
     });
     let statuses = statuses.into_inner().expect("lock");
-    assert!(statuses.iter().all(|s| *s == 200), "statuses: {statuses:?}");
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "statuses: {statuses:?}\nrouter:\n{}",
+        router_log()
+    );
     let load_secs = started.elapsed().as_secs_f64();
     // Two more scrapes of the final state.
     thread::sleep(Duration::from_millis(2500));
     let to = unix_now();
+    let router_sum = |series: &str| prom.value(&format!("sum({series})")).unwrap_or(0.0);
     eprintln!(
-        "setup {setup_secs:.1} s; load: {} requests, peak queue {saw_queue} (Prometheus), \
-         {:.1} s",
+        "setup {setup_secs:.1} s (router cold start {cold_start_secs:.1} s); load: {} requests, \
+         peak queue {saw_queue} (Prometheus), {:.1} s; router: {} answered, affinity {} kept \
+         and {} overflowed, {} retried, {} timed to headers and {} to the end",
         statuses.len(),
-        load_secs - setup_secs
+        load_secs - setup_secs,
+        router_sum(r#"ferrite_router_requests_total{model_name="smol"}"#),
+        router_sum(r#"ferrite_router_routing_decisions_total{model_name="smol", affinity="kept"}"#),
+        router_sum(
+            r#"ferrite_router_routing_decisions_total{model_name="smol", affinity="overflowed"}"#
+        ),
+        router_sum(r#"ferrite_router_retries_total{model_name="smol"}"#),
+        router_sum(r#"ferrite_router_upstream_headers_seconds_count{model_name="smol"}"#),
+        router_sum(r#"ferrite_router_upstream_duration_seconds_count{model_name="smol"}"#),
     );
 
-    // Every metric name the dashboards and alerts use is exposed by a server or the operator, or
-    // is listed as external.
+    // Every metric name the dashboards and alerts use is exposed by a server, the operator or the
+    // router, or is listed as external.
     let mut exposed = BTreeSet::new();
     for s in &servers {
         exposed.extend(exposition_names(&get_text(&format!("{}/metrics", s.base))));
     }
     let (_, operator_metrics) = op.get("/metrics").expect("operator /metrics");
     exposed.extend(exposition_names(&operator_metrics));
-    let rules: Value = serde_yaml_ng::from_str(
-        &std::fs::read_to_string(dashboards_dir().join("alerts.yaml")).expect("alerts.yaml"),
-    )
-    .expect("yaml");
+    exposed.extend(exposition_names(&get_text(&format!(
+        "{router_base}/metrics"
+    ))));
     let mut used: BTreeMap<String, String> = BTreeMap::new();
     for q in all_queries() {
         for m in metric_names(&q.expr) {
@@ -1108,7 +1323,7 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
             let m = &s["metric"];
             let pod_ok = m["pod"]
                 .as_str()
-                .is_none_or(|p| p == "chat-0" || p == "chat-1");
+                .is_none_or(|p| p == "chat-0" || p == "chat-1" || chat_pods.contains(p));
             let model_ok = m["model_name"].as_str().is_none_or(|n| n == "smol");
             if !pod_ok || !model_ok {
                 failures.push(format!("{}: foreign series {m}", q.name()));
@@ -1130,22 +1345,24 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
     assert!(!skipped.is_empty() && skipped.iter().all(|s| s.contains("GPU")));
 
     // The alert rules evaluate on the real series without errors; the two "down" alerts are
-    // quiet while every server is scraped. Then a replica dies: FerriteServerDown's expression
-    // picks exactly its target (the alert itself waits 2 minutes).
+    // quiet while every server is scraped, and nothing is held any more. Then a replica dies:
+    // FerriteServerDown's expression picks exactly its target (the alert itself waits 2
+    // minutes).
     let alerts = prom.rules();
-    assert_eq!(alerts.len(), 5, "{alerts:?}");
+    assert_eq!(alerts.len(), 6, "{alerts:?}");
     for r in &alerts {
         assert_eq!(r["health"], "ok", "{r}");
-        if r["name"] == "FerriteServerDown" || r["name"] == "FerriteServerNotScraped" {
+        if [
+            "FerriteServerDown",
+            "FerriteServerNotScraped",
+            "FerriteRouterHoldingRequests",
+        ]
+        .contains(&r["name"].as_str().unwrap_or_default())
+        {
             assert_eq!(r["state"], "inactive", "{r}");
         }
     }
-    let down = alert_rules(&rules)
-        .into_iter()
-        .find(|r| r["alert"] == "FerriteServerDown")
-        .and_then(|r| r["expr"].as_str())
-        .expect("FerriteServerDown")
-        .to_string();
+    let down = alert_expr(&rules, "FerriteServerDown");
     assert_eq!(prom.query(&down).map(|r| r.len()), Ok(0));
     let _ = servers[1].child.kill();
     let _ = servers[1].child.wait();
@@ -1177,6 +1394,7 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
         write_preview(Path::new(&dir), &results, from, to);
     }
     eprintln!("live test took {:.1} s", started.elapsed().as_secs_f64());
+    drop(router);
     drop(op);
     drop(servers);
 }
