@@ -1,7 +1,9 @@
-//! Each replica's load as the router weighs it: the queue and running requests last scraped
-//! from its `/metrics` (the operator's scraper and parser, the autoscaler's view), plus the
-//! requests this router sent it since that scrape and still has open: a burst between two
-//! scrapes spreads out instead of piling onto the replica that looked idle.
+//! Each replica's load as the router weighs it: the requests this router has open there right
+//! now, plus the queue and running requests of everyone else as last scraped from its
+//! `/metrics` (the operator's scraper and parser, the autoscaler's view). Counting its own
+//! requests exactly, and not through the scrape, means a burst between two scrapes spreads
+//! out instead of piling onto the replica that looked idle, and a request that ended stops
+//! counting at once instead of making an idle replica look busy until the next scrape.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -14,12 +16,11 @@ use crate::registry::Registry;
 
 #[derive(Debug, Default, Clone, Copy)]
 struct PodLoad {
-    /// Waiting + running at the last scrape.
-    scraped: f64,
+    /// Waiting + running at the last scrape, less this router's requests open when that
+    /// scrape began: other routers' and direct clients' requests.
+    others: f64,
     /// Requests this router has open there.
     open: u64,
-    /// Of those, the ones sent after the last scrape began.
-    since_scrape: u64,
 }
 
 /// Loads by replica base URL.
@@ -32,16 +33,13 @@ impl Loads {
     /// The load the policies weigh for the replica at `base_url`.
     pub fn get(&self, base_url: &str) -> f64 {
         let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        pods.get(base_url)
-            .map_or(0.0, |p| p.scraped + p.since_scrape as f64)
+        pods.get(base_url).map_or(0.0, |p| p.others + p.open as f64)
     }
 
     /// Counts a request sent to `base_url` until the guard drops.
     pub fn open(&self, base_url: &str) -> Open {
         let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        let p = pods.entry(base_url.to_string()).or_default();
-        p.open += 1;
-        p.since_scrape += 1;
+        pods.entry(base_url.to_string()).or_default().open += 1;
         Open {
             loads: self.clone(),
             base_url: base_url.to_string(),
@@ -52,24 +50,23 @@ impl Loads {
         let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = pods.get_mut(base_url) {
             p.open = p.open.saturating_sub(1);
-            p.since_scrape = p.since_scrape.min(p.open);
         }
     }
 
-    /// Records a scrape of `base_url` that began when `sent_before` of its open requests
-    /// had been sent: those are in the scraped numbers, later ones are not.
-    fn scraped(&self, base_url: &str, value: Option<f64>, sent_before: u64) {
+    /// Records a scrape of `base_url` that began while this router had `open_then` requests
+    /// open there: the scraped count includes those, so the rest is everyone else's. A
+    /// failed scrape (`None`) keeps the last estimate.
+    fn scraped(&self, base_url: &str, value: Option<f64>, open_then: u64) {
         let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
         let p = pods.entry(base_url.to_string()).or_default();
         if let Some(v) = value {
-            p.scraped = v;
+            p.others = (v - open_then as f64).max(0.0);
         }
-        p.since_scrape = p.since_scrape.saturating_sub(sent_before);
     }
 
-    fn since_scrape(&self, base_url: &str) -> u64 {
+    fn open_now(&self, base_url: &str) -> u64 {
         let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        pods.get(base_url).map_or(0, |p| p.since_scrape)
+        pods.get(base_url).map_or(0, |p| p.open)
     }
 
     /// Forgets replicas that are gone and have nothing open.
@@ -95,12 +92,9 @@ impl Loads {
                     ready: true,
                 })
                 .collect();
-            let sent: Vec<u64> = targets
-                .iter()
-                .map(|t| self.since_scrape(&t.base_url))
-                .collect();
+            let open_then: Vec<u64> = targets.iter().map(|t| self.open_now(&t.base_url)).collect();
             let results = scraper.scrape_all(&targets).await;
-            for ((t, r), sent) in targets.iter().zip(results).zip(sent) {
+            for ((t, r), open_then) in targets.iter().zip(results).zip(open_then) {
                 let value = match r.sample {
                     PodSample::Ready(m) => Some(m.waiting + m.running),
                     _ => None,
@@ -108,7 +102,7 @@ impl Loads {
                 if let Some(e) = r.error {
                     tracing::debug!(pod = %t.name, error = %e, "scrape failed; keeping the last load");
                 }
-                self.scraped(&t.base_url, value, sent);
+                self.scraped(&t.base_url, value, open_then);
             }
             let live: Vec<String> = targets.into_iter().map(|t| t.base_url).collect();
             self.retain(&live);
@@ -134,37 +128,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn open_requests_count_until_a_scrape_sees_them() {
+    fn own_requests_count_at_once_and_others_come_from_the_scrape() {
         let loads = Loads::default();
         let a = "http://10.0.0.1:8000";
         loads.scraped(a, Some(3.0), 0);
         let first = loads.open(a);
         let second = loads.open(a);
-        assert_eq!(loads.get(a), 5.0);
-        // A scrape that began after both were sent already counts them.
+        assert_eq!(loads.get(a), 5.0, "3 others + 2 of ours");
+        // A scrape that began with both open counts them: the others are still 3.
         loads.scraped(a, Some(5.0), 2);
         assert_eq!(loads.get(a), 5.0);
         drop(first);
         drop(second);
-        assert_eq!(
-            loads.get(a),
-            5.0,
-            "the scraped value stands until the next scrape"
-        );
+        assert_eq!(loads.get(a), 3.0, "ours stop counting when they end");
         loads.scraped(a, Some(0.0), 0);
         assert_eq!(loads.get(a), 0.0);
         // A failed scrape keeps the last value, and gone replicas with nothing open go.
+        loads.scraped(a, Some(2.0), 0);
         loads.scraped(a, None, 0);
-        assert_eq!(loads.get(a), 0.0);
+        assert_eq!(loads.get(a), 2.0);
         loads.retain(&[]);
         assert_eq!(loads.pods.lock().expect("lock").len(), 0);
     }
 
     #[test]
-    fn requests_closed_before_a_scrape_stop_counting() {
+    fn a_scrape_that_missed_our_requests_does_not_go_negative() {
         let loads = Loads::default();
         let a = "http://10.0.0.2:8000";
         let r = loads.open(a);
+        // Sent, but not yet admitted when the replica answered the scrape.
+        loads.scraped(a, Some(0.0), 1);
         assert_eq!(loads.get(a), 1.0);
         drop(r);
         assert_eq!(loads.get(a), 0.0);

@@ -34,6 +34,8 @@ pub struct Metrics {
     pub retries: IntCounterVec,
     /// Requests open per replica.
     pub in_flight: IntGaugeVec,
+    /// Event streams cut short because their replica failed after the first byte.
+    pub broken_streams: IntCounterVec,
 }
 
 impl Metrics {
@@ -100,6 +102,11 @@ impl Metrics {
                 "ferrite_router_in_flight_requests",
                 "Requests open to each replica.",
                 &["model_name", "pod"],
+            )?,
+            broken_streams: counter(
+                "ferrite_router_broken_streams_total",
+                "Event streams ended with an error event because their replica failed mid-stream.",
+                &["model_name"],
             )?,
             registry,
         };

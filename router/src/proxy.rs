@@ -283,12 +283,22 @@ pub async fn forward(
                     .with_label_values(&[&model, policy_label, outcome])
                     .inc();
                 let (parts, incoming) = resp.into_parts();
+                let event_stream = parts
+                    .headers
+                    .get(header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .is_some_and(|v| v.starts_with("text/event-stream"));
                 let tracked = Tracked {
                     inner: incoming,
                     _open: open,
                     _gauge: gauge,
                     started,
                     duration: Some(app.metrics.upstream_duration.with_label_values(&[&model])),
+                    broken: event_stream.then(|| BrokenStream {
+                        counter: app.metrics.broken_streams.with_label_values(&[&model]),
+                        replica: ep.name.clone(),
+                    }),
+                    ended: false,
                 };
                 Response::from_parts(parts, Body::new(tracked))
             }
@@ -417,6 +427,30 @@ struct Tracked {
     _gauge: GaugeGuard,
     started: Instant,
     duration: Option<Histogram>,
+    /// Set for event streams: a replica lost mid-stream ends the stream with an error event.
+    broken: Option<BrokenStream>,
+    ended: bool,
+}
+
+/// What an event stream needs to fail cleanly when its replica goes away.
+struct BrokenStream {
+    counter: prometheus::IntCounter,
+    replica: String,
+}
+
+impl BrokenStream {
+    /// The last event of a stream whose replica failed, as vLLM reports errors inside a
+    /// stream: OpenAI's clients raise it as an API error, where a cut connection would
+    /// surface as a transport error with no reason.
+    fn event(&self, e: &hyper::Error) -> Bytes {
+        let body = json!({"error": {
+            "message": format!("replica {} failed mid-stream: {e}", self.replica),
+            "type": "upstream_error",
+            "param": null,
+            "code": StatusCode::BAD_GATEWAY.as_u16(),
+        }});
+        Bytes::from(format!("data: {body}\n\n"))
+    }
 }
 
 impl HttpBody for Tracked {
@@ -427,20 +461,41 @@ impl HttpBody for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
-        if frame.is_none()
-            && let Some(h) = self.duration.take()
-        {
-            h.observe(self.started.elapsed().as_secs_f64());
+        if self.ended {
+            return Poll::Ready(None);
         }
-        Poll::Ready(frame)
+        let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        match frame {
+            None => {
+                self.ended = true;
+                if let Some(h) = self.duration.take() {
+                    h.observe(self.started.elapsed().as_secs_f64());
+                }
+                Poll::Ready(None)
+            }
+            Some(Err(e)) if self.broken.is_some() => {
+                self.ended = true;
+                let event = self.broken.as_ref().map(|b| {
+                    b.counter.inc();
+                    tracing::warn!(replica = %b.replica, error = %e, "replica failed mid-stream");
+                    b.event(&e)
+                });
+                Poll::Ready(event.map(|b| Ok(Frame::data(b))))
+            }
+            other => Poll::Ready(other),
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.ended || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        if self.broken.is_some() {
+            // The error event may add bytes the replica never announced.
+            SizeHint::default()
+        } else {
+            self.inner.size_hint()
+        }
     }
 }

@@ -1,171 +1,13 @@
-//! ferrite-router on a real API server (etcd, kube-apiserver, kube-controller-manager): the
-//! InferenceService CRD installed from `crds/`, InferenceServices and their pods created as
-//! the operator would make them, the pods made Ready at loopback addresses where real
-//! ferrite-servers listen, and the router (in-process, with its real watch caches and HTTP
-//! client) in front of them.
+//! ferrite-router on a real API server: routing by model, scale from zero, and retries (the
+//! harness is in `common/`).
 
-use std::process::Stdio;
-use std::sync::Arc;
+mod common;
+
 use std::time::{Duration, Instant};
 
-use ferrite_router::load::Loads;
-use ferrite_router::metrics::Metrics;
-use ferrite_router::registry::Registry;
-use ferrite_router::{App, Config};
-use ferrite_testkit::kube::Cluster;
-use ferrite_testkit::kube::bins::workspace_root;
+use common::*;
 use ferrite_testkit::process::{eventually, free_port};
-use ferrite_testkit::server::{Server, binary};
-use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
-use kube::core::GroupVersionKind;
-use kube::discovery::ApiResource;
 use serde_json::{Value, json};
-
-const WAIT: Duration = Duration::from_secs(60);
-
-async fn install_crd(client: &kube::Client) {
-    let path = workspace_root().join("crds/inferenceservice.yaml");
-    let text = std::fs::read_to_string(&path).expect("crds/inferenceservice.yaml");
-    let crd: CustomResourceDefinition = serde_yaml_ng::from_str(&text).expect("a CRD");
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    api.create(&PostParams::default(), &crd)
-        .await
-        .expect("creating the CRD");
-    eventually(WAIT, "the CRD to be established", async || {
-        let c = api.get("inferenceservices.ferrite.dev").await.ok()?;
-        c.status?
-            .conditions?
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True")
-            .then_some(())
-    })
-    .await;
-}
-
-/// A cluster of this test's own with the CRD installed, a client, and a fresh namespace; `None`
-/// where the control-plane binaries are missing outside CI (the testkit says so loudly).
-async fn cluster_with_crd(prefix: &str) -> Option<(Cluster, kube::Client, String)> {
-    let cluster = Cluster::start().await?;
-    let client = cluster.client().await;
-    install_crd(&client).await;
-    let ns = cluster.namespace(prefix).await;
-    Some((cluster, client, ns))
-}
-
-fn isvc_api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
-    let gvk = GroupVersionKind::gvk("ferrite.dev", "v1alpha1", "InferenceService");
-    Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk))
-}
-
-async fn create_isvc(client: &kube::Client, ns: &str, name: &str, spec: Value) {
-    let obj: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": name, "namespace": ns}, "spec": spec}))
-    .expect("object");
-    isvc_api(client, ns)
-        .create(&PostParams::default(), &obj)
-        .await
-        .unwrap_or_else(|e| panic!("creating InferenceService {name}: {e}"));
-}
-
-/// A pod as the operator's Deployment makes it, made Ready at `ip` (where a real server
-/// listens on the InferenceService's port).
-async fn ready_pod(client: &kube::Client, ns: &str, isvc: &str, pod: &str, ip: &str) {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let p: Pod = serde_json::from_value(json!({
-        "metadata": {"name": pod, "labels": {
-            "app.kubernetes.io/managed-by": "ferrite-operator",
-            "app.kubernetes.io/component": "server",
-            "ferrite.dev/inferenceservice": isvc}},
-        "spec": {"containers": [{"name": "server", "image": "stand-in"}]}}))
-    .expect("pod");
-    pods.create(&PostParams::default(), &p)
-        .await
-        .unwrap_or_else(|e| panic!("creating pod {pod}: {e}"));
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    let cond = |t: &str| json!({"type": t, "status": "True", "lastTransitionTime": now});
-    let status = json!({"status": {
-        "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": ip, "startTime": now,
-        "conditions": [cond("PodScheduled"), cond("Initialized"), cond("ContainersReady"), cond("Ready")]}});
-    pods.patch_status(pod, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .unwrap_or_else(|e| panic!("patching pod {pod}'s status: {e}"));
-}
-
-/// A ferrite-server on the default model at `host:port`, serving it as `model`.
-fn server(host: &str, port: u16, model: &str) -> Server {
-    let mut s = Server::spawn_as(
-        &binary(),
-        model,
-        host,
-        port,
-        &["--max-model-len", "512"],
-        Stdio::null(),
-    );
-    s.wait_ready();
-    s
-}
-
-/// The router in this process, watching `ns`; returns its base URL.
-async fn router(client: &kube::Client, ns: &str) -> String {
-    let registry = Registry::start(client.clone(), Some(ns));
-    registry.ready().await.expect("watch caches listed");
-    let loads = Loads::default();
-    tokio::spawn(
-        loads
-            .clone()
-            .refresh(registry.clone(), Duration::from_millis(200)),
-    );
-    let config = Config {
-        prefix_chars: 256,
-        epsilon: 0.25,
-        max_body: 1 << 20,
-        connect_timeout: Duration::from_secs(2),
-    };
-    let metrics = Metrics::new().expect("metrics");
-    let app = Arc::new(App::new(
-        registry,
-        loads,
-        metrics,
-        config,
-        Some(client.clone()),
-    ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        axum::serve(listener, ferrite_router::routes(app))
-            .await
-            .expect("serve");
-    });
-    format!("http://{addr}")
-}
-
-/// POSTs `body` to the router from a blocking thread (ureq), returning status and JSON.
-async fn post(url: String, body: Value) -> (u16, Value, Option<String>) {
-    tokio::task::spawn_blocking(move || {
-        let r = match ureq::post(&url)
-            .timeout(Duration::from_secs(120))
-            .send_json(body)
-        {
-            Ok(r) => r,
-            Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => panic!("{url}: {e}"),
-        };
-        let status = r.status();
-        let retry = r.header("retry-after").map(str::to_string);
-        (status, r.into_json().unwrap_or(Value::Null), retry)
-    })
-    .await
-    .expect("request thread")
-}
-
-async fn get(url: String) -> Value {
-    serde_json::from_str(&get_text(url).await).expect("JSON")
-}
 
 fn completion(model: &str) -> Value {
     json!({"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
@@ -299,18 +141,6 @@ async fn holds_requests_while_scaling_from_zero() {
     assert_eq!(body["error"]["type"], "service_unavailable", "{body}");
 }
 
-async fn get_text(url: String) -> String {
-    tokio::task::spawn_blocking(move || {
-        ureq::get(&url)
-            .call()
-            .expect("GET")
-            .into_string()
-            .expect("text")
-    })
-    .await
-    .expect("request thread")
-}
-
 /// A replica that refuses connections (its pod still listed Ready, as in the seconds before
 /// the kubelet notices a crash) costs a retry on the other replica, not a failed request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,12 +173,10 @@ async fn a_dead_replica_is_retried_on_another() {
     }
     // Round robin sends every other first attempt to the dead replica.
     let metrics = get_text(format!("{base}/metrics")).await;
-    let retries: f64 = metrics
-        .lines()
-        .filter(|l| {
-            l.starts_with("ferrite_router_retries_total{") && l.contains("reason=\"connect\"")
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let retries = metric_sum(
+        &metrics,
+        "ferrite_router_retries_total",
+        &["reason=\"connect\""],
+    );
     assert!(retries >= 2.0, "retries {retries}: {metrics}");
 }
