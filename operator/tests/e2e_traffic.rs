@@ -5,11 +5,11 @@
 
 mod common;
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::e2e::{
-    Applier, Operator, Release, get_isvc, install, install_service_monitor_crd, isvc, pods_ready,
+    Applier, Operator, assert_exact_rbac, get_isvc, install, install_service_monitor_crd, isvc,
+    pods_ready, requests,
 };
 use common::servers::{Load, ready_server};
 use ferrite_testkit::kube::{Cluster, Options};
@@ -18,7 +18,7 @@ use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, Patch, PatchParams};
-use serde_json::{Value, json};
+use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -27,82 +27,6 @@ fn audit_cluster() -> Options {
         audit: true,
         ..Options::default()
     }
-}
-
-/// (verb, group, resource[/subresource]) of each of `user`'s requests, and the refused ones.
-fn requests(cluster: &Cluster, user: &str) -> (Vec<(String, String, String)>, Vec<Value>) {
-    let mut seen = Vec::new();
-    let mut refused = Vec::new();
-    let mut ids = BTreeSet::new();
-    for e in cluster.audit_events() {
-        if e["user"]["username"] != user || !ids.insert(e["auditID"].to_string()) {
-            continue;
-        }
-        if e["responseStatus"]["code"] == 403 {
-            refused.push(e.clone());
-        }
-        let r = &e["objectRef"];
-        let mut resource = r["resource"].as_str().unwrap_or_default().to_string();
-        if let Some(sub) = r["subresource"].as_str() {
-            resource = format!("{resource}/{sub}");
-        }
-        let verb = e["verb"].as_str().unwrap_or_default().to_string();
-        let group = r["apiGroup"].as_str().unwrap_or_default().to_string();
-        // A server-side apply that creates the object (201) is authorized as create as well as
-        // patch, though audited as a patch.
-        if verb == "patch" && e["responseStatus"]["code"] == 201 {
-            seen.push(("create".into(), group.clone(), resource.clone()));
-        }
-        seen.push((verb, group, resource));
-    }
-    (seen, refused)
-}
-
-/// (verb, group, resource) of every rule bound to the operator (its ClusterRole and Role).
-fn granted(release: &Release) -> BTreeSet<(String, String, String)> {
-    let sa = release.service_account();
-    let bound: Vec<String> = release
-        .docs
-        .iter()
-        .filter(|d| {
-            matches!(
-                d["kind"].as_str(),
-                Some("ClusterRoleBinding" | "RoleBinding")
-            )
-        })
-        .filter(|d| {
-            d["subjects"]
-                .as_array()
-                .is_some_and(|s| s.iter().any(|s| s["name"] == sa.as_str()))
-        })
-        .filter_map(|d| d["roleRef"]["name"].as_str().map(String::from))
-        .collect();
-    let mut out = BTreeSet::new();
-    for role in release.docs.iter().filter(|d| {
-        matches!(d["kind"].as_str(), Some("ClusterRole" | "Role"))
-            && d["metadata"]["name"]
-                .as_str()
-                .is_some_and(|n| bound.iter().any(|b| b == n))
-    }) {
-        for rule in role["rules"].as_array().into_iter().flatten() {
-            let list = |k: &str| -> Vec<String> {
-                rule[k]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|v| v.as_str().map(String::from))
-                    .collect()
-            };
-            for g in list("apiGroups") {
-                for r in list("resources") {
-                    for v in list("verbs") {
-                        out.insert((v.clone(), g.clone(), r.clone()));
-                    }
-                }
-            }
-        }
-    }
-    out
 }
 
 /// Everything the operator does, under the chart's RBAC: children of every kind created,
@@ -213,28 +137,13 @@ async fn the_operator_uses_exactly_the_rbac_the_chart_grants() {
     assert!(status.0.success(), "{}", status.1.log());
     op = status.1;
 
-    let (seen, refused) = requests(&cluster, &release.operator_user());
-    assert!(
-        refused.is_empty(),
-        "refused requests: {refused:#?}\n{}",
-        op.log()
+    let used = assert_exact_rbac(
+        &cluster,
+        &release.docs,
+        &release.service_account(),
+        &op.log(),
     );
-    let used: BTreeSet<(String, String, String)> = seen.into_iter().collect();
-    let granted = granted(&release);
-    let unused: Vec<_> = granted.iter().filter(|g| !used.contains(g)).collect();
-    assert!(
-        unused.is_empty(),
-        "granted but never used: {unused:?}\nused: {used:?}"
-    );
-    let ungranted: Vec<_> = used
-        .iter()
-        .filter(|u| !granted.contains(*u) && !u.2.is_empty())
-        .collect();
-    assert!(ungranted.is_empty(), "used beyond the rules: {ungranted:?}");
-    eprintln!(
-        "{} distinct (verb, group, resource) uses, all granted, every grant used",
-        used.len()
-    );
+    eprintln!("{used} distinct (verb, group, resource) uses, all granted, every grant used");
 }
 
 /// 20 InferenceServices of four kinds, settled: over 40 s the operator writes nothing, and

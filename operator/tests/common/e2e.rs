@@ -4,7 +4,7 @@
 //! arguments and environment, and the chart's volumes laid out as the kubelet would mount them.
 //! Only the operator's Deployment is not applied: its process runs here instead, on loopback.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -18,7 +18,9 @@ use kube::core::GroupVersionKind;
 use kube::discovery::{ApiCapabilities, ApiResource, Discovery, Scope};
 use serde_json::{Value, json};
 
-use super::chart::{NAMESPACE, render_values};
+use super::chart::{
+    NAMESPACE, granted, one_component, operator_deployment, render_values, router_deployment,
+};
 use super::validate::root;
 
 /// Field manager of the objects a test applies (not the operator's).
@@ -155,14 +157,18 @@ pub struct Release {
 }
 
 impl Release {
-    /// The operator's ServiceAccount.
-    pub fn service_account(&self) -> String {
-        self.docs
-            .iter()
-            .find(|d| d["kind"] == "Deployment")
-            .and_then(|d| d["spec"]["template"]["spec"]["serviceAccountName"].as_str())
+    /// The ServiceAccount of the Deployment of `component` (`operator`, `router`).
+    fn service_account_of(&self, component: &str) -> String {
+        one_component(&self.docs, "Deployment", component)["spec"]["template"]["spec"]
+            ["serviceAccountName"]
+            .as_str()
             .expect("serviceAccountName")
             .to_string()
+    }
+
+    /// The operator's ServiceAccount.
+    pub fn service_account(&self) -> String {
+        self.service_account_of("operator")
     }
 
     /// The operator's user name, as the API server (and its audit log) knows it.
@@ -170,6 +176,19 @@ impl Release {
         format!(
             "system:serviceaccount:{NAMESPACE}:{}",
             self.service_account()
+        )
+    }
+
+    /// ferrite-router's ServiceAccount.
+    pub fn router_service_account(&self) -> String {
+        self.service_account_of("router")
+    }
+
+    /// ferrite-router's user name, as the API server knows it.
+    pub fn router_user(&self) -> String {
+        format!(
+            "system:serviceaccount:{NAMESPACE}:{}",
+            self.router_service_account()
         )
     }
 }
@@ -193,8 +212,8 @@ pub fn merge(base: &mut Value, over: &Value) {
 }
 
 /// `helm install` of the chart with `values` (over [`base_values`]) into namespace
-/// ferrite-system: the CRDs, then every rendered object but the operator's Deployment and
-/// PodDisruptionBudget. The External Metrics Service, if any, becomes an ExternalName Service
+/// ferrite-system: the CRDs, then every rendered object but the Deployments and
+/// PodDisruptionBudgets (the operator's and the router's: their processes run on loopback). The External Metrics Service, if any, becomes an ExternalName Service
 /// for `localhost` on a free port, where the operator process will listen, and the APIService
 /// points at that port.
 pub async fn install(cluster: &Cluster, values: &Value, tag: &str) -> Release {
@@ -299,6 +318,72 @@ fn mount_volumes(
     mounts
 }
 
+/// Runs `bin` as the first container of the rendered `deployment` would run: as its
+/// ServiceAccount (a kubeconfig with a token from the TokenRequest API, in place of the pod's
+/// projected token), with its arguments (each through `arg`, then `extra` appended) and
+/// environment (`identity` as the pod's name), its ConfigMap and Secret volumes laid out as
+/// files and their mount paths in the arguments pointed there. Returns the process, its log
+/// file, and the directory holding both.
+async fn run_container(
+    cluster: &Cluster,
+    docs: &[Value],
+    deployment: &Value,
+    bin: &Path,
+    identity: &str,
+    arg: impl Fn(&str) -> String,
+    extra: &[&str],
+) -> (Guard, PathBuf, TempDir) {
+    let pod = &deployment["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    let sa = pod["serviceAccountName"]
+        .as_str()
+        .expect("serviceAccountName");
+    let dir = TempDir::new(&format!("ferrite-e2e-{identity}"));
+    let kubeconfig = dir.path().join("kubeconfig");
+    cluster
+        .service_account_kubeconfig(NAMESPACE, sa, &kubeconfig)
+        .await;
+    let mounts = mount_volumes(docs, pod, container, dir.path());
+    let args: Vec<String> = container["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(|a| a.as_str())
+        .map(|a| {
+            let mut a = arg(a);
+            for (mount, local) in &mounts {
+                a = a.replace(mount.as_str(), &local.display().to_string());
+            }
+            a
+        })
+        .chain(extra.iter().map(|s| s.to_string()))
+        .collect();
+    let mut env: BTreeMap<String, String> = BTreeMap::new();
+    for e in container["env"].as_array().into_iter().flatten() {
+        let name = e["name"].as_str().expect("env name").to_string();
+        let value = match e["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
+            Some("metadata.name") => identity.to_string(),
+            Some("metadata.namespace") => NAMESPACE.to_string(),
+            Some(other) => panic!("env {name} from {other}"),
+            None => e["value"].as_str().unwrap_or_default().to_string(),
+        };
+        env.insert(name, value);
+    }
+    let log = dir.path().join(format!("{identity}.log"));
+    let file = std::fs::File::create(&log).expect("log file");
+    let mut cmd = Command::new(bin);
+    cmd.args(&args)
+        .envs(&env)
+        .env("KUBECONFIG", &kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().expect("log"))
+        .stderr(file);
+    let guard =
+        Guard::spawn(identity, cmd).unwrap_or_else(|e| panic!("{} starts: {e}", bin.display()));
+    (guard, log, dir)
+}
+
 impl Operator {
     /// Starts the operator binary as the chart's Deployment would run it, as `identity` (its
     /// pod name), with `extra` arguments appended. Its External Metrics API (if enabled)
@@ -321,64 +406,25 @@ impl Operator {
         extra: &[&str],
         external_port: u16,
     ) -> Operator {
-        let docs = &release.docs;
-        let deployment = docs
-            .iter()
-            .find(|d| d["kind"] == "Deployment")
-            .expect("the operator Deployment");
-        let pod = &deployment["spec"]["template"]["spec"];
-        let container = &pod["containers"][0];
-        let sa = pod["serviceAccountName"]
-            .as_str()
-            .expect("serviceAccountName");
-        let dir = TempDir::new("ferrite-e2e-operator");
-        let kubeconfig = dir.path().join("kubeconfig");
-        cluster
-            .service_account_kubeconfig(NAMESPACE, sa, &kubeconfig)
-            .await;
-        let mounts = mount_volumes(docs, pod, container, dir.path());
         let http_port = free_port();
-        let args: Vec<String> = container["args"]
-            .as_array()
-            .expect("args")
-            .iter()
-            .filter_map(|a| a.as_str())
-            .map(|a| {
-                let mut a = a.to_string();
+        let (guard, log, dir) = run_container(
+            cluster,
+            &release.docs,
+            operator_deployment(&release.docs),
+            &operator_binary(),
+            identity,
+            |a| {
                 if a.starts_with("--http-addr=") {
-                    a = format!("--http-addr=127.0.0.1:{http_port}");
+                    format!("--http-addr=127.0.0.1:{http_port}")
                 } else if a.starts_with("--external-metrics-addr=") && !a.ends_with("=off") {
-                    a = format!("--external-metrics-addr=127.0.0.1:{external_port}");
+                    format!("--external-metrics-addr=127.0.0.1:{external_port}")
+                } else {
+                    a.to_string()
                 }
-                for (mount, local) in &mounts {
-                    a = a.replace(mount.as_str(), &local.display().to_string());
-                }
-                a
-            })
-            .chain(extra.iter().map(|s| s.to_string()))
-            .collect();
-        let mut env: BTreeMap<String, String> = BTreeMap::new();
-        for e in container["env"].as_array().into_iter().flatten() {
-            let name = e["name"].as_str().expect("env name").to_string();
-            let value = match e["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
-                Some("metadata.name") => identity.to_string(),
-                Some("metadata.namespace") => NAMESPACE.to_string(),
-                Some(other) => panic!("env {name} from {other}"),
-                None => e["value"].as_str().unwrap_or_default().to_string(),
-            };
-            env.insert(name, value);
-        }
-        let log = dir.path().join("operator.log");
-        let file = std::fs::File::create(&log).expect("log file");
-        let mut cmd = Command::new(operator_binary());
-        cmd.args(&args)
-            .envs(&env)
-            .env("KUBECONFIG", &kubeconfig)
-            .env_remove("KUBERNETES_SERVICE_HOST")
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().expect("log"))
-            .stderr(file);
-        let guard = Guard::spawn(identity, cmd).expect("ferrite-operator starts");
+            },
+            extra,
+        )
+        .await;
         Operator {
             guard,
             identity: identity.to_string(),
@@ -430,6 +476,66 @@ pub fn operator_binary() -> PathBuf {
     std::env::var_os("FERRITE_OPERATOR_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ferrite-operator")))
+}
+
+/// A running ferrite-router process, run as the chart's router Deployment would run it.
+pub struct Router {
+    pub guard: Guard,
+    /// `http://127.0.0.1:port`: its `--addr`, moved to loopback.
+    pub base: String,
+    pub log: PathBuf,
+    _dir: TempDir,
+}
+
+impl Router {
+    /// Starts the router binary with the rendered router Deployment's arguments (its `--addr`
+    /// on a free loopback port), environment and ServiceAccount.
+    pub async fn launch(cluster: &Cluster, release: &Release) -> Router {
+        let port = free_port();
+        let (guard, log, dir) = run_container(
+            cluster,
+            &release.docs,
+            router_deployment(&release.docs),
+            &router_binary(),
+            "router-0",
+            |a| {
+                if a.starts_with("--addr=") {
+                    format!("--addr=127.0.0.1:{port}")
+                } else {
+                    a.to_string()
+                }
+            },
+            &[],
+        )
+        .await;
+        Router {
+            guard,
+            base: format!("http://127.0.0.1:{port}"),
+            log,
+            _dir: dir,
+        }
+    }
+
+    /// The router's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, then the exit status (within 20 s: the drain delay, then open streams).
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let log = self.log();
+        self.guard
+            .terminate(Duration::from_secs(20))
+            .unwrap_or_else(|| panic!("ferrite-router did not exit after SIGTERM:\n{log}"))
+    }
+}
+
+/// The router binary: `FERRITE_ROUTER_BIN`, else the workspace's, built beside the tests
+/// (`cargo build -p ferrite-router`; `cargo nextest run --workspace` builds it).
+pub fn router_binary() -> PathBuf {
+    std::env::var_os("FERRITE_ROUTER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| ferrite_testkit::server::workspace_binary("ferrite-router"))
 }
 
 /// An HTTPS client for an operator's External Metrics API on `port`, verifying it as the
@@ -591,4 +697,58 @@ pub async fn create(client: &kube::Client, obj: &Value) -> DynamicObject {
     api.create(&PostParams::default(), &dynamic)
         .await
         .unwrap_or_else(|e| panic!("creating {} {}: {e}", obj["kind"], obj["metadata"]["name"]))
+}
+
+/// (verb, group, resource[/subresource]) of each of `user`'s requests, and the refused ones.
+pub fn requests(cluster: &Cluster, user: &str) -> (Vec<(String, String, String)>, Vec<Value>) {
+    let mut seen = Vec::new();
+    let mut refused = Vec::new();
+    let mut ids = BTreeSet::new();
+    for e in cluster.audit_events() {
+        if e["user"]["username"] != user || !ids.insert(e["auditID"].to_string()) {
+            continue;
+        }
+        if e["responseStatus"]["code"] == 403 {
+            refused.push(e.clone());
+        }
+        let r = &e["objectRef"];
+        let mut resource = r["resource"].as_str().unwrap_or_default().to_string();
+        if let Some(sub) = r["subresource"].as_str() {
+            resource = format!("{resource}/{sub}");
+        }
+        let verb = e["verb"].as_str().unwrap_or_default().to_string();
+        let group = r["apiGroup"].as_str().unwrap_or_default().to_string();
+        // A server-side apply that creates the object (201) is authorized as create as well as
+        // patch, though audited as a patch.
+        if verb == "patch" && e["responseStatus"]["code"] == 201 {
+            seen.push(("create".into(), group.clone(), resource.clone()));
+        }
+        seen.push((verb, group, resource));
+    }
+    (seen, refused)
+}
+
+/// Asserts from the audit log that the ServiceAccount `sa` (of the release's namespace) was
+/// never refused, used every verb of every rule the rendered `docs` bind to it, and nothing
+/// beyond them (discovery aside); `log` is the process's, for the message. Returns how many
+/// distinct (verb, group, resource) uses it made.
+pub fn assert_exact_rbac(cluster: &Cluster, docs: &[Value], sa: &str, log: &str) -> usize {
+    let (seen, refused) = requests(cluster, &format!("system:serviceaccount:{NAMESPACE}:{sa}"));
+    assert!(refused.is_empty(), "refused requests: {refused:#?}\n{log}");
+    let used: BTreeSet<(String, String, String)> = seen.into_iter().collect();
+    let granted = granted(docs, sa);
+    let unused: Vec<_> = granted.iter().filter(|g| !used.contains(g)).collect();
+    assert!(
+        unused.is_empty(),
+        "granted to {sa} but never used: {unused:?}\nused: {used:?}"
+    );
+    let ungranted: Vec<_> = used
+        .iter()
+        .filter(|u| !granted.contains(*u) && !u.2.is_empty())
+        .collect();
+    assert!(
+        ungranted.is_empty(),
+        "{sa} used beyond the rules: {ungranted:?}"
+    );
+    used.len()
 }
