@@ -1013,6 +1013,7 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
         Duration::from_secs(30),
         |v| v >= 1.0,
     );
+    let held_seen_secs = cold_start.elapsed().as_secs_f64();
     let holding = prom
         .query(&alert_expr(&rules, "FerriteRouterHoldingRequests"))
         .expect("query");
@@ -1090,6 +1091,10 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
         let deadline = Instant::now() + Duration::from_secs(90);
         let (mut saw_queue, mut saw_swapped) = (0.0f64, 0.0f64);
         let mut conditions = [false; 6];
+        // When the conditions but the router's first held, and when the router's did: what
+        // the router adds to the load.
+        let load_started = Instant::now();
+        let (mut others_met, mut router_met) = (None, None);
         // "broken" is retried with a growing backoff, so its failures thin out; an annotation
         // changed every 2 s makes it fail again at once, so the errors panel has data within
         // the load window however long setup took.
@@ -1140,6 +1145,13 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
                         .value(r#"sum(ferrite_router_upstream_duration_seconds_count{model_name="smol"})"#)
                         .is_some_and(|v| v >= 1.0),
             ];
+            let secs = Some(load_started.elapsed().as_secs_f64());
+            if others_met.is_none() && conditions[..5].iter().all(|c| *c) {
+                others_met = secs;
+            }
+            if router_met.is_none() && conditions[5] {
+                router_met = secs;
+            }
         }
         done.store(true, Ordering::SeqCst);
         assert!(
@@ -1158,6 +1170,11 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
             op.log(),
             router_log()
         );
+        eprintln!(
+            "load conditions met after {:.1} s without the router's, {:.1} s for the router's",
+            others_met.unwrap_or_default(),
+            router_met.unwrap_or_default()
+        );
         saw_queue
     });
     let statuses = statuses.into_inner().expect("lock");
@@ -1172,7 +1189,8 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
     let to = unix_now();
     let router_sum = |series: &str| prom.value(&format!("sum({series})")).unwrap_or(0.0);
     eprintln!(
-        "setup {setup_secs:.1} s (router cold start {cold_start_secs:.1} s); load: {} requests, \
+        "setup {setup_secs:.1} s (router cold start {cold_start_secs:.1} s, seen held after \
+         {held_seen_secs:.1} s); load: {} requests, \
          peak queue {saw_queue} (Prometheus), {:.1} s; router: {} answered, affinity {} kept \
          and {} overflowed, {} retried, {} timed to headers and {} to the end",
         statuses.len(),
