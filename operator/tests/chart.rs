@@ -13,8 +13,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use common::chart::{
-    NAMESPACE, chart_dir, container_args, find, find_component, granted, helm, one, one_component,
-    operator_args, operator_deployment, path_str, render, router_deployment,
+    NAMESPACE, chart_dir, container_args, find, find_component, granted, helm, notes, one,
+    one_component, operator_args, operator_deployment, path_str, render, router_args,
+    router_deployment,
 };
 use common::validate::{custom_resources, kubernetes, root, temp_dir};
 use serde_json::{Value, json};
@@ -169,6 +170,7 @@ fn every_value_set_lints_strictly_and_renders_objects_that_pass_their_schemas() 
         let docs = render(set, &tag).unwrap_or_else(|e| panic!("{tag}: render failed:\n{e}"));
         validate_objects(&docs, &tag);
         check_value_set(&tag, &docs);
+        check_notes(&tag, &docs);
     }
 }
 
@@ -425,6 +427,39 @@ fn check_value_set(tag: &str, docs: &[Value]) {
         }
         other => panic!("ci/{other}-values.yaml has no checks here: add them"),
     }
+}
+
+/// NOTES.txt tells how to reach the models: through the router's Service where there is one
+/// (its name and port), else through the InferenceService's own.
+fn check_notes(tag: &str, docs: &[Value]) {
+    let text = notes(tag);
+    match find_component(docs, "Service", "router").first() {
+        Some(svc) => {
+            let port = &svc["spec"]["ports"][0]["port"];
+            let forward = format!(
+                "kubectl -n {NAMESPACE} port-forward svc/{} {port}:{port}",
+                svc["metadata"]["name"].as_str().expect("name")
+            );
+            assert!(
+                text.contains(&forward),
+                "{tag}: NOTES lack {forward:?}:\n{text}"
+            );
+            let wakes = !router_args(docs).iter().any(|a| a == "--no-wake");
+            assert_eq!(
+                text.contains("scaleFromZero=false"),
+                !wakes,
+                "{tag}: NOTES say whether the router wakes services:\n{text}"
+            );
+        }
+        None => {
+            assert!(!text.contains("svc/ferrite-router"), "{tag}:\n{text}");
+            assert!(text.contains("router.enabled=true"), "{tag}:\n{text}");
+        }
+    }
+    assert!(
+        text.contains("kubectl port-forward svc/smollm2 8000:8000"),
+        "{tag}:\n{text}"
+    );
 }
 
 /// What a value set renders for the router.

@@ -54,6 +54,12 @@ pub fn render(values: &Path, tag: &str) -> Result<Vec<Value>, String> {
     Ok(docs)
 }
 
+/// The NOTES.txt Helm printed for the last [`render`] tagged `tag` in this process.
+pub fn notes(tag: &str) -> String {
+    std::fs::read_to_string(temp_dir("chart").join(format!("{tag}.yaml.NOTES.txt")))
+        .unwrap_or_else(|e| panic!("NOTES of {tag}: {e}"))
+}
+
 /// Renders with `values` given inline (JSON is YAML).
 pub fn render_values(values: &Value, tag: &str) -> Vec<Value> {
     let file = temp_dir("chart").join(format!("{tag}-values.yaml"));
