@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use common::chart::router_args;
 use common::e2e::{
-    Operator, Router, assert_exact_rbac, get_isvc, install, isvc, isvc_api, pods_ready,
+    Operator, Router, assert_exact_rbac, audited, get_isvc, install, isvc, isvc_api, pods_ready,
 };
 use common::servers::ready_server;
-use ferrite_testkit::kube::{Cluster, Options};
+use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
 use kube::api::{Patch, PatchParams};
 use serde_json::{Value, json};
@@ -80,12 +80,7 @@ async fn cold_start_through_the_router(
     tag: &str,
     wake: bool,
 ) {
-    let Some(cluster) = Cluster::start_with(Options {
-        audit: true,
-        ..Options::default()
-    })
-    .await
-    else {
+    let Some(cluster) = Cluster::start_with(audited()).await else {
         return;
     };
     let client = cluster.client().await;

@@ -8,9 +8,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::e2e::{Applier, Operator, condition, get_isvc, install, isvc, pods_ready};
+use common::e2e::{Applier, Operator, audited, condition, get_isvc, install, isvc, pods_ready};
 use common::servers::{Load, ready_server};
-use ferrite_testkit::kube::{Cluster, Options};
+use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
@@ -144,12 +144,7 @@ async fn the_scale_subresource_works_without_spec_replicas() {
 /// status settles (no write loop).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_builtin_autoscaler_scales_on_a_real_servers_queue() {
-    let Some(cluster) = Cluster::start_with(Options {
-        audit: true,
-        ..Options::default()
-    })
-    .await
-    else {
+    let Some(cluster) = Cluster::start_with(audited()).await else {
         return;
     };
     let client = cluster.client().await;

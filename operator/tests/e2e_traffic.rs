@@ -8,11 +8,11 @@ mod common;
 use std::time::Duration;
 
 use common::e2e::{
-    Applier, Operator, assert_exact_rbac, get_isvc, install, install_service_monitor_crd, isvc,
-    pods_ready, requests,
+    Applier, Operator, assert_exact_rbac, audited, get_isvc, install, install_service_monitor_crd,
+    isvc, pods_ready, requests,
 };
 use common::servers::{Load, ready_server};
-use ferrite_testkit::kube::{Cluster, Options};
+use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::Service;
@@ -22,20 +22,13 @@ use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-fn audit_cluster() -> Options {
-    Options {
-        audit: true,
-        ..Options::default()
-    }
-}
-
 /// Everything the operator does, under the chart's RBAC: children of every kind created,
 /// changed and pruned, status, events and an event series, the built-in autoscaler's scale,
 /// and the Lease taken, renewed and handed back. No request is refused, and every verb the
 /// chart grants is used.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operator_uses_exactly_the_rbac_the_chart_grants() {
-    let Some(cluster) = Cluster::start_with(audit_cluster()).await else {
+    let Some(cluster) = Cluster::start_with(audited()).await else {
         return;
     };
     let client = cluster.client().await;
@@ -151,7 +144,7 @@ async fn the_operator_uses_exactly_the_rbac_the_chart_grants() {
 /// discovery of the ServiceMonitor API.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settled_operator_sends_nothing_but_watches_and_lease_renewals() {
-    let Some(cluster) = Cluster::start_with(audit_cluster()).await else {
+    let Some(cluster) = Cluster::start_with(audited()).await else {
         return;
     };
     let client = cluster.client().await;

@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use ferrite_testkit::kube::Cluster;
+use ferrite_testkit::kube::{Cluster, Options};
 use ferrite_testkit::process::{Guard, TempDir, free_port};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
@@ -147,6 +147,15 @@ pub async fn install_service_monitor_crd(client: &kube::Client) {
         .apply(&service_monitor_crd())
         .await;
     wait_crd(client, "servicemonitors.monitoring.coreos.com").await;
+}
+
+/// A private cluster whose API server writes an audit log of every request (but
+/// kube-controller-manager's), to read back what a client sent.
+pub fn audited() -> Options {
+    Options {
+        audit: true,
+        ..Options::default()
+    }
 }
 
 /// The chart as installed into a cluster.
