@@ -1,4 +1,5 @@
 //! Shared by the bench binaries.
 
+pub mod chat;
 pub mod roofline;
 pub mod stats;

@@ -11,13 +11,13 @@
 //! show, then the TTFT ratios of each target against the first (the baseline), per run and as a
 //! mean with its 95% interval.
 
-use std::io::{BufRead, BufReader};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow};
 use clap::Parser;
+use ferrite_bench::chat::{Turn, stream_chat};
 use ferrite_bench::stats::{mean_ci95, percentile};
 use serde_json::{Value, json};
 
@@ -48,15 +48,6 @@ struct Args {
     /// Per-request timeout in seconds.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
-}
-
-/// What one turn saw.
-#[derive(Debug, Clone, Copy)]
-struct Turn {
-    ttft: f64,
-    output_tokens: usize,
-    prompt_tokens: usize,
-    cached_tokens: usize,
 }
 
 /// One target's figures over one run.
@@ -117,60 +108,17 @@ fn chat(
     args: &Args,
     messages: &[Value],
 ) -> Result<(Turn, String)> {
-    let body = json!({
-        "model": args.model,
-        "messages": messages,
-        "max_tokens": args.max_tokens,
-        "temperature": 0,
-        "ignore_eos": true,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    let started = Instant::now();
-    let resp = match agent
-        .post(&format!("{base}/v1/chat/completions"))
-        .send_json(body)
-    {
-        Ok(r) => r,
-        Err(ureq::Error::Status(code, r)) => {
-            bail!("HTTP {code}: {}", r.into_string().unwrap_or_default())
-        }
-        Err(e) => return Err(e.into()),
-    };
-    let mut ttft = None;
-    let mut text = String::new();
-    let mut chunks = 0usize;
-    let mut usage = None;
-    for line in BufReader::new(resp.into_reader()).lines() {
-        let line = line?;
-        let Some(payload) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if payload.trim() == "[DONE]" {
-            break;
-        }
-        let v: Value =
-            serde_json::from_str(payload).with_context(|| format!("bad chunk: {payload}"))?;
-        if v["usage"].is_object() {
-            usage = Some(v["usage"].clone());
-        }
-        if let Some(delta) = v["choices"][0]["delta"]["content"].as_str()
-            && !delta.is_empty()
-        {
-            ttft.get_or_insert_with(|| started.elapsed().as_secs_f64());
-            text.push_str(delta);
-            chunks += 1;
-        }
-    }
-    let usage = usage.ok_or_else(|| anyhow!("{base}: no usage in the stream"))?;
-    let count = |v: &Value| v.as_u64().map(|n| n as usize);
-    let turn = Turn {
-        ttft: ttft.ok_or_else(|| anyhow!("{base}: no content in the stream"))?,
-        output_tokens: count(&usage["completion_tokens"]).unwrap_or(chunks),
-        prompt_tokens: count(&usage["prompt_tokens"]).unwrap_or(0),
-        cached_tokens: count(&usage["prompt_tokens_details"]["cached_tokens"]).unwrap_or(0),
-    };
-    Ok((turn, text))
+    stream_chat(
+        agent,
+        base,
+        json!({
+            "model": args.model,
+            "messages": messages,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "ignore_eos": true,
+        }),
+    )
 }
 
 fn run(base: &str, args: &Args, nonce: usize) -> Result<RunResult> {

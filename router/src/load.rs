@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferrite_operator::autoscale::scrape::{PodTarget, Scraper};
 use ferrite_operator::signal::PodSample;
@@ -21,7 +21,13 @@ struct PodLoad {
     others: f64,
     /// Requests this router has open there.
     open: u64,
+    /// Set aside until then: it refused a connection (its pod may still be listed Ready
+    /// while it is gone).
+    aside_until: Option<Instant>,
 }
+
+/// How long a replica that refused a connection sits out, unless a scrape reaches it first.
+pub const SET_ASIDE: Duration = Duration::from_secs(10);
 
 /// Loads by replica base URL.
 #[derive(Debug, Clone, Default)]
@@ -53,6 +59,21 @@ impl Loads {
         }
     }
 
+    /// Sets `base_url` aside for [`SET_ASIDE`]: it refused a connection.
+    pub fn set_aside(&self, base_url: &str) {
+        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        pods.entry(base_url.to_string()).or_default().aside_until =
+            Some(Instant::now() + SET_ASIDE);
+    }
+
+    /// Whether `base_url` is set aside now.
+    pub fn is_set_aside(&self, base_url: &str) -> bool {
+        let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        pods.get(base_url)
+            .and_then(|p| p.aside_until)
+            .is_some_and(|t| Instant::now() < t)
+    }
+
     /// Records a scrape of `base_url` that began while this router had `open_then` requests
     /// open there: the scraped count includes those, so the rest is everyone else's. A
     /// failed scrape (`None`) keeps the last estimate.
@@ -61,6 +82,8 @@ impl Loads {
         let p = pods.entry(base_url.to_string()).or_default();
         if let Some(v) = value {
             p.others = (v - open_then as f64).max(0.0);
+            // It answered: back in.
+            p.aside_until = None;
         }
     }
 
@@ -149,6 +172,19 @@ mod tests {
         assert_eq!(loads.get(a), 2.0);
         loads.retain(&[]);
         assert_eq!(loads.pods.lock().expect("lock").len(), 0);
+    }
+
+    #[test]
+    fn a_replica_set_aside_comes_back_when_a_scrape_reaches_it() {
+        let loads = Loads::default();
+        let a = "http://10.0.0.3:8000";
+        assert!(!loads.is_set_aside(a));
+        loads.set_aside(a);
+        assert!(loads.is_set_aside(a));
+        loads.scraped(a, None, 0);
+        assert!(loads.is_set_aside(a), "a failed scrape leaves it aside");
+        loads.scraped(a, Some(0.0), 0);
+        assert!(!loads.is_set_aside(a));
     }
 
     #[test]

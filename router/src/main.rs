@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
+use axum::serve::ListenerExt;
 use clap::Parser;
 use ferrite_router::load::Loads;
 use ferrite_router::metrics::Metrics;
@@ -74,9 +75,16 @@ async fn main() -> anyhow::Result<()> {
     let metrics = Metrics::new().context("registering metrics")?;
     let kube = (!args.no_wake).then_some(client);
     let app = Arc::new(App::new(registry, loads, metrics, config, kube));
+    // No Nagle delay on the client side either: the upstream side already sets it, and a
+    // stream's small events must not wait for an ACK.
     let listener = tokio::net::TcpListener::bind(args.addr)
         .await
-        .with_context(|| format!("binding {}", args.addr))?;
+        .with_context(|| format!("binding {}", args.addr))?
+        .tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "TCP_NODELAY");
+            }
+        });
     tracing::info!(addr = %args.addr, "serving");
     let draining = app.clone();
     let drain_delay = Duration::from_secs(args.drain_delay_seconds);

@@ -173,9 +173,10 @@ pub async fn forward(
         );
     };
     let Some(mut svc) = app.registry.find(&model) else {
+        // Not the client's string: any client could otherwise mint series without end.
         app.metrics
             .requests
-            .with_label_values(&[&model, "none", "unknown_model"])
+            .with_label_values(&["", "none", "unknown_model"])
             .inc();
         return error(
             StatusCode::NOT_FOUND,
@@ -215,11 +216,22 @@ pub async fn forward(
         .to_string();
     let mut tried: Option<String> = None;
     for attempt in 0..2 {
-        let candidates: Vec<_> = svc
+        let untried: Vec<_> = svc
             .endpoints
             .iter()
             .filter(|e| tried.as_deref() != Some(e.name.as_str()))
             .collect();
+        // Replicas that just refused a connection sit out, unless none is left.
+        let reachable: Vec<_> = untried
+            .iter()
+            .copied()
+            .filter(|e| !app.loads.is_set_aside(&e.base_url))
+            .collect();
+        let candidates = if reachable.is_empty() {
+            untried
+        } else {
+            reachable
+        };
         let replicas: Vec<Replica> = candidates
             .iter()
             .map(|e| Replica {
@@ -250,7 +262,10 @@ pub async fn forward(
         let url = format!("{}{}", ep.base_url, path);
         let result = send(&app, &method, &url, &headers, body.clone()).await;
         let retry_reason = match &result {
-            Err(_) => Some("connect"),
+            Err(_) => {
+                app.loads.set_aside(&ep.base_url);
+                Some("connect")
+            }
             Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE => Some("unavailable"),
             Ok(_) => None,
         };
@@ -481,6 +496,17 @@ impl HttpBody for Tracked {
                     b.event(&e)
                 });
                 Poll::Ready(event.map(|b| Ok(Frame::data(b))))
+            }
+            Some(Ok(frame)) => {
+                // hyper reads a body of known length no further than its last byte, so
+                // its end shows here rather than as a final `None`.
+                if self.inner.is_end_stream() {
+                    self.ended = true;
+                    if let Some(h) = self.duration.take() {
+                        h.observe(self.started.elapsed().as_secs_f64());
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
             }
             other => Poll::Ready(other),
         }

@@ -15,6 +15,7 @@
 pub mod bins;
 pub mod pki;
 mod shared;
+pub mod standin;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
