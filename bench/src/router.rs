@@ -1,8 +1,11 @@
 //! bench-router: ferrite-router against a random pick of replica (what kube-proxy does behind
 //! a ClusterIP Service), on a real API server with real ferrite-servers behind stand-in pods.
 //!
-//! Three ferrite-servers listen at 127.0.0.1, .2 and .3; an InferenceService's pods are made
-//! Ready at those addresses, and the release `ferrite-router` binary routes to them. Arms:
+//! Three ferrite-servers (`--replicas`) listen at 127.0.0.1, .2 and .3; an InferenceService's
+//! pods are made Ready at those addresses, and the release `ferrite-router` binary routes to
+//! them. On one machine the replicas share its CPUs, unlike pods on separate nodes: a request
+//! sent to an idle replica gets no more hardware than one queued at a busy one. `--pin` gives
+//! each replica a CPU of its own (`taskset`), which is closer to separate nodes. Arms:
 //! `random` (the client picks a replica at random for each request and talks to it directly),
 //! `router` (the InferenceService's default policy, prefix affinity with bounded load) and
 //! `router-least-load`. Scenarios:
@@ -62,6 +65,13 @@ struct Args {
     /// two tenants' (the regime where where a prefix lands decides whether it is cached).
     #[arg(long, default_value = "80MiB")]
     kv_cache_memory: String,
+    /// Replicas (up to 3: 127.0.0.1-3).
+    #[arg(long, default_value_t = 3)]
+    replicas: usize,
+    /// Pin replica i to CPU i (taskset), so replicas do not share cores as they would on
+    /// separate nodes; needs as many CPUs as replicas.
+    #[arg(long)]
+    pin: bool,
     /// Each replica's longest sequence (the small KV cache must hold one).
     #[arg(long, default_value_t = 2048)]
     max_model_len: usize,
@@ -385,8 +395,22 @@ fn finished(base: &str) -> f64 {
 }
 
 /// A ferrite-server for the benchmark's model at `host:port`, served as `name`.
-fn spawn_server(args: &Args, bin: &PathBuf, host: &str, port: u16, name: &str) -> Result<Guard> {
-    let mut cmd = Command::new(bin);
+fn spawn_server(
+    args: &Args,
+    bin: &PathBuf,
+    host: &str,
+    port: u16,
+    name: &str,
+    cpu: Option<usize>,
+) -> Result<Guard> {
+    let mut cmd = match cpu {
+        Some(c) => {
+            let mut t = Command::new("taskset");
+            t.args(["-c", &c.to_string()]).arg(bin);
+            t
+        }
+        None => Command::new(bin),
+    };
     cmd.arg("--model")
         .arg(&args.model)
         .args(["--host", host, "--port", &port.to_string()])
@@ -474,7 +498,7 @@ async fn cold(client: &kube::Client, bases: &Bases, args: &Args, server_bin: &Pa
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let scaled = Instant::now();
-        let server = spawn_server(args, server_bin, HOSTS[0], port, "cold");
+        let server = spawn_server(args, server_bin, HOSTS[0], port, "cold", None);
         let base = format!("http://{}:{port}", HOSTS[0]);
         let healthy = {
             let base = base.clone();
@@ -646,17 +670,19 @@ async fn main() -> Result<()> {
         &client,
         NS,
         MODEL,
-        json!({"model": {"source": "/models/smol.gguf"}, "replicas": 3,
+        json!({"model": {"source": "/models/smol.gguf"}, "replicas": args.replicas,
                "runtime": {"port": port}}),
     )
     .await;
     let mut servers = Vec::new();
     let mut replicas = Vec::new();
-    for host in HOSTS {
-        servers.push(spawn_server(&args, &server_bin, host, port, MODEL)?);
+    let hosts = &HOSTS[..args.replicas.clamp(1, HOSTS.len())];
+    for (i, host) in hosts.iter().enumerate() {
+        let cpu = args.pin.then_some(i);
+        servers.push(spawn_server(&args, &server_bin, host, port, MODEL, cpu)?);
         replicas.push(format!("http://{host}:{port}"));
     }
-    for (i, (host, base)) in HOSTS.iter().zip(&replicas).enumerate() {
+    for (i, (host, base)) in hosts.iter().zip(&replicas).enumerate() {
         wait_health(base)?;
         ready_pod(&client, NS, MODEL, &format!("chat-{i}"), host).await;
     }
@@ -675,9 +701,16 @@ async fn main() -> Result<()> {
     };
     wait_ok(&format!("{}/readyz", bases.router)).context("the router did not start")?;
     println!(
-        "3 replicas (KV cache {} each) behind stand-in pods; ferrite-router release binary; \
+        "{} replicas (KV cache {} each{}) behind stand-in pods; ferrite-router release binary; \
          {} runs per arm, alternating",
-        args.kv_cache_memory, args.repeat
+        hosts.len(),
+        args.kv_cache_memory,
+        if args.pin {
+            ", each pinned to its own CPU"
+        } else {
+            ", sharing the CPUs"
+        },
+        args.repeat
     );
 
     let arms = [Arm::Random, Arm::Router, Arm::LeastLoad];

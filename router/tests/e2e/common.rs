@@ -4,8 +4,6 @@
 //! ferrite-servers listen, and the router (in-process, with its real watch caches and HTTP
 //! client) in front of them.
 
-#![allow(dead_code, unused_imports)]
-
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;

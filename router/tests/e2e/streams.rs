@@ -1,10 +1,8 @@
 //! Responses through ferrite-router, on a real API server with real servers (harness in
-//! `common/`): streams pass through byte for byte and as they are made; a pod that leaves lets
+//! `common.rs`): streams pass through byte for byte and as they are made; a pod that leaves lets
 //! its streams finish, one that dies ends them with an error event; a client that gives up
 //! while its request is held leaves nothing behind; and the official `openai` client works
 //! through the router unchanged.
-
-mod common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -12,7 +10,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::*;
+use super::common::*;
 use ferrite_testkit::kube::bins::workspace_root;
 use ferrite_testkit::process::{eventually, free_port};
 use k8s_openapi::api::core::v1::Pod;

@@ -1,11 +1,9 @@
 //! ferrite-router on a real API server: routing by model, scale from zero, and retries (the
-//! harness is in `common/`).
-
-mod common;
+//! harness is in `common.rs`).
 
 use std::time::{Duration, Instant};
 
-use common::*;
+use super::common::*;
 use ferrite_testkit::process::{eventually, free_port};
 use serde_json::{Value, json};
 

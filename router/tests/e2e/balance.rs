@@ -1,13 +1,11 @@
 //! How ferrite-router spreads load over real replicas, on a real API server (harness in
-//! `common/`): prefix affinity keeps a prefix on one replica and overflows under load, and
+//! `common.rs`): prefix affinity keeps a prefix on one replica and overflows under load, and
 //! least-load steers around a replica with a long queue. Which replica served a request is
 //! read from each server's own `vllm:request_success_total`.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use super::common::*;
 use ferrite_testkit::process::{eventually, free_port};
 use ferrite_testkit::server::Server;
 use serde_json::{Value, json};

@@ -1,0 +1,8 @@
+//! ferrite-router end to end, on a real API server (etcd, kube-apiserver,
+//! kube-controller-manager) with real ferrite-servers behind stand-in pods: one test binary,
+//! so CI links it once.
+
+mod balance;
+mod common;
+mod routing;
+mod streams;
