@@ -19,6 +19,7 @@ use common::e2e::{
 use common::servers::ready_server;
 use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
+use ferrite_testkit::server::post_json;
 use kube::api::{Patch, PatchParams};
 use serde_json::{Value, json};
 
@@ -37,24 +38,12 @@ async fn get(url: String) -> Option<(u16, String)> {
     .expect("request thread")
 }
 
-/// A completion for `model` through the router, from a blocking thread: (status, JSON).
+/// A completion for `model` through the router: (status, JSON).
 async fn complete(base: String, model: &str) -> (u16, Value) {
     let body = json!({"model": model, "prompt": "The capital of France is", "max_tokens": 4,
                       "temperature": 0});
-    tokio::task::spawn_blocking(move || {
-        let url = format!("{base}/v1/completions");
-        let r = match ureq::post(&url)
-            .timeout(Duration::from_secs(120))
-            .send_json(body)
-        {
-            Ok(r) => r,
-            Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => panic!("{url}: {e}"),
-        };
-        (r.status(), r.into_json().unwrap_or(Value::Null))
-    })
-    .await
-    .expect("request thread")
+    let (status, answer, _) = post_json(format!("{base}/v1/completions"), body).await;
+    (status, answer)
 }
 
 /// The held-requests gauge of `inferenceservice` in the router's `/metrics`.

@@ -6,28 +6,10 @@ mod common;
 use ferrite_testkit::kube::workspace_root;
 use std::process::Command;
 
-/// The venv python from `scripts/python-env.sh` (created on first use), or FERRITE_TEST_PYTHON.
-fn python() -> String {
-    if let Ok(p) = std::env::var("FERRITE_TEST_PYTHON") {
-        return p;
-    }
-    let root = workspace_root();
-    let out = Command::new("bash")
-        .arg(root.join("scripts/python-env.sh"))
-        .output()
-        .expect("run scripts/python-env.sh");
-    assert!(
-        out.status.success(),
-        "python-env.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 #[test]
 fn openai_python_client_suite() {
     let dir = workspace_root().join("server/tests/python");
-    let out = Command::new(python())
+    let out = Command::new(ferrite_testkit::tools::python())
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"])
         .arg(&dir)
         .current_dir(&dir)

@@ -1,6 +1,7 @@
 //! Test support for the workspace's tests and benchmarks (a dev-dependency only): child
 //! processes that die with the test, free ports, polling, the default model, the Prometheus
-//! runner, a real Kubernetes control plane, and deterministic random test data.
+//! runner, a real Kubernetes control plane, deterministic random test data, and the setup scripts'
+//! tools.
 
 pub mod kube;
 pub mod model;
@@ -8,3 +9,4 @@ pub mod process;
 pub mod prometheus;
 pub mod random;
 pub mod server;
+pub mod tools;

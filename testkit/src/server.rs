@@ -236,3 +236,30 @@ impl Metrics {
         self.samples.iter().any(|(n, _, _)| n == name)
     }
 }
+
+/// POSTs the JSON `body` to `url` from a blocking thread, for async tests: the status, the
+/// JSON answer (`Null` if it is not JSON) and `Retry-After`. Panics on a transport error.
+pub async fn post_json(
+    url: String,
+    body: serde_json::Value,
+) -> (u16, serde_json::Value, Option<String>) {
+    tokio::task::spawn_blocking(move || {
+        let r = match ureq::post(&url)
+            .timeout(Duration::from_secs(120))
+            .send_json(body)
+        {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{url}: {e}"),
+        };
+        let status = r.status();
+        let retry = r.header("retry-after").map(str::to_string);
+        (
+            status,
+            r.into_json().unwrap_or(serde_json::Value::Null),
+            retry,
+        )
+    })
+    .await
+    .expect("request thread")
+}

@@ -5,28 +5,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+pub use ferrite_testkit::tools::tool_path;
 use serde_json::Value;
 
 pub fn root() -> PathBuf {
     ferrite_testkit::kube::workspace_root()
-}
-
-/// `env` if set, else the path a setup script prints (`scripts/python-env.sh` prints the venv
-/// python, `scripts/node-env.sh` the node_modules with the validators).
-pub fn tool_path(env: &str, script: &str) -> String {
-    if let Ok(p) = std::env::var(env) {
-        return p;
-    }
-    let out = Command::new("bash")
-        .arg(root().join("scripts").join(script))
-        .output()
-        .unwrap_or_else(|e| panic!("run scripts/{script}: {e}"));
-    assert!(
-        out.status.success(),
-        "{script} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// Runs a validator; returns (success, stdout and stderr).

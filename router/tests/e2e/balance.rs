@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use super::common::*;
-use ferrite_testkit::process::{eventually, free_port};
+use ferrite_testkit::process::eventually;
 use ferrite_testkit::server::Server;
 use serde_json::{Value, json};
 
@@ -54,18 +54,10 @@ fn served_by(before: &[f64], after: &[f64]) -> usize {
 /// load bound to other replicas instead of queueing on one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn prefix_affinity_keeps_a_prefix_on_one_replica_and_overflows_under_load() {
-    let Some((_cluster, client, ns)) = cluster_with_crd("affinity").await else {
+    let Some((_cluster, client, ns, port)) = chat_service("affinity", json!({"replicas": 3})).await
+    else {
         return;
     };
-    let port = free_port();
-    create_isvc(
-        &client,
-        &ns,
-        "chat",
-        json!({"model": {"source": "/models/smol.gguf"}, "replicas": 3,
-            "runtime": {"port": port}}),
-    )
-    .await;
     let servers: Vec<Server> = HOSTS.iter().map(|h| server(h, port, "chat")).collect();
     for (i, host) in HOSTS.iter().enumerate() {
         ready_pod(&client, &ns, "chat", &format!("chat-{i}"), host).await;
@@ -148,18 +140,14 @@ async fn prefix_affinity_keeps_a_prefix_on_one_replica_and_overflows_under_load(
 /// all go to the other one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn least_load_avoids_a_replica_with_a_long_queue() {
-    let Some((_cluster, client, ns)) = cluster_with_crd("least").await else {
+    let Some((_cluster, client, ns, port)) = chat_service(
+        "least",
+        json!({"replicas": 2, "routing": {"policy": "least-load"}}),
+    )
+    .await
+    else {
         return;
     };
-    let port = free_port();
-    create_isvc(
-        &client,
-        &ns,
-        "chat",
-        json!({"model": {"source": "/models/smol.gguf"}, "replicas": 2,
-            "runtime": {"port": port}, "routing": {"policy": "least-load"}}),
-    )
-    .await;
     let busy = server_with(HOSTS[0], port, "chat", &["--max-num-seqs", "1"]);
     let idle = server(HOSTS[1], port, "chat");
     ready_pod(&client, &ns, "chat", "chat-busy", HOSTS[0]).await;

@@ -14,7 +14,7 @@ use ferrite_router::registry::Registry;
 use ferrite_router::{App, Config};
 use ferrite_testkit::kube::Cluster;
 pub use ferrite_testkit::kube::standin::{create_isvc, install_crd, isvc_api, ready_pod};
-use ferrite_testkit::process::eventually;
+use ferrite_testkit::process::{eventually, free_port};
 use ferrite_testkit::server::{Server, binary};
 use serde_json::Value;
 
@@ -28,6 +28,23 @@ pub async fn cluster_with_crd(prefix: &str) -> Option<(Cluster, kube::Client, St
     install_crd(&client).await;
     let ns = cluster.namespace(prefix).await;
     Some((cluster, client, ns))
+}
+
+/// [`cluster_with_crd`], plus InferenceService `chat` on the default model at a free port
+/// with `spec`'s fields (replicas, routing) added; returns the port too.
+pub async fn chat_service(
+    prefix: &str,
+    spec: Value,
+) -> Option<(Cluster, kube::Client, String, u16)> {
+    let (cluster, client, ns) = cluster_with_crd(prefix).await?;
+    let port = free_port();
+    let mut full = serde_json::json!({"model": {"source": "/models/smol.gguf"},
+                                      "runtime": {"port": port}});
+    if let (Some(full), Value::Object(extra)) = (full.as_object_mut(), spec) {
+        full.extend(extra);
+    }
+    create_isvc(&client, &ns, "chat", full).await;
+    Some((cluster, client, ns, port))
 }
 
 /// A ferrite-server on the default model at `host:port`, serving it as `model`, with a KV
@@ -86,23 +103,7 @@ pub async fn router_with(client: &kube::Client, ns: &str, config: Config, wake: 
 }
 
 /// POSTs `body` from a blocking thread (ureq), returning status, JSON and Retry-After.
-pub async fn post(url: String, body: Value) -> (u16, Value, Option<String>) {
-    tokio::task::spawn_blocking(move || {
-        let r = match ureq::post(&url)
-            .timeout(Duration::from_secs(120))
-            .send_json(body)
-        {
-            Ok(r) => r,
-            Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => panic!("{url}: {e}"),
-        };
-        let status = r.status();
-        let retry = r.header("retry-after").map(str::to_string);
-        (status, r.into_json().unwrap_or(Value::Null), retry)
-    })
-    .await
-    .expect("request thread")
-}
+pub use ferrite_testkit::server::post_json as post;
 
 pub async fn get(url: String) -> Value {
     serde_json::from_str(&get_text(url).await).expect("JSON")

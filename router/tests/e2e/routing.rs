@@ -86,18 +86,10 @@ async fn routes_by_model_across_two_inference_services() {
 /// timeout and nothing starting, the client gets 503 with Retry-After.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holds_requests_while_scaling_from_zero() {
-    let Some((_cluster, client, ns)) = cluster_with_crd("cold").await else {
+    let Some((_cluster, client, ns, port)) = chat_service("cold", json!({"replicas": 0})).await
+    else {
         return;
     };
-    let port = free_port();
-    create_isvc(
-        &client,
-        &ns,
-        "chat",
-        json!({"model": {"source": "/models/smol.gguf"},
-        "replicas": 0, "runtime": {"port": port}}),
-    )
-    .await;
     create_isvc(
         &client,
         &ns,
@@ -144,18 +136,14 @@ async fn holds_requests_while_scaling_from_zero() {
 /// and then sits out instead of drawing every other first attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_replica_is_retried_on_another() {
-    let Some((_cluster, client, ns)) = cluster_with_crd("retry").await else {
+    let Some((_cluster, client, ns, port)) = chat_service(
+        "retry",
+        json!({"replicas": 2, "routing": {"policy": "round-robin"}}),
+    )
+    .await
+    else {
         return;
     };
-    let port = free_port();
-    create_isvc(
-        &client,
-        &ns,
-        "chat",
-        json!({"model": {"source": "/models/smol.gguf"}, "replicas": 2,
-            "runtime": {"port": port}, "routing": {"policy": "round-robin"}}),
-    )
-    .await;
     let _server = server("127.0.0.1", port, "chat");
     ready_pod(&client, &ns, "chat", "chat-0", "127.0.0.1").await;
     // Nothing listens on 127.0.0.2 at this port.

@@ -11,8 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::common::*;
-use ferrite_testkit::kube::bins::workspace_root;
-use ferrite_testkit::process::{eventually, free_port};
+use ferrite_testkit::process::eventually;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams};
 use serde_json::{Value, json};
@@ -201,17 +200,9 @@ fn text(lines: &[(Instant, String)]) -> String {
 /// (the first arrives before the replica has sent its last).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn streams_pass_through_byte_for_byte_as_they_are_made() {
-    let Some((_cluster, client, ns)) = cluster_with_crd("bytes").await else {
+    let Some((_cluster, client, ns, port)) = chat_service("bytes", json!({})).await else {
         return;
     };
-    let port = free_port();
-    create_isvc(
-        &client,
-        &ns,
-        "chat",
-        json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"port": port}}),
-    )
-    .await;
     // The server listens at 127.0.0.1; the pod's address is the relay's.
     let _server = server("127.0.0.1", port, "chat");
     let recording =
@@ -284,17 +275,9 @@ async fn streams_pass_through_byte_for_byte_as_they_are_made() {
 /// `[DONE]`), counted, and the router carries on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_leaving_pod_finishes_its_streams_and_a_dying_one_ends_them_with_an_error() {
-    let Some((_cluster, client, ns)) = cluster_with_crd("dying").await else {
+    let Some((_cluster, client, ns, port)) = chat_service("dying", json!({})).await else {
         return;
     };
-    let port = free_port();
-    create_isvc(
-        &client,
-        &ns,
-        "chat",
-        json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"port": port}}),
-    )
-    .await;
     let _first = server("127.0.0.1", port, "chat");
     ready_pod(&client, &ns, "chat", "chat-a", "127.0.0.1").await;
     let base = router(&client, &ns).await;
@@ -374,18 +357,10 @@ async fn a_leaving_pod_finishes_its_streams_and_a_dying_one_ends_them_with_an_er
 /// that client; the next request is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_client_that_leaves_while_held_is_dropped() {
-    let Some((_cluster, client, ns)) = cluster_with_crd("leave").await else {
+    let Some((_cluster, client, ns, port)) = chat_service("leave", json!({"replicas": 0})).await
+    else {
         return;
     };
-    let port = free_port();
-    create_isvc(
-        &client,
-        &ns,
-        "chat",
-        json!({"model": {"source": "/models/smol.gguf"}, "replicas": 0,
-            "runtime": {"port": port}}),
-    )
-    .await;
     let base = router_with(&client, &ns, config(), false).await;
     let held_series = "ferrite_router_held_requests";
     let addr = base.trim_start_matches("http://").to_string();
@@ -428,23 +403,6 @@ async fn a_client_that_leaves_while_held_is_dropped() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-}
-
-/// The Python venv with the official `openai` client (scripts/python-env.sh).
-fn python() -> String {
-    if let Ok(p) = std::env::var("FERRITE_TEST_PYTHON") {
-        return p;
-    }
-    let out = Command::new("bash")
-        .arg(workspace_root().join("scripts/python-env.sh"))
-        .output()
-        .expect("run scripts/python-env.sh");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 const OPENAI_SCRIPT: &str = r#"
@@ -492,23 +450,15 @@ print("auth ok")
 /// (the router's 404) and a wrong key (the replica's 401, passed through).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_client_works_through_the_router() {
-    let Some((_cluster, client, ns)) = cluster_with_crd("openai").await else {
+    let Some((_cluster, client, ns, port)) = chat_service("openai", json!({})).await else {
         return;
     };
-    let port = free_port();
-    create_isvc(
-        &client,
-        &ns,
-        "chat",
-        json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"port": port}}),
-    )
-    .await;
     let key = "sk-router-test";
     let _server = server_with("127.0.0.1", port, "chat", &["--api-key", key]);
     ready_pod(&client, &ns, "chat", "chat-0", "127.0.0.1").await;
     let base = router(&client, &ns).await;
     wait_ready_replicas(&base, "chat", 1).await;
-    let py = python();
+    let py = ferrite_testkit::tools::python();
     let out = tokio::task::spawn_blocking(move || {
         Command::new(py)
             .args(["-c", OPENAI_SCRIPT, &base, key])
