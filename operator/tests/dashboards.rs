@@ -853,6 +853,9 @@ fn start_router(cluster: &Cluster, ns: &str, port: u16, log: &Path) -> Guard {
         format!("--addr=127.0.0.1:{port}"),
         format!("--namespace={ns}"),
         "--scrape-interval-ms=500".to_string(),
+        // The unreachable pod sits out 1 s after each refusal (default 10 s), so retries
+        // keep coming within the short load window.
+        "--set-aside-ms=1000".to_string(),
     ])
     .env("KUBECONFIG", cluster.admin_kubeconfig())
     .env_remove("KUBERNETES_SERVICE_HOST")
@@ -1075,10 +1078,7 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
             scope.spawn(|| {
                 while !done.load(Ordering::SeqCst) {
                     let i = next.fetch_add(1, Ordering::SeqCst);
-                    // Every fourth streams through the router, as most clients do. (The
-                    // router times the end of a response when it polls the body to its end,
-                    // which hyper skips for a body of known length: only streams have
-                    // ferrite_router_upstream_duration_seconds observations today.)
+                    // Every fourth streams through the router, as most clients do.
                     let base = match i % 4 {
                         0 | 1 => &servers[i % 2].base,
                         _ => &router_base,
@@ -1136,8 +1136,10 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
                         .value("sum(ferrite_operator_autoscaler_scrape_errors_total)")
                         .is_some_and(|v| v >= 1.0),
                 next.load(Ordering::SeqCst) >= 12,
-                prom.value(r#"sum(ferrite_router_retries_total{model_name="smol"})"#)
-                    .is_some_and(|v| v >= 1.0)
+                // An increase Prometheus saw: a counter's series starts at its first value,
+                // which rate() cannot see, so the retries panel needs a later one.
+                prom.value(r#"sum(increase(ferrite_router_retries_total{model_name="smol"}[1m]))"#)
+                    .is_some_and(|v| v > 0.0)
                     && prom
                         .value(r#"sum(ferrite_router_requests_total{model_name="smol", outcome="success"})"#)
                         .is_some_and(|v| v >= 4.0)

@@ -26,9 +26,6 @@ struct PodLoad {
     aside_until: Option<Instant>,
 }
 
-/// How long a replica that refused a connection sits out, unless a scrape reaches it first.
-pub const SET_ASIDE: Duration = Duration::from_secs(10);
-
 /// Loads by replica base URL.
 #[derive(Debug, Clone, Default)]
 pub struct Loads {
@@ -59,11 +56,11 @@ impl Loads {
         }
     }
 
-    /// Sets `base_url` aside for [`SET_ASIDE`]: it refused a connection.
-    pub fn set_aside(&self, base_url: &str) {
+    /// Sets `base_url` aside for `span` (or until a scrape reaches it): it refused a
+    /// connection.
+    pub fn set_aside(&self, base_url: &str, span: Duration) {
         let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        pods.entry(base_url.to_string()).or_default().aside_until =
-            Some(Instant::now() + SET_ASIDE);
+        pods.entry(base_url.to_string()).or_default().aside_until = Some(Instant::now() + span);
     }
 
     /// Whether `base_url` is set aside now.
@@ -179,7 +176,7 @@ mod tests {
         let loads = Loads::default();
         let a = "http://10.0.0.3:8000";
         assert!(!loads.is_set_aside(a));
-        loads.set_aside(a);
+        loads.set_aside(a, Duration::from_secs(10));
         assert!(loads.is_set_aside(a));
         loads.scraped(a, None, 0);
         assert!(loads.is_set_aside(a), "a failed scrape leaves it aside");

@@ -36,6 +36,10 @@ struct Args {
     /// Largest request body, bytes.
     #[arg(long, default_value_t = 32 << 20)]
     max_body: usize,
+    /// Milliseconds a replica that refused a connection sits out (its pod may be listed Ready
+    /// while it is gone), unless a scrape of its /metrics succeeds first.
+    #[arg(long, default_value_t = 10_000)]
+    set_aside_ms: u64,
     /// Do not scale services up from zero (hold requests only).
     #[arg(long)]
     no_wake: bool,
@@ -71,6 +75,7 @@ async fn main() -> anyhow::Result<()> {
         epsilon: args.epsilon.max(0.0),
         max_body: args.max_body,
         connect_timeout: Duration::from_secs(3),
+        set_aside: Duration::from_millis(args.set_aside_ms),
     };
     let metrics = Metrics::new().context("registering metrics")?;
     let kube = (!args.no_wake).then_some(client);

@@ -42,6 +42,9 @@ pub struct Config {
     pub max_body: usize,
     /// Time to connect to a replica.
     pub connect_timeout: Duration,
+    /// How long a replica that refused a connection sits out, unless a scrape reaches it
+    /// first.
+    pub set_aside: Duration,
 }
 
 /// Shared by every request.
@@ -263,7 +266,7 @@ pub async fn forward(
         let result = send(&app, &method, &url, &headers, body.clone()).await;
         let retry_reason = match &result {
             Err(_) => {
-                app.loads.set_aside(&ep.base_url);
+                app.loads.set_aside(&ep.base_url, app.config.set_aside);
                 Some("connect")
             }
             Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE => Some("unavailable"),

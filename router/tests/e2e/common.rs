@@ -69,6 +69,7 @@ pub fn config() -> Config {
         epsilon: 0.25,
         max_body: 1 << 20,
         connect_timeout: Duration::from_secs(2),
+        set_aside: Duration::from_secs(10),
     }
 }
 
