@@ -3,3 +3,4 @@
 pub mod chat;
 pub mod roofline;
 pub mod stats;
+pub mod text;

@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow};
 use clap::Parser;
 use ferrite_bench::chat::{Turn, stream_chat};
-use ferrite_bench::stats::{mean_ci95, percentile};
+use ferrite_bench::stats::{alternating, percentile, ratio_summary};
+use ferrite_bench::text::WORDS;
 use serde_json::{Value, json};
 
 #[derive(Debug, Parser)]
@@ -73,11 +74,6 @@ impl RunResult {
         cached as f64 / prompt.max(1) as f64
     }
 }
-
-const WORDS: &[&str] = &[
-    "river", "mountain", "library", "engine", "garden", "harbor", "signal", "lantern", "meadow",
-    "compass", "orchard", "glacier", "market", "violin", "canyon", "beacon",
-];
 
 /// About `tokens` tokens of policy text, headed by the run's nonce.
 fn system_prompt(nonce: usize, tokens: usize) -> String {
@@ -195,11 +191,7 @@ fn main() -> Result<()> {
     );
     let mut results: Vec<Vec<RunResult>> = vec![Vec::new(); targets.len()];
     for rep in 0..args.repeat.max(1) {
-        let mut order: Vec<usize> = (0..targets.len()).collect();
-        if rep % 2 == 1 {
-            order.reverse();
-        }
-        for ti in order {
+        for ti in alternating(targets.len(), rep) {
             let (name, base) = &targets[ti];
             // A distinct nonce per target and run: no run finds another's prefixes cached.
             let nonce = 1000 * (rep + 1) + ti;
@@ -218,17 +210,7 @@ fn main() -> Result<()> {
             .zip(&results[0])
             .map(|(r, base)| r.ttft_p50() / base.ttft_p50())
             .collect();
-        let list: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
-        match mean_ci95(&ratios) {
-            Some((mean, half)) => println!(
-                "{name:>16}: {mean:.3}x (95% CI {:.3}-{:.3}, {} runs: {})",
-                mean - half,
-                mean + half,
-                ratios.len(),
-                list.join(" ")
-            ),
-            None => println!("{name:>16}: {} (one run)", list.join(" ")),
-        }
+        println!("{name:>16}: {}", ratio_summary(&ratios));
     }
     Ok(())
 }

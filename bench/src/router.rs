@@ -32,10 +32,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Parser;
 use ferrite_bench::chat::{Turn, stream_chat};
-use ferrite_bench::stats::{mean_ci95, percentile};
+use ferrite_bench::stats::{alternating, percentile, ratio_summary};
+use ferrite_bench::text::WORDS;
 use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::kube::standin::{create_isvc, install_crd, isvc_api, ready_pod};
 use ferrite_testkit::process::{Guard, free_port};
+use ferrite_testkit::server::Metrics;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::{Value, json};
@@ -156,11 +158,6 @@ fn next_random(state: &mut u64) -> u64 {
 fn uniform(state: &mut u64) -> f64 {
     (next_random(state) >> 11) as f64 / (1u64 << 53) as f64
 }
-
-const WORDS: &[&str] = &[
-    "river", "mountain", "library", "engine", "garden", "harbor", "signal", "lantern", "meadow",
-    "compass", "orchard", "glacier", "market", "violin", "canyon", "beacon",
-];
 
 /// About `tokens` tokens of text headed by `head` (English words are about a token each).
 fn text(head: &str, tokens: usize, salt: usize) -> String {
@@ -385,13 +382,7 @@ fn finished(base: &str) -> f64 {
         .call()
         .ok()
         .and_then(|r| r.into_string().ok())
-        .map(|t| {
-            t.lines()
-                .filter(|l| l.starts_with("vllm:request_success_total"))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum()
-        })
-        .unwrap_or(0.0)
+        .map_or(0.0, |t| Metrics::parse(t).sum("vllm:request_success_total"))
 }
 
 /// A ferrite-server for the benchmark's model at `host:port`, served as `name`.
@@ -605,21 +596,11 @@ fn print_ratios(
             .zip(&results[0])
             .map(|(r, base)| f(r) / f(base))
             .collect();
-        let list: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
-        match mean_ci95(&ratios) {
-            Some((mean, half)) => println!(
-                "{scenario:>8} {:>18}: {what} {mean:.3}x random (95% CI {:.3}-{:.3}; runs {})",
-                arm.name(),
-                mean - half,
-                mean + half,
-                list.join(" ")
-            ),
-            None => println!(
-                "{scenario:>8} {:>18}: {what} {}x random (one run)",
-                arm.name(),
-                list.join(" ")
-            ),
-        }
+        println!(
+            "{scenario:>8} {:>18}: {what} against random {}",
+            arm.name(),
+            ratio_summary(&ratios)
+        );
     }
 }
 
@@ -720,11 +701,7 @@ async fn main() -> Result<()> {
         }
         let mut results: Vec<Vec<RunResult>> = vec![Vec::new(); arms.len()];
         for rep in 0..args.repeat.max(1) {
-            let mut order: Vec<usize> = (0..arms.len()).collect();
-            if rep % 2 == 1 {
-                order.reverse();
-            }
-            for ai in order {
+            for ai in alternating(arms.len(), rep) {
                 let arm = arms[ai];
                 match arm {
                     Arm::LeastLoad => set_policy(&client, "least-load").await?,

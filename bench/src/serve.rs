@@ -10,7 +10,8 @@
 //! can restart the servers between runs (and alternate which starts first) and still compare
 //! pooled figures (bench/metrics-overhead.sh).
 
-use ferrite_bench::stats::{mean_ci95, percentile};
+use ferrite_bench::stats::{alternating, mean_ci95, percentile};
+use ferrite_bench::text::WORDS;
 use std::io::{Read as _, Write as _};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -123,10 +124,6 @@ impl LevelResult {
 
 /// A prompt of roughly `tokens` tokens whose first token differs per request.
 fn prompt(i: usize, tokens: usize) -> String {
-    const WORDS: &[&str] = &[
-        "river", "mountain", "library", "engine", "garden", "harbor", "signal", "lantern",
-        "meadow", "compass", "orchard", "glacier", "market", "violin", "canyon", "beacon",
-    ];
     let mut s = format!("{i} ");
     // English words are about one token each with a leading space.
     for k in 0..tokens.saturating_sub(2) {
@@ -580,11 +577,7 @@ async fn main() -> Result<()> {
         .collect::<Result<std::collections::HashMap<_, _>>>()?;
     let mut results: Vec<Vec<LevelResult>> = vec![Vec::new(); targets.len()];
     for rep in 0..args.repeat.max(1) {
-        let mut order: Vec<usize> = (0..targets.len()).collect();
-        if (rep % 2 == 1) != args.reverse {
-            order.reverse();
-        }
-        for ti in order {
+        for ti in alternating(targets.len(), rep + usize::from(args.reverse)) {
             let t = &targets[ti];
             // One short warm-up request so lazy initialisation is not measured.
             let warm = json!({"model": args.model, "prompt": "warm up", "max_tokens": 4,

@@ -30,6 +30,30 @@ pub fn mean_ci95(v: &[f64]) -> Option<(f64, f64)> {
     Some((mean, t * (var / n as f64).sqrt()))
 }
 
+/// The order targets take in run `run`: reversed on odd runs, so neither always goes first
+/// (a warming or cooling machine favours one side).
+pub fn alternating(targets: usize, run: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..targets).collect();
+    if run % 2 == 1 {
+        order.reverse();
+    }
+    order
+}
+
+/// Per-run ratios as `mean x (95% CI lo-hi; runs r1 r2 ...)`, or `r x (one run)`.
+pub fn ratio_summary(ratios: &[f64]) -> String {
+    let list: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
+    match mean_ci95(ratios) {
+        Some((mean, half)) => format!(
+            "{mean:.3}x (95% CI {:.3}-{:.3}; runs {})",
+            mean - half,
+            mean + half,
+            list.join(" ")
+        ),
+        None => format!("{}x (one run)", list.join(" ")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -43,5 +67,16 @@ mod tests {
         assert_eq!(mean_ci95(&[1.0]), None);
         let (m, h) = mean_ci95(&[2.0, 2.0, 2.0]).expect("interval");
         assert_eq!((m, h), (2.0, 0.0));
+    }
+
+    #[test]
+    fn targets_alternate_and_ratios_read_with_their_interval() {
+        assert_eq!(alternating(3, 0), [0, 1, 2]);
+        assert_eq!(alternating(3, 1), [2, 1, 0]);
+        assert_eq!(
+            ratio_summary(&[2.0, 2.0]),
+            "2.000x (95% CI 2.000-2.000; runs 2.000 2.000)"
+        );
+        assert_eq!(ratio_summary(&[0.5]), "0.500x (one run)");
     }
 }

@@ -12,6 +12,7 @@ pub mod registry;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
@@ -19,7 +20,42 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 
+use kube::runtime::reflector::store::WriterDropped;
+
+use crate::load::Loads;
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+
 pub use proxy::{App, Config};
+
+/// Why the router could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("the watch caches stopped before their first listing")]
+    Watch(#[from] WriterDropped),
+    #[error("registering metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// Starts what serves requests: the watch caches (cluster-wide, or in `namespace`), listed
+/// once before this returns so the first request finds its service, and the load scraper
+/// every `scrape_every`. With `wake`, the client also writes the scale subresource to wake
+/// services scaled to zero; without, held requests only wait.
+pub async fn start(
+    client: kube::Client,
+    namespace: Option<&str>,
+    config: Config,
+    scrape_every: Duration,
+    wake: bool,
+) -> Result<Arc<App>, StartError> {
+    let registry = Registry::start(client.clone(), namespace);
+    registry.ready().await?;
+    let loads = Loads::default();
+    tokio::spawn(loads.clone().refresh(registry.clone(), scrape_every));
+    let metrics = Metrics::new()?;
+    let kube = wake.then_some(client);
+    Ok(Arc::new(App::new(registry, loads, metrics, config, kube)))
+}
 
 /// The HTTP routes: the OpenAI API, health, and metrics.
 pub fn routes(app: Arc<App>) -> Router {

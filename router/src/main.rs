@@ -2,17 +2,13 @@
 //! on one port, and drains on SIGTERM.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
 use axum::serve::ListenerExt;
 use clap::Parser;
-use ferrite_router::load::Loads;
-use ferrite_router::metrics::Metrics;
-use ferrite_router::registry::Registry;
-use ferrite_router::{App, Config};
+use ferrite_router::Config;
 
 #[derive(Debug, Parser)]
 #[command(about = "One OpenAI endpoint for every ferrite InferenceService")]
@@ -60,16 +56,6 @@ async fn main() -> anyhow::Result<()> {
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API")?;
-    let registry = Registry::start(client.clone(), args.namespace.as_deref());
-    registry
-        .ready()
-        .await
-        .context("the watch caches stopped before their first listing")?;
-    let loads = Loads::default();
-    tokio::spawn(loads.clone().refresh(
-        registry.clone(),
-        Duration::from_millis(args.scrape_interval_ms.max(100)),
-    ));
     let config = Config {
         prefix_chars: args.prefix_chars.max(1),
         epsilon: args.epsilon.max(0.0),
@@ -77,9 +63,15 @@ async fn main() -> anyhow::Result<()> {
         connect_timeout: Duration::from_secs(3),
         set_aside: Duration::from_millis(args.set_aside_ms),
     };
-    let metrics = Metrics::new().context("registering metrics")?;
-    let kube = (!args.no_wake).then_some(client);
-    let app = Arc::new(App::new(registry, loads, metrics, config, kube));
+    let app = ferrite_router::start(
+        client,
+        args.namespace.as_deref(),
+        config,
+        Duration::from_millis(args.scrape_interval_ms.max(100)),
+        !args.no_wake,
+    )
+    .await
+    .context("starting the router")?;
     // No Nagle delay on the client side either: the upstream side already sets it, and a
     // stream's small events must not wait for an ACK.
     let listener = tokio::net::TcpListener::bind(args.addr)

@@ -471,6 +471,16 @@ impl BrokenStream {
     }
 }
 
+impl Tracked {
+    /// The replica's body ended: nothing more to pass on, and its duration is known.
+    fn finish(&mut self) {
+        self.ended = true;
+        if let Some(h) = self.duration.take() {
+            h.observe(self.started.elapsed().as_secs_f64());
+        }
+    }
+}
+
 impl HttpBody for Tracked {
     type Data = Bytes;
     type Error = hyper::Error;
@@ -485,10 +495,7 @@ impl HttpBody for Tracked {
         let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
         match frame {
             None => {
-                self.ended = true;
-                if let Some(h) = self.duration.take() {
-                    h.observe(self.started.elapsed().as_secs_f64());
-                }
+                self.finish();
                 Poll::Ready(None)
             }
             Some(Err(e)) if self.broken.is_some() => {
@@ -504,10 +511,7 @@ impl HttpBody for Tracked {
                 // hyper reads a body of known length no further than its last byte, so
                 // its end shows here rather than as a final `None`.
                 if self.inner.is_end_stream() {
-                    self.ended = true;
-                    if let Some(h) = self.duration.take() {
-                        h.observe(self.started.elapsed().as_secs_f64());
-                    }
+                    self.finish();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }

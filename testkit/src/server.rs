@@ -201,17 +201,7 @@ impl Metrics {
 
     /// The value of the one series named `name` whose labels include `labels`.
     pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        let found: Vec<f64> = self
-            .samples
-            .iter()
-            .filter(|(n, l, _)| {
-                n == name
-                    && labels
-                        .iter()
-                        .all(|(k, v)| l.iter().any(|(lk, lv)| lk == k && lv == v))
-            })
-            .map(|(_, _, v)| *v)
-            .collect();
+        let found: Vec<f64> = self.matching(name, labels).collect();
         match found.as_slice() {
             [v] => *v,
             _ => panic!(
@@ -224,11 +214,29 @@ impl Metrics {
 
     /// The sum of every series named `name` (0 when there is none): a counter over its labels.
     pub fn sum(&self, name: &str) -> f64 {
+        self.sum_where(name, &[])
+    }
+
+    /// The sum of every series named `name` whose labels include `labels` (0 when none does).
+    pub fn sum_where(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.matching(name, labels).sum()
+    }
+
+    /// The values of the series named `name` whose labels include `labels`.
+    fn matching<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a [(&'a str, &'a str)],
+    ) -> impl Iterator<Item = f64> + 'a {
         self.samples
             .iter()
-            .filter(|(n, _, _)| n == name)
+            .filter(move |(n, l, _)| {
+                n == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| l.iter().any(|(lk, lv)| lk == k && lv == v))
+            })
             .map(|(_, _, v)| *v)
-            .sum()
     }
 
     /// Whether any series is named `name`.

@@ -121,12 +121,12 @@ async fn prefix_affinity_keeps_a_prefix_on_one_replica_and_overflows_under_load(
     let overflowed = metric_sum(
         &metrics,
         "ferrite_router_routing_decisions_total",
-        &["affinity=\"overflowed\""],
+        &[("affinity", "overflowed")],
     );
     let kept = metric_sum(
         &metrics,
         "ferrite_router_routing_decisions_total",
-        &["affinity=\"kept\""],
+        &[("affinity", "kept")],
     );
     assert!(overflowed >= 1.0, "overflows are counted: {metrics}");
     assert!(

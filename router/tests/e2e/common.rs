@@ -5,17 +5,13 @@
 //! client) in front of them.
 
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
-use ferrite_router::load::Loads;
-use ferrite_router::metrics::Metrics;
-use ferrite_router::registry::Registry;
-use ferrite_router::{App, Config};
+use ferrite_router::Config;
 use ferrite_testkit::kube::Cluster;
 pub use ferrite_testkit::kube::standin::{create_isvc, install_crd, isvc_api, ready_pod};
 use ferrite_testkit::process::{eventually, free_port};
-use ferrite_testkit::server::{Server, binary};
+use ferrite_testkit::server::{Metrics, Server, binary};
 use serde_json::Value;
 
 pub const WAIT: Duration = Duration::from_secs(60);
@@ -80,17 +76,15 @@ pub async fn router(client: &kube::Client, ns: &str) -> String {
 
 /// [`router`] with `config`; `wake: false` is `--no-wake`.
 pub async fn router_with(client: &kube::Client, ns: &str, config: Config, wake: bool) -> String {
-    let registry = Registry::start(client.clone(), Some(ns));
-    registry.ready().await.expect("watch caches listed");
-    let loads = Loads::default();
-    tokio::spawn(
-        loads
-            .clone()
-            .refresh(registry.clone(), Duration::from_millis(200)),
-    );
-    let metrics = Metrics::new().expect("metrics");
-    let kube = wake.then(|| client.clone());
-    let app = Arc::new(App::new(registry, loads, metrics, config, kube));
+    let app = ferrite_router::start(
+        client.clone(),
+        Some(ns),
+        config,
+        Duration::from_millis(200),
+        wake,
+    )
+    .await
+    .expect("the router starts");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -122,16 +116,9 @@ pub async fn get_text(url: String) -> String {
     .expect("request thread")
 }
 
-/// The sum of every series of `name` in an exposition whose labels contain all of `labels`
-/// (`key="value"` strings).
-pub fn metric_sum(exposition: &str, name: &str, labels: &[&str]) -> f64 {
-    exposition
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.split(['{', ' ']).next().is_some_and(|n| n == name))
-        .filter(|l| labels.iter().all(|want| l.contains(want)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+/// The sum of every series of `name` in an exposition whose labels include `labels`.
+pub fn metric_sum(exposition: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    Metrics::parse(exposition.to_string()).sum_where(name, labels)
 }
 
 /// Requests a ferrite-server finished, from its `/metrics`.

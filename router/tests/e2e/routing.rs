@@ -164,7 +164,7 @@ async fn a_dead_replica_is_retried_on_another() {
     let retries = metric_sum(
         &metrics,
         "ferrite_router_retries_total",
-        &["reason=\"connect\""],
+        &[("reason", "connect")],
     );
     assert_eq!(
         retries, 1.0,

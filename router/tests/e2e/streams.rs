@@ -374,14 +374,14 @@ async fn a_client_that_leaves_while_held_is_dropped() {
     .expect("send the request");
     eventually(WAIT, "the request to be held", async || {
         let m = get_text(format!("{base}/metrics")).await;
-        (metric_sum(&m, held_series, &["inferenceservice=\"chat\""]) == 1.0).then_some(())
+        (metric_sum(&m, held_series, &[("inferenceservice", "chat")]) == 1.0).then_some(())
     })
     .await;
     conn.shutdown(std::net::Shutdown::Both).expect("disconnect");
     drop(conn);
     eventually(WAIT, "the held request to be dropped", async || {
         let m = get_text(format!("{base}/metrics")).await;
-        (metric_sum(&m, held_series, &["inferenceservice=\"chat\""]) == 0.0).then_some(())
+        (metric_sum(&m, held_series, &[("inferenceservice", "chat")]) == 0.0).then_some(())
     })
     .await;
 
