@@ -1,6 +1,9 @@
 //! Operator-wide settings: default images, the field manager, and the dashboards to ship.
 
+use std::collections::BTreeMap;
 use std::path::Path;
+
+use crate::build::profile::ResourceProfile;
 
 /// One Grafana dashboard (from `dashboards/`).
 #[derive(Debug, Clone, PartialEq)]
@@ -22,6 +25,11 @@ pub struct OperatorConfig {
     pub downloader_image: String,
     /// Dashboards shipped as ConfigMaps for each InferenceService.
     pub dashboards: Vec<Dashboard>,
+    /// Resource profiles by name, for `spec.resourceProfile`.
+    pub resource_profiles: BTreeMap<String, ResourceProfile>,
+    /// Labels on every ServiceMonitor the operator makes, under each spec's own (e.g.
+    /// kube-prometheus-stack's `release`).
+    pub monitor_labels: BTreeMap<String, String>,
 }
 
 /// The one field manager for every server-side apply.
@@ -36,6 +44,8 @@ impl Default for OperatorConfig {
             vllm_image: "vllm/vllm-openai:v0.11.0".into(),
             downloader_image: "python:3.12-slim".into(),
             dashboards: Vec::new(),
+            resource_profiles: BTreeMap::new(),
+            monitor_labels: BTreeMap::new(),
         }
     }
 }
@@ -52,6 +62,29 @@ pub enum ConfigError {
         path: String,
         source: serde_json::Error,
     },
+    #[error("resource profiles in {path}: {source}")]
+    Profiles {
+        path: String,
+        source: serde_yaml_ng::Error,
+    },
+}
+
+/// Reads resource profiles from a YAML (or JSON) map of name to profile, as the chart writes
+/// its `resourceProfiles` values. An empty file is no profiles.
+pub fn load_resource_profiles(
+    path: &Path,
+) -> Result<BTreeMap<String, ResourceProfile>, ConfigError> {
+    let p = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+        path: p.clone(),
+        source,
+    })?;
+    if text.trim().is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let profiles: Option<BTreeMap<String, ResourceProfile>> = serde_yaml_ng::from_str(&text)
+        .map_err(|source| ConfigError::Profiles { path: p, source })?;
+    Ok(profiles.unwrap_or_default())
 }
 
 /// Loads every `*.json` in `dir`, sorted by name.

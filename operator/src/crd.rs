@@ -4,8 +4,13 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Affinity, EnvVar, Toleration};
+use k8s_openapi::api::core::v1::{
+    Affinity, EnvFromSource, EnvVar, LocalObjectReference, Toleration, TopologySpreadConstraint,
+    Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -108,6 +113,14 @@ pub struct InferenceServiceSpec {
     /// Compute for each replica.
     #[serde(default)]
     pub resources: ResourcesSpec,
+    /// An operator-wide profile, `NAME` or `NAME:GPUS` (`nvidia-h100:2`), from the chart's
+    /// `resourceProfiles`: its node selector, tolerations, affinity, runtime and priority
+    /// class, scheduler, GPU resource name and pull secrets apply under this spec's own (a
+    /// field set here wins), and the count sets `resources.gpus` unless that is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?(:[0-9]{1,2})?$"))]
+    #[schemars(length(max = 80))]
+    pub resource_profile: Option<String>,
     /// Number of pods (default 1). Written by `kubectl scale`, HPA, KEDA or the built-in
     /// autoscaler through the scale subresource. With autoscaling, a count outside
     /// minReplicas..maxReplicas is brought within them, as an HPA does.
@@ -120,6 +133,14 @@ pub struct InferenceServiceSpec {
     /// Where the pods may run.
     #[serde(default)]
     pub scheduling: SchedulingSpec,
+    /// The pods' identity, pull secrets, extra volumes, labels, annotations and probes.
+    #[serde(default)]
+    pub pod: PodSettings,
+    /// How a spec change replaces the pods. Default: with GPUs, one pod at a time is stopped
+    /// before its successor starts (no spare GPU needed); without, one extra pod starts first
+    /// (no capacity lost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutSpec>,
     /// A PersistentVolumeClaim that holds downloaded (hf://) models across restarts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_cache: Option<ModelCacheSpec>,
@@ -276,14 +297,29 @@ pub struct EngineSpec {
     pub shutdown_timeout_seconds: Option<i32>,
 }
 
-/// Compute for each replica.
+/// GPU resource requested when `gpuResourceName` is not set.
+pub const DEFAULT_GPU_RESOURCE: &str = "nvidia.com/gpu";
+
+/// Compute for each replica. `cpu`, `memory` and `ephemeralStorage` set request and limit
+/// alike; `requests` and `limits` set either apart and win over them.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(
+    "!has(self.gpuResourceName) || !has(self.limits) || !(self.gpuResourceName in self.limits)"
+).message("set the GPU count with gpus, not limits[gpuResourceName]"))]
 pub struct ResourcesSpec {
-    /// NVIDIA GPUs (`nvidia.com/gpu`) per replica; 0 runs on CPU.
+    /// GPUs per replica (limit of `gpuResourceName`); 0 runs on CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 16))]
     pub gpus: Option<i32>,
+    /// The extended resource that counts GPUs: `nvidia.com/gpu` (default), a MIG profile
+    /// such as `nvidia.com/mig-1g.10gb`, `amd.com/gpu` or `gpu.intel.com/i915`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(
+        pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+    ))]
+    #[schemars(length(max = 253))]
+    pub gpu_resource_name: Option<String>,
     /// CPU request and limit, as a quantity (`4`, `500m`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^[0-9]+(\.[0-9]+)?m?$"))]
@@ -292,6 +328,172 @@ pub struct ResourcesSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"))]
     pub memory: Option<String>,
+    /// Local scratch request and limit (`ephemeral-storage`), as a quantity (`20Gi`): what a
+    /// download into an emptyDir needs, or the kubelet evicts the pod when the node fills.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"))]
+    pub ephemeral_storage: Option<String>,
+    /// Requests by resource name, over the ones above (`cpu: "2"` with a higher limit).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(length(max = 16))]
+    pub requests: BTreeMap<String, Quantity>,
+    /// Limits by resource name, over the ones above. A limit below its request is refused.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(length(max = 16))]
+    pub limits: BTreeMap<String, Quantity>,
+}
+
+/// Pod-level settings. Labels and annotations are added to the operator's; the few labels the
+/// operator selects its pods by cannot be set.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(
+    "!has(self.labels) || self.labels.all(k, !(k in ['ferrite.dev/inferenceservice', 'app.kubernetes.io/component', 'app.kubernetes.io/managed-by']))"
+).message("pod.labels may not set ferrite.dev/inferenceservice, app.kubernetes.io/component or app.kubernetes.io/managed-by: the operator selects its pods by them"))]
+#[x_kube(validation = Rule::new(
+    "!has(self.volumes) || self.volumes.all(v, !(v.name in ['tmp', 'dshm', 'model']))"
+).message("pod.volumes may not be named tmp, dshm or model: the operator's own volumes use those names"))]
+pub struct PodSettings {
+    /// Secrets holding registry credentials for the runtime image.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
+    /// ServiceAccount the pods run as (default: the namespace's `default`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub service_account_name: Option<String>,
+    /// Mount the ServiceAccount's API token (default false: the server never calls the
+    /// Kubernetes API; set true for workload identity that reads it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub automount_service_account_token: Option<bool>,
+    /// Labels added to the pods (e.g. Kueue's `kueue.x-k8s.io/queue-name`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(length(max = 64))]
+    pub labels: BTreeMap<String, String>,
+    /// Annotations added to the pods; they win over the operator's `prometheus.io/*` ones.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(length(max = 64))]
+    pub annotations: BTreeMap<String, String>,
+    /// Extra volumes of the pods (a claim holding models, a Secret, a CSI volume).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub volumes: Vec<Volume>,
+    /// Where the server container mounts them; each names one of `volumes` (else the spec
+    /// is Degraded, `InvalidPodSettings`). Paths under /tmp, /dev/shm and /mnt/models are the
+    /// operator's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub volume_mounts: Vec<VolumeMount>,
+    /// Environment from ConfigMaps and Secrets (e.g. `HF_TOKEN`), for the server container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub env_from: Vec<EnvFromSource>,
+    /// How the replicas spread over zones and nodes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    pub topology_spread_constraints: Vec<TopologySpreadConstraint>,
+    /// Scheduler of the pods (e.g. a gang or bin-packing scheduler).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub scheduler_name: Option<String>,
+    /// Seconds between SIGTERM and SIGKILL; default: the server's shutdownTimeoutSeconds
+    /// plus 15.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub termination_grace_period_seconds: Option<i64>,
+    /// Timing of the startup, readiness and liveness probes (all on `/health`).
+    #[serde(default)]
+    pub probes: ProbesSpec,
+}
+
+/// Probe timings over the defaults (startup: every 10 s, 180 failures, so 30 minutes to load;
+/// readiness: every 5 s, 3 failures; liveness: every 10 s, 6 failures).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(
+    "(!has(self.startup) || !has(self.startup.successThreshold) || self.startup.successThreshold == 1) && (!has(self.liveness) || !has(self.liveness.successThreshold) || self.liveness.successThreshold == 1)"
+).message("startup and liveness probes need successThreshold 1"))]
+pub struct ProbesSpec {
+    /// Until it first succeeds, the other probes wait: this bounds the model's load time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub startup: Option<ProbeTiming>,
+    /// Failing takes the pod out of the Service (and of ferrite-router's replicas).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub readiness: Option<ProbeTiming>,
+    /// Failing restarts the container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub liveness: Option<ProbeTiming>,
+}
+
+/// One probe's timing; what is absent keeps its default.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ProbeTiming {
+    /// Seconds after the container starts before the first probe.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub initial_delay_seconds: Option<i32>,
+    /// Seconds between probes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub period_seconds: Option<i32>,
+    /// Seconds before one probe counts as failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub timeout_seconds: Option<i32>,
+    /// Failures in a row before the probe fails.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub failure_threshold: Option<i32>,
+    /// Successes in a row before a failed probe passes again (1 for startup and liveness).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub success_threshold: Option<i32>,
+}
+
+/// How the Deployment replaces pods.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RolloutStrategy {
+    /// Replace pods a few at a time, within maxSurge and maxUnavailable.
+    #[default]
+    RollingUpdate,
+    /// Stop every pod, then start the new ones: for a pool with no room for two versions.
+    Recreate,
+}
+
+/// Rollout settings.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(
+    "self.strategy != 'Recreate' || (!has(self.maxSurge) && !has(self.maxUnavailable))"
+).message("maxSurge and maxUnavailable are for RollingUpdate; Recreate takes neither"))]
+pub struct RolloutSpec {
+    /// `RollingUpdate` (default) or `Recreate`.
+    #[serde(default)]
+    pub strategy: RolloutStrategy,
+    /// Pods started above the replica count during a rollout: a number or a percentage.
+    /// When only maxUnavailable is set, 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "int_or_percent_schema")]
+    pub max_surge: Option<IntOrString>,
+    /// Pods that may be unavailable during a rollout: a number or a percentage. When only
+    /// maxSurge is set, 0 (or 1 if maxSurge is 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "int_or_percent_schema")]
+    pub max_unavailable: Option<IntOrString>,
+}
+
+/// A count or a percentage (`1`, `25%`), as Deployments take them.
+fn int_or_percent_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    // A structural schema allows only bare types under int-or-string: the form is CEL's.
+    schemars::json_schema!({
+        "x-kubernetes-int-or-string": true,
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "x-kubernetes-validations": [{
+            "rule": "string(self).matches('^[0-9]+%?$')",
+            "message": "a count of at least 0 or a percentage like 25%"
+        }]
+    })
 }
 
 /// How replicas follow load: `Builtin` (the operator scrapes the pods and writes spec.replicas)

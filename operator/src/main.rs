@@ -12,7 +12,7 @@ use clap::Parser;
 use ferrite_operator::autoscale::runner::{Autoscaler, Views};
 use ferrite_operator::autoscale::store::SignalStore;
 use ferrite_operator::cache::Caches;
-use ferrite_operator::config::{OperatorConfig, load_dashboards};
+use ferrite_operator::config::{OperatorConfig, load_dashboards, load_resource_profiles};
 use ferrite_operator::controller::{self, Context, Timing};
 use ferrite_operator::external_metrics::{ServerTls, TlsSettings, serve_tls, service_names};
 use ferrite_operator::leader::{LeaderElector, LeaseSettings, Role};
@@ -28,6 +28,14 @@ struct Args {
     /// Directory of Grafana dashboard JSON files shipped with every InferenceService.
     #[arg(long, env = "FERRITE_DASHBOARDS_DIR")]
     dashboards_dir: Option<PathBuf>,
+    /// YAML map of resource profiles (name to node selector, tolerations, affinity, runtime
+    /// class, GPU resource name, pull secrets) for `spec.resourceProfile`.
+    #[arg(long, env = "FERRITE_RESOURCE_PROFILES")]
+    resource_profiles: Option<PathBuf>,
+    /// A label (`KEY=VALUE`, repeatable) on every ServiceMonitor the operator makes, under
+    /// the InferenceService's own: kube-prometheus-stack's `release`.
+    #[arg(long = "monitor-label", value_parser = key_value)]
+    monitor_labels: Vec<(String, String)>,
     /// ferrite-server image for CPU pods.
     #[arg(long, env = "FERRITE_SERVER_IMAGE")]
     ferrite_image: Option<String>,
@@ -98,7 +106,23 @@ fn config(args: &Args) -> anyhow::Result<OperatorConfig> {
     if let Some(dir) = &args.dashboards_dir {
         c.dashboards = load_dashboards(dir)?;
     }
+    c.monitor_labels = args.monitor_labels.iter().cloned().collect();
+    if let Some(path) = &args.resource_profiles {
+        c.resource_profiles = load_resource_profiles(path)?;
+        tracing::info!(
+            profiles = ?c.resource_profiles.keys().collect::<Vec<_>>(),
+            "resource profiles loaded"
+        );
+    }
     Ok(c)
+}
+
+/// `KEY=VALUE`, with a non-empty key.
+fn key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("{s:?} is not KEY=VALUE")),
+    }
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

@@ -377,7 +377,7 @@ fn service_monitor_only_when_enabled_and_the_crd_exists() {
         (ep.port.as_str(), ep.path.as_str(), ep.interval.as_str()),
         ("http", "/metrics", "5s")
     );
-    let d = built(spec, MONITOR_CRD);
+    let d = built(spec.clone(), MONITOR_CRD);
     let svc_labels = d.service.metadata.labels.clone().expect("service labels");
     for (k, v) in &sm.spec.selector.match_labels {
         assert_eq!(svc_labels.get(k), Some(v), "monitor selects the Service");
@@ -389,6 +389,31 @@ fn service_monitor_only_when_enabled_and_the_crd_exists() {
     );
     let off = json!({"model": {"source": "/m.gguf"}, "monitoring": {"serviceMonitor": {"enabled": false}}});
     assert!(built(off, MONITOR_CRD).service_monitor.is_none());
+    // The operator's --monitor-label sits under the spec's labels.
+    let mut cfg = config();
+    cfg.monitor_labels = BTreeMap::from([
+        ("release".to_string(), "kube-prometheus-stack".to_string()),
+        ("tier".to_string(), "llm".to_string()),
+    ]);
+    let sm = build(&isvc(spec), &cfg, MONITOR_CRD)
+        .expect("builds")
+        .service_monitor
+        .expect("monitor");
+    let labels = sm.metadata.labels.expect("labels");
+    assert_eq!(labels["release"], "prom", "the spec's own wins");
+    assert_eq!(labels["tier"], "llm");
+    let plain = build(
+        &isvc(json!({"model": {"source": "/m.gguf"}})),
+        &cfg,
+        MONITOR_CRD,
+    )
+    .expect("builds")
+    .service_monitor
+    .expect("monitor");
+    assert_eq!(
+        plain.metadata.labels.expect("labels")["release"],
+        "kube-prometheus-stack"
+    );
 }
 
 #[test]
@@ -469,4 +494,288 @@ fn specs_the_schema_accepts_but_cannot_be_built_are_errors_not_panics() {
         build(&no_ns, &config(), NO_MONITOR_CRD),
         Err(BuildError::MissingMetadata("namespace"))
     );
+}
+
+#[test]
+fn pod_settings_reach_the_pod_and_the_selector_labels_stay_the_operators() {
+    let d = built(
+        json!({"model": {"source": "/adapters/m.gguf"},
+               "pod": {
+                   "imagePullSecrets": [{"name": "regcred"}],
+                   "serviceAccountName": "chat-sa",
+                   "automountServiceAccountToken": true,
+                   "labels": {"kueue.x-k8s.io/queue-name": "gpu", "app.kubernetes.io/name": "mine"},
+                   "annotations": {"prometheus.io/scrape": "false", "team": "ml"},
+                   "volumes": [{"name": "adapters", "persistentVolumeClaim": {"claimName": "lora"}}],
+                   "volumeMounts": [{"name": "adapters", "mountPath": "/adapters"}],
+                   "envFrom": [{"secretRef": {"name": "hf"}}],
+                   "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone",
+                                                  "whenUnsatisfiable": "DoNotSchedule"}],
+                   "schedulerName": "volcano",
+                   "terminationGracePeriodSeconds": 120,
+                   "probes": {"startup": {"failureThreshold": 720},
+                              "readiness": {"periodSeconds": 2, "successThreshold": 2},
+                              "liveness": {"timeoutSeconds": 30, "initialDelaySeconds": 5}}}}),
+        NO_MONITOR_CRD,
+    );
+    let p = pod(&d);
+    assert_eq!(
+        p.image_pull_secrets.as_ref().expect("secrets")[0].name,
+        "regcred"
+    );
+    assert_eq!(p.service_account_name.as_deref(), Some("chat-sa"));
+    assert_eq!(p.automount_service_account_token, Some(true));
+    assert_eq!(p.scheduler_name.as_deref(), Some("volcano"));
+    assert_eq!(p.termination_grace_period_seconds, Some(120));
+    assert_eq!(
+        p.topology_spread_constraints.as_ref().map(Vec::len),
+        Some(1)
+    );
+    let volumes = p.volumes.as_ref().expect("volumes");
+    assert!(
+        volumes.iter().any(|v| v.name == "tmp"),
+        "the operator's stay"
+    );
+    assert!(volumes.iter().any(|v| v.name == "adapters"));
+    let c = server(&d);
+    let mounts = c.volume_mounts.as_ref().expect("mounts");
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m.name == "adapters" && m.mount_path == "/adapters")
+    );
+    assert_eq!(
+        c.env_from.as_ref().expect("envFrom")[0]
+            .secret_ref
+            .as_ref()
+            .map(|s| s.name.as_str()),
+        Some("hf")
+    );
+    let startup = c.startup_probe.as_ref().expect("startup");
+    assert_eq!(
+        (startup.period_seconds, startup.failure_threshold),
+        (Some(10), Some(720))
+    );
+    let readiness = c.readiness_probe.as_ref().expect("readiness");
+    assert_eq!(
+        (
+            readiness.period_seconds,
+            readiness.failure_threshold,
+            readiness.success_threshold
+        ),
+        (Some(2), Some(3), Some(2))
+    );
+    let liveness = c.liveness_probe.as_ref().expect("liveness");
+    assert_eq!(
+        (
+            liveness.timeout_seconds,
+            liveness.initial_delay_seconds,
+            liveness.period_seconds
+        ),
+        (Some(30), Some(5), Some(10))
+    );
+    let meta = d
+        .deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .expect("template metadata");
+    let labels = meta.labels.as_ref().expect("labels");
+    assert_eq!(labels["kueue.x-k8s.io/queue-name"], "gpu");
+    assert_eq!(
+        labels["app.kubernetes.io/name"], "mine",
+        "the user's label wins"
+    );
+    assert_eq!(labels["ferrite.dev/inferenceservice"], "chat");
+    assert_eq!(labels["app.kubernetes.io/component"], "server");
+    let annotations = meta.annotations.as_ref().expect("annotations");
+    assert_eq!(
+        annotations["prometheus.io/scrape"], "false",
+        "the user's annotation wins"
+    );
+    assert_eq!(annotations["team"], "ml");
+    // Without pod settings: no token, the derived grace period, the default probes.
+    let plain = built(json!({"model": {"source": "/m.gguf"}}), NO_MONITOR_CRD);
+    assert_eq!(pod(&plain).automount_service_account_token, Some(false));
+    assert_eq!(pod(&plain).termination_grace_period_seconds, Some(45));
+    assert_eq!(pod(&plain).service_account_name, None);
+    let r = server(&plain).readiness_probe.as_ref().expect("readiness");
+    assert_eq!(
+        (r.period_seconds, r.failure_threshold, r.timeout_seconds),
+        (Some(5), Some(3), Some(5))
+    );
+}
+
+#[test]
+fn requests_and_limits_apart_ephemeral_storage_and_other_gpu_resources() {
+    let d = built(
+        json!({"model": {"source": "/m.gguf"},
+               "resources": {"gpus": 2, "gpuResourceName": "amd.com/gpu",
+                             "cpu": "4", "memory": "16Gi", "ephemeralStorage": "20Gi",
+                             "requests": {"cpu": "2"}, "limits": {"memory": "24Gi"}}}),
+        NO_MONITOR_CRD,
+    );
+    let r = server(&d).resources.clone().expect("resources");
+    let (requests, limits) = (r.requests.expect("requests"), r.limits.expect("limits"));
+    assert_eq!(requests["cpu"].0, "2", "requests.cpu wins over cpu");
+    assert_eq!(limits["cpu"].0, "4");
+    assert_eq!(requests["memory"].0, "16Gi");
+    assert_eq!(limits["memory"].0, "24Gi", "limits.memory wins over memory");
+    assert_eq!(requests["ephemeral-storage"].0, "20Gi");
+    assert_eq!(limits["ephemeral-storage"].0, "20Gi");
+    assert_eq!(limits["amd.com/gpu"].0, "2");
+    assert!(!limits.contains_key("nvidia.com/gpu"));
+    // MIG: one slice.
+    let mig = built(
+        json!({"model": {"source": "/m.gguf"},
+               "resources": {"gpus": 1, "gpuResourceName": "nvidia.com/mig-1g.10gb"}}),
+        NO_MONITOR_CRD,
+    );
+    let limits = server(&mig)
+        .resources
+        .clone()
+        .and_then(|r| r.limits)
+        .expect("limits");
+    assert_eq!(limits["nvidia.com/mig-1g.10gb"].0, "1");
+}
+
+#[test]
+fn requests_above_limits_and_split_gpu_requests_are_refused_with_the_reason() {
+    for (resources, says) in [
+        (
+            json!({"requests": {"cpu": "8"}, "limits": {"cpu": "4"}}),
+            "the cpu limit 4 is below its request 8",
+        ),
+        (
+            json!({"memory": "16Gi", "limits": {"memory": "8Gi"}}),
+            "the memory limit 8Gi is below its request 16Gi",
+        ),
+        (
+            json!({"gpus": 2, "requests": {"nvidia.com/gpu": "1"}}),
+            "an extended resource's request must equal its limit",
+        ),
+        (
+            json!({"requests": {"cpu": "lots"}}),
+            "request cpu: \"lots\" is not a quantity",
+        ),
+    ] {
+        let e = build(
+            &isvc(json!({"model": {"source": "/m.gguf"}, "resources": resources})),
+            &config(),
+            NO_MONITOR_CRD,
+        )
+        .expect_err("refused");
+        assert_eq!(e.reason(), "InvalidResources", "{e}");
+        assert!(e.to_string().contains(says), "{e}");
+    }
+    // Equal request and limit, and 500m under 1, are fine.
+    built(
+        json!({"model": {"source": "/m.gguf"},
+               "resources": {"requests": {"cpu": "500m"}, "limits": {"cpu": "1"}}}),
+        NO_MONITOR_CRD,
+    );
+}
+
+#[test]
+fn mounts_over_the_operators_paths_are_refused() {
+    for path in ["/tmp", "/mnt/models", "/mnt/models/sub", "/dev/shm/"] {
+        let e = build(
+            &isvc(json!({"model": {"source": "/m.gguf"},
+                         "pod": {"volumes": [{"name": "v", "emptyDir": {}}],
+                                 "volumeMounts": [{"name": "v", "mountPath": path}]}})),
+            &config(),
+            NO_MONITOR_CRD,
+        )
+        .expect_err(path);
+        assert_eq!(e.reason(), "InvalidPodSettings", "{e}");
+        assert!(e.to_string().contains("the operator's mount point"), "{e}");
+    }
+    // A mount must name one of the spec's volumes.
+    let e = build(
+        &isvc(json!({"model": {"source": "/m.gguf"},
+                     "pod": {"volumes": [{"name": "weights", "emptyDir": {}}],
+                             "volumeMounts": [{"name": "wieghts", "mountPath": "/weights"}]}})),
+        &config(),
+        NO_MONITOR_CRD,
+    )
+    .expect_err("unknown volume");
+    assert!(e.to_string().contains("\"wieghts\" names no volume"), "{e}");
+    // A sibling path is fine.
+    built(
+        json!({"model": {"source": "/m.gguf"},
+               "pod": {"volumes": [{"name": "v", "emptyDir": {}}],
+                       "volumeMounts": [{"name": "v", "mountPath": "/mnt/modelsextra"}]}}),
+        NO_MONITOR_CRD,
+    );
+}
+
+#[test]
+fn rollouts_default_to_no_spare_gpu_and_follow_the_spec() {
+    let strategy = |spec: Value| {
+        let d = built(spec, NO_MONITOR_CRD);
+        let s = d
+            .deployment
+            .spec
+            .and_then(|s| s.strategy)
+            .expect("strategy");
+        let ru = s.rolling_update.map(|r| {
+            (
+                serde_json::to_value(r.max_surge).expect("json"),
+                serde_json::to_value(r.max_unavailable).expect("json"),
+            )
+        });
+        (s.type_.expect("type"), ru)
+    };
+    let rolling = |surge: Value, unavailable: Value| {
+        ("RollingUpdate".to_string(), Some((surge, unavailable)))
+    };
+    // CPU: a surge pod first, no capacity lost.
+    assert_eq!(
+        strategy(json!({"model": {"source": "/m.gguf"}})),
+        rolling(json!(1), json!(0))
+    );
+    // GPU: stop one, then start its successor; no spare GPU needed.
+    assert_eq!(
+        strategy(json!({"model": {"source": "/m.gguf"}, "resources": {"gpus": 1}})),
+        rolling(json!(0), json!(1))
+    );
+    assert_eq!(
+        strategy(
+            json!({"model": {"source": "/m.gguf"}, "resources": {"gpus": 1},
+                        "rollout": {"strategy": "Recreate"}})
+        ),
+        ("Recreate".to_string(), None)
+    );
+    // One bound given: the other is 0, or 1 when the given one is 0.
+    assert_eq!(
+        strategy(
+            json!({"model": {"source": "/m.gguf"}, "resources": {"gpus": 1},
+                        "rollout": {"maxSurge": "25%"}})
+        ),
+        rolling(json!("25%"), json!(0))
+    );
+    assert_eq!(
+        strategy(json!({"model": {"source": "/m.gguf"}, "rollout": {"maxSurge": 0}})),
+        rolling(json!(0), json!(1))
+    );
+    assert_eq!(
+        strategy(json!({"model": {"source": "/m.gguf"},
+                        "rollout": {"maxSurge": 2, "maxUnavailable": "50%"}})),
+        rolling(json!(2), json!("50%"))
+    );
+    let e = build(
+        &isvc(json!({"model": {"source": "/m.gguf"},
+                     "rollout": {"maxSurge": 0, "maxUnavailable": "0%"}})),
+        &config(),
+        NO_MONITOR_CRD,
+    )
+    .expect_err("stuck rollout");
+    assert_eq!(e.reason(), "InvalidRollout");
+    let e = build(
+        &isvc(json!({"model": {"source": "/m.gguf"}, "rollout": {"maxSurge": "2"}})),
+        &config(),
+        NO_MONITOR_CRD,
+    )
+    .expect_err("a quoted number");
+    assert!(e.to_string().contains("not a number in quotes"), "{e}");
 }

@@ -146,6 +146,7 @@ fn every_value_set_lints_strictly_and_renders_objects_that_pass_their_schemas() 
         "router-off",
         "router-namespaced",
         "router-no-wake",
+        "resource-profiles",
     ] {
         assert!(
             names.iter().any(|n| n == wanted),
@@ -220,6 +221,7 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             assert!(find(docs, "PrometheusRule").is_empty());
             assert_eq!(sidecar_dashboards.len(), dashboard_count);
             assert!(has_arg("--dashboards-dir"), "{args:?}");
+            assert!(!has_arg("--resource-profiles"), "no profiles, no flag");
             // The router, as the README uses it: `port-forward svc/ferrite-router 8000:8000`,
             // cluster-wide, waking services scaled to zero.
             let router = router.expect("the router is on by default");
@@ -361,6 +363,19 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 .expect("a Service the ServiceMonitor selects");
             assert_eq!(svc["spec"]["ports"][0]["name"], "http-metrics");
             let rule = one(docs, "PrometheusRule");
+            // monitoring.release labels every monitor and rule, and reaches the operator for
+            // the monitors it makes; serviceMonitor.labels add to it.
+            assert_eq!(
+                rule["metadata"]["labels"]["release"],
+                "kube-prometheus-stack"
+            );
+            assert_eq!(sm["metadata"]["labels"]["team"], "llm");
+            assert_eq!(router_sm["metadata"]["labels"]["team"], "llm");
+            assert!(
+                args.iter()
+                    .any(|a| a == "--monitor-label=release=kube-prometheus-stack"),
+                "{args:?}"
+            );
             let alerts: Value = serde_yaml_ng::from_str(
                 &std::fs::read_to_string(root().join("dashboards/alerts.yaml"))
                     .expect("dashboards/alerts.yaml"),
@@ -424,6 +439,45 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 .find(|b| b["subjects"][0]["name"] == "horizontal-pod-autoscaler")
                 .expect("the HPA controller may read external metrics");
             assert_eq!(reader["subjects"][0]["namespace"], "kube-system");
+        }
+        "resource-profiles" => {
+            let flag = "--resource-profiles=/etc/ferrite/profiles/profiles.yaml";
+            assert!(args.iter().any(|a| a == flag), "{args:?}");
+            let cm = find(docs, "ConfigMap")
+                .into_iter()
+                .find(|c| {
+                    c["metadata"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.ends_with("-resource-profiles"))
+                })
+                .expect("the profiles ConfigMap");
+            // What the operator reads: its own parser, which refuses unknown keys.
+            let path = temp_dir("profiles").join("profiles.yaml");
+            std::fs::write(&path, cm["data"]["profiles.yaml"].as_str().expect("text"))
+                .expect("write");
+            let profiles =
+                ferrite_operator::config::load_resource_profiles(&path).expect("profiles parse");
+            assert_eq!(
+                profiles.keys().map(String::as_str).collect::<Vec<_>>(),
+                ["amd-mi300x", "nvidia-a100-mig", "nvidia-h100"]
+            );
+            assert_eq!(
+                profiles["nvidia-a100-mig"].gpu_resource_name.as_deref(),
+                Some("nvidia.com/mig-1g.10gb")
+            );
+            assert!(profiles["amd-mi300x"].affinity.is_some());
+            let volume = pod["volumes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|v| v["name"] == "resource-profiles")
+                .expect("the profiles volume");
+            assert_eq!(volume["configMap"]["name"], cm["metadata"]["name"]);
+            let annotations = &deployment["spec"]["template"]["metadata"]["annotations"];
+            assert!(
+                annotations["checksum/resource-profiles"].is_string(),
+                "a change restarts the operator: {annotations}"
+            );
         }
         other => panic!("ci/{other}-values.yaml has no checks here: add them"),
     }

@@ -16,8 +16,10 @@ use common::validate::root;
 use ferrite_testkit::kube::{Cluster, Options};
 use ferrite_testkit::process::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::GroupVersionKind;
 use kube::discovery::ApiResource;
@@ -25,9 +27,14 @@ use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// What the examples need to exist in their namespace: claims, a priority and runtime class.
+/// What the examples need to exist in their namespace: claims, a ServiceAccount, a priority
+/// and runtime class.
 async fn prerequisites(applier: &mut Applier, ns: &str) {
-    for claim in ["models", "hf-cache"] {
+    applier
+        .apply(&json!({"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": "llama-8b", "namespace": ns}}))
+        .await;
+    for claim in ["models", "hf-cache", "lora-adapters"] {
         applier
             .apply(&json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                 "metadata": {"name": claim, "namespace": ns},
@@ -161,10 +168,92 @@ async fn the_examples_reconcile_without_the_service_monitor_crd() {
             .expect("Degraded");
         assert_eq!(d.0, "False", "{name}: {d:?}");
     }
+    full_example_pods(&client, &ns).await;
     assert!(
         !op.log().contains("reconcile failed"),
         "no reconcile failed:\n{}",
         op.log()
+    );
+}
+
+/// The pods the ReplicaSet controller makes for the full example (admitted by the real API
+/// server, its ServiceAccount admission included) carry every pod setting, resource and the
+/// rollout of the spec.
+async fn full_example_pods(client: &kube::Client, ns: &str) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let pod = eventually(WAIT, "the full example's pods", async || {
+        pods.list(&ListParams::default().labels("ferrite.dev/inferenceservice=llama-8b"))
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .next()
+    })
+    .await;
+    let labels = pod.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(
+        labels.get("kueue.x-k8s.io/queue-name").map(String::as_str),
+        Some("gpu-queue")
+    );
+    let annotations = pod.metadata.annotations.clone().unwrap_or_default();
+    assert_eq!(
+        annotations
+            .get("cluster-autoscaler.kubernetes.io/safe-to-evict")
+            .map(String::as_str),
+        Some("false")
+    );
+    let spec = pod.spec.expect("pod spec");
+    assert_eq!(spec.service_account_name.as_deref(), Some("llama-8b"));
+    assert_eq!(spec.automount_service_account_token, Some(false));
+    assert_eq!(spec.scheduler_name.as_deref(), Some("default-scheduler"));
+    assert_eq!(spec.termination_grace_period_seconds, Some(90));
+    assert_eq!(
+        spec.image_pull_secrets.unwrap_or_default()[0].name,
+        "registry-credentials"
+    );
+    assert_eq!(spec.topology_spread_constraints.map(|t| t.len()), Some(1));
+    assert!(spec.volumes.unwrap_or_default().iter().any(|v| {
+        v.name == "adapters"
+            && v.persistent_volume_claim
+                .as_ref()
+                .map(|c| c.claim_name.as_str())
+                == Some("lora-adapters")
+    }));
+    let c = &spec.containers[0];
+    assert!(
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.name == "adapters" && m.mount_path == "/adapters")
+    );
+    assert_eq!(c.env_from.as_ref().map(|e| e.len()), Some(1));
+    let r = c.resources.clone().expect("resources");
+    let (requests, limits) = (r.requests.expect("requests"), r.limits.expect("limits"));
+    let q = |m: &std::collections::BTreeMap<String, Quantity>, k: &str| {
+        m.get(k).map(|q| q.0.clone()).unwrap_or_default()
+    };
+    assert_eq!(q(&requests, "cpu"), "6");
+    assert_eq!(q(&limits, "cpu"), "12");
+    assert_eq!(q(&limits, "nvidia.com/gpu"), "2");
+    // The API server defaults an extended resource's request to its limit.
+    assert_eq!(q(&requests, "nvidia.com/gpu"), "2");
+    assert_eq!(q(&limits, "ephemeral-storage"), "20Gi");
+    let startup = c.startup_probe.clone().expect("startup probe");
+    assert_eq!(startup.failure_threshold, Some(360));
+    let liveness = c.liveness_probe.clone().expect("liveness probe");
+    assert_eq!(liveness.timeout_seconds, Some(10));
+    let d = Api::<Deployment>::namespaced(client.clone(), ns)
+        .get("llama-8b")
+        .await
+        .expect("Deployment");
+    let ru = d
+        .spec
+        .and_then(|s| s.strategy)
+        .and_then(|s| s.rolling_update)
+        .expect("rolling update");
+    assert_eq!(
+        (ru.max_surge, ru.max_unavailable),
+        (Some(IntOrString::Int(0)), Some(IntOrString::Int(1)))
     );
 }
 
@@ -536,4 +625,89 @@ async fn a_missing_claim_blocks_until_it_is_created() {
     })
     .await;
     assert_eq!(d.1, "AsExpected");
+}
+
+/// Resource profiles from the chart's values (its ConfigMap, mounted as the chart mounts it):
+/// an InferenceService naming `nvidia-h100:2` gets the profile's placement and two GPUs under
+/// its own settings, in pods the API server admits; one naming a profile that does not exist
+/// is Degraded with the reason and the profiles there are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resource_profiles_from_the_chart_apply_under_the_spec() {
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let values: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(
+            root().join("charts/ferrite-operator/ci/resource-profiles-values.yaml"),
+        )
+        .expect("values"),
+    )
+    .expect("YAML");
+    let release = install(&cluster, &values, "profiles").await;
+    let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let ns = cluster.namespace("profiles").await;
+    let mut applier = Applier::new(client.clone()).await;
+    applier
+        .apply(
+            &json!({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+            "metadata": {"name": "nvidia"}, "handler": "nvidia"}),
+        )
+        .await;
+    for (name, profile) in [("h100", "nvidia-h100:2"), ("tpu", "tpu-v5")] {
+        applier
+            .apply(
+                &json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {"model": {"source": "/models/m.gguf"}, "resourceProfile": profile,
+                         "scheduling": {"nodeSelector": {"pool": "inference"}}}}),
+            )
+            .await;
+    }
+    observed(&client, &ns, "h100").await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pod = eventually(WAIT, "the profiled service's pod", async || {
+        pods.list(&ListParams::default().labels("ferrite.dev/inferenceservice=h100"))
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .next()
+    })
+    .await;
+    let spec = pod.spec.expect("pod spec");
+    let selector = spec.node_selector.unwrap_or_default();
+    assert_eq!(selector["pool"], "inference", "the spec's own");
+    assert_eq!(selector["nvidia.com/gpu.product"], "NVIDIA-H100-80GB-HBM3");
+    assert_eq!(spec.runtime_class_name.as_deref(), Some("nvidia"));
+    assert!(
+        spec.tolerations
+            .unwrap_or_default()
+            .iter()
+            .any(|t| t.key.as_deref() == Some("nvidia.com/gpu"))
+    );
+    assert_eq!(
+        spec.image_pull_secrets.unwrap_or_default()[0].name,
+        "ngc-registry"
+    );
+    let limits = spec.containers[0]
+        .resources
+        .clone()
+        .and_then(|r| r.limits)
+        .unwrap_or_default();
+    assert_eq!(
+        limits.get("nvidia.com/gpu").map(|q| q.0.as_str()),
+        Some("2")
+    );
+    let d = eventually(WAIT, "tpu to be Degraded", async || {
+        condition(&client, &ns, "tpu", "Degraded")
+            .await
+            .filter(|d| d.0 == "True")
+    })
+    .await;
+    assert_eq!(d.1, "ResourceProfileNotFound", "{d:?}\n{}", op.log());
+    assert!(
+        d.2.contains("\"tpu-v5\"") && d.2.contains("nvidia-h100"),
+        "{d:?}"
+    );
 }

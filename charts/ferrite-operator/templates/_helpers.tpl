@@ -134,3 +134,21 @@ the Prometheus Operator's API for it). Call with (list $enabled "monitoring.core
 {{- fail "router.fullnameOverride must differ from the operator's name" }}
 {{- end }}
 {{- end }}
+
+{{/*
+Labels of a ServiceMonitor or PrometheusRule: `release: <monitoring.release>` for
+kube-prometheus-stack's selectors, then the object's own extra labels (which win).
+Call with (list LABELS $).
+*/}}
+{{- define "ferrite-operator.monitoringLabels" -}}
+{{- $labels := index . 0 | default dict }}
+{{- $root := index . 1 }}
+{{- $all := dict }}
+{{- with $root.Values.monitoring.release }}
+{{- $_ := set $all "release" . }}
+{{- end }}
+{{- $all = merge (deepCopy $labels) $all }}
+{{- if $all }}
+{{- toYaml $all }}
+{{- end }}
+{{- end }}

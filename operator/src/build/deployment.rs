@@ -17,7 +17,9 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use super::model::model_mount;
 use super::{DEFAULT_SHUTDOWN_SECONDS, Validated, served_name};
 use crate::config::OperatorConfig;
-use crate::crd::{InferenceService, RuntimeKind};
+use crate::crd::{
+    DEFAULT_GPU_RESOURCE, InferenceService, ProbeTiming, RolloutStrategy, RuntimeKind,
+};
 
 /// The startup probe allows 180 × 10 s = 30 minutes for downloading and loading the model:
 /// large weights from network storage load slowly, and liveness must not kill a loading pod.
@@ -30,31 +32,17 @@ const FERRITE_UID: i64 = 65532;
 /// vLLM's image defaults to root; run it as an ordinary user instead.
 const VLLM_UID: i64 = 1000;
 
-/// Parses a Kubernetes byte quantity (`2Gi`, `512Mi`, `1G`, `1024`) into bytes.
-pub fn quantity_bytes(q: &str) -> Option<u64> {
-    let split = q
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(q.len());
-    let (num, unit) = q.split_at(split);
-    let num: f64 = num.parse().ok()?;
-    let mult: f64 = match unit {
-        "" => 1.0,
-        "Ki" => 1024.0,
-        "Mi" => 1024f64.powi(2),
-        "Gi" => 1024f64.powi(3),
-        "Ti" => 1024f64.powi(4),
-        "k" => 1e3,
-        "M" => 1e6,
-        "G" => 1e9,
-        "T" => 1e12,
-        _ => return None,
-    };
-    let bytes = num * mult;
-    (bytes.is_finite() && bytes >= 1.0).then_some(bytes as u64)
-}
-
 fn gpus(isvc: &InferenceService) -> i32 {
     isvc.spec.resources.gpus.unwrap_or(0)
+}
+
+/// The extended resource GPUs are counted in.
+fn gpu_resource(isvc: &InferenceService) -> &str {
+    isvc.spec
+        .resources
+        .gpu_resource_name
+        .as_deref()
+        .unwrap_or(DEFAULT_GPU_RESOURCE)
 }
 
 fn shutdown_seconds(isvc: &InferenceService) -> i32 {
@@ -122,37 +110,93 @@ fn image(isvc: &InferenceService, config: &OperatorConfig) -> String {
     }
 }
 
-fn resources(isvc: &InferenceService) -> ResourceRequirements {
+/// The server container's requests and limits: `cpu`, `memory` and `ephemeralStorage` as
+/// both, then `requests` and `limits` over them, then the GPUs as a limit (the kubelet sets an
+/// extended resource's request to its limit).
+pub fn resources(isvc: &InferenceService) -> ResourceRequirements {
     let r = &isvc.spec.resources;
     let mut both = BTreeMap::new();
-    if let Some(c) = &r.cpu {
-        both.insert("cpu".to_string(), Quantity(c.clone()));
+    for (name, q) in [
+        ("cpu", &r.cpu),
+        ("memory", &r.memory),
+        ("ephemeral-storage", &r.ephemeral_storage),
+    ] {
+        if let Some(q) = q {
+            both.insert(name.to_string(), Quantity(q.clone()));
+        }
     }
-    if let Some(m) = &r.memory {
-        both.insert("memory".to_string(), Quantity(m.clone()));
-    }
-    let mut limits = both.clone();
+    let mut requests = both.clone();
+    requests.extend(r.requests.clone());
+    let mut limits = both;
+    limits.extend(r.limits.clone());
     if gpus(isvc) > 0 {
-        limits.insert("nvidia.com/gpu".into(), Quantity(gpus(isvc).to_string()));
+        limits.insert(
+            gpu_resource(isvc).to_string(),
+            Quantity(gpus(isvc).to_string()),
+        );
     }
     ResourceRequirements {
-        requests: (!both.is_empty()).then_some(both),
+        requests: (!requests.is_empty()).then_some(requests),
         limits: (!limits.is_empty()).then_some(limits),
         ..ResourceRequirements::default()
     }
 }
 
-fn http_probe(path: &str, period: i32, failures: i32) -> Probe {
+/// A probe of `path` with the default timing, then the spec's over it.
+fn http_probe(path: &str, period: i32, failures: i32, timing: Option<&ProbeTiming>) -> Probe {
+    let t = timing.cloned().unwrap_or_default();
     Probe {
         http_get: Some(HTTPGetAction {
             path: Some(path.into()),
             port: IntOrString::String("http".into()),
             ..HTTPGetAction::default()
         }),
-        period_seconds: Some(period),
-        failure_threshold: Some(failures),
-        timeout_seconds: Some(5),
+        initial_delay_seconds: t.initial_delay_seconds,
+        period_seconds: Some(t.period_seconds.unwrap_or(period)),
+        failure_threshold: Some(t.failure_threshold.unwrap_or(failures)),
+        success_threshold: t.success_threshold,
+        timeout_seconds: Some(t.timeout_seconds.unwrap_or(5)),
         ..Probe::default()
+    }
+}
+
+/// Whether a count or percentage is zero.
+pub(crate) fn is_zero(v: &IntOrString) -> bool {
+    match v {
+        IntOrString::Int(n) => *n == 0,
+        IntOrString::String(s) => s.trim_end_matches('%').parse::<i64>() == Ok(0),
+    }
+}
+
+/// How the Deployment replaces pods: the spec's rollout, else one at a time without a spare
+/// GPU (stop, then start) for GPU specs and with a surge pod (start, then stop) for CPU ones.
+/// With only one of maxSurge and maxUnavailable set, the other is 0, or 1 when the given one
+/// is 0.
+pub fn strategy(isvc: &InferenceService) -> DeploymentStrategy {
+    let rollout = isvc.spec.rollout.clone().unwrap_or_default();
+    if rollout.strategy == RolloutStrategy::Recreate {
+        return DeploymentStrategy {
+            type_: Some("Recreate".into()),
+            rolling_update: None,
+        };
+    }
+    let other = |given: &IntOrString| IntOrString::Int(if is_zero(given) { 1 } else { 0 });
+    let (surge, unavailable) = match (rollout.max_surge, rollout.max_unavailable) {
+        (Some(s), Some(u)) => (s, u),
+        (Some(s), None) => {
+            let u = other(&s);
+            (s, u)
+        }
+        (None, Some(u)) => (other(&u), u),
+        (None, None) if gpus(isvc) > 0 => (IntOrString::Int(0), IntOrString::Int(1)),
+        (None, None) => (IntOrString::Int(1), IntOrString::Int(0)),
+    };
+    DeploymentStrategy {
+        type_: Some("RollingUpdate".into()),
+        rolling_update: Some(RollingUpdateDeployment {
+            max_surge: Some(surge),
+            max_unavailable: Some(unavailable),
+        }),
     }
 }
 
@@ -191,7 +235,7 @@ fn volume_mount(name: &str, path: &str) -> VolumeMount {
 }
 
 pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployment {
-    let (isvc, owner) = (v.isvc, &v.owner);
+    let (isvc, owner) = (&*v.isvc, &v.owner);
     let kind = isvc.spec.runtime.kind;
     let security = container_security(kind);
     let model = model_mount(isvc, &v.model, &config.downloader_image, &security);
@@ -213,6 +257,9 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
     mounts.extend(model.mounts);
     env.extend(model.env);
     env.extend(isvc.spec.runtime.env.iter().cloned());
+    let p = &isvc.spec.pod;
+    volumes.extend(p.volumes.iter().cloned());
+    mounts.extend(p.volume_mounts.iter().cloned());
 
     let container = Container {
         name: "server".into(),
@@ -225,11 +272,17 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
             ..ContainerPort::default()
         }]),
         env: Some(env),
+        env_from: (!p.env_from.is_empty()).then(|| p.env_from.clone()),
         resources: Some(resources(isvc)),
         // /health answers 503 until the model is loaded and warm, and while draining.
-        startup_probe: Some(http_probe("/health", STARTUP_PERIOD, STARTUP_FAILURES)),
-        readiness_probe: Some(http_probe("/health", 5, 3)),
-        liveness_probe: Some(http_probe("/health", 10, 6)),
+        startup_probe: Some(http_probe(
+            "/health",
+            STARTUP_PERIOD,
+            STARTUP_FAILURES,
+            p.probes.startup.as_ref(),
+        )),
+        readiness_probe: Some(http_probe("/health", 5, 3, p.probes.readiness.as_ref())),
+        liveness_probe: Some(http_probe("/health", 10, 6, p.probes.liveness.as_ref())),
         security_context: Some(security),
         volume_mounts: Some(mounts),
         ..Container::default()
@@ -244,7 +297,10 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
         containers: vec![container],
         init_containers: (!model.init_containers.is_empty()).then_some(model.init_containers),
         volumes: Some(volumes),
-        termination_grace_period_seconds: Some(i64::from(shutdown_seconds(isvc) + GRACE_MARGIN)),
+        termination_grace_period_seconds: Some(
+            p.termination_grace_period_seconds
+                .unwrap_or_else(|| i64::from(shutdown_seconds(isvc) + GRACE_MARGIN)),
+        ),
         security_context: Some(PodSecurityContext {
             run_as_non_root: Some(true),
             run_as_user: Some(uid),
@@ -256,7 +312,14 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
             }),
             ..PodSecurityContext::default()
         }),
-        automount_service_account_token: Some(false),
+        // The server never calls the Kubernetes API.
+        automount_service_account_token: Some(p.automount_service_account_token.unwrap_or(false)),
+        service_account_name: p.service_account_name.clone(),
+        image_pull_secrets: (!p.image_pull_secrets.is_empty())
+            .then(|| p.image_pull_secrets.clone()),
+        topology_spread_constraints: (!p.topology_spread_constraints.is_empty())
+            .then(|| p.topology_spread_constraints.clone()),
+        scheduler_name: p.scheduler_name.clone(),
         node_selector: (!s.node_selector.is_empty()).then(|| s.node_selector.clone()),
         tolerations: (!s.tolerations.is_empty()).then(|| s.tolerations.clone()),
         affinity: s.affinity.clone(),
@@ -265,13 +328,16 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
         ..PodSpec::default()
     };
 
+    // The user's labels over the operator's, except the selector's (the schema refuses them).
     let mut pod_labels = owner.labels();
+    pod_labels.extend(p.labels.clone());
     pod_labels.extend(owner.selector_labels());
-    let annotations = BTreeMap::from([
+    let mut annotations = BTreeMap::from([
         ("prometheus.io/scrape".to_string(), "true".to_string()),
         ("prometheus.io/port".to_string(), port.to_string()),
         ("prometheus.io/path".to_string(), "/metrics".to_string()),
     ]);
+    annotations.extend(p.annotations.clone());
     Deployment {
         metadata: owner.meta(owner.name.clone(), &BTreeMap::new()),
         spec: Some(DeploymentSpec {
@@ -280,15 +346,7 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
                 match_labels: Some(owner.selector_labels()),
                 ..LabelSelector::default()
             },
-            // Keep serving capacity during rollouts: a new pod must be ready before an old
-            // one drains.
-            strategy: Some(DeploymentStrategy {
-                type_: Some("RollingUpdate".into()),
-                rolling_update: Some(RollingUpdateDeployment {
-                    max_surge: Some(IntOrString::Int(1)),
-                    max_unavailable: Some(IntOrString::Int(0)),
-                }),
-            }),
+            strategy: Some(strategy(isvc)),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(pod_labels),

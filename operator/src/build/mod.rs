@@ -8,8 +8,11 @@ pub mod deployment;
 pub mod hpa;
 pub mod model;
 pub mod monitor;
+pub mod profile;
+pub mod quantity;
 pub mod service;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::Deployment;
@@ -66,6 +69,14 @@ pub enum BuildError {
     KvCacheMemory(String),
     #[error("dashboard {0}: {1}")]
     Dashboard(String, &'static str),
+    #[error("resources: {0}")]
+    Resources(String),
+    #[error("pod: {0}")]
+    PodSettings(String),
+    #[error("rollout: {0}")]
+    Rollout(&'static str),
+    #[error("resourceProfile {0}")]
+    ResourceProfile(String),
 }
 
 impl BuildError {
@@ -76,6 +87,10 @@ impl BuildError {
             BuildError::ModelSource(..) => "InvalidModelSource",
             BuildError::KvCacheMemory(_) => "InvalidEngineSettings",
             BuildError::Dashboard(..) => "InvalidDashboard",
+            BuildError::Resources(_) => "InvalidResources",
+            BuildError::PodSettings(_) => "InvalidPodSettings",
+            BuildError::Rollout(_) => "InvalidRollout",
+            BuildError::ResourceProfile(_) => "ResourceProfileNotFound",
         }
     }
 }
@@ -168,7 +183,8 @@ pub fn url(isvc: &InferenceService) -> String {
 /// A spec that passed [`validate`], with what build needs parsed once.
 #[derive(Debug, Clone)]
 pub struct Validated<'a> {
-    pub isvc: &'a InferenceService,
+    /// The resource, with its resource profile merged under its spec when it names one.
+    pub isvc: Cow<'a, InferenceService>,
     pub(crate) owner: Owner,
     /// `spec.model.source`, parsed.
     pub model: ModelSource,
@@ -179,21 +195,30 @@ pub struct Validated<'a> {
 impl Validated<'_> {
     /// The PersistentVolumeClaims the spec mounts, each with the field that names it.
     pub fn claims(&self) -> Vec<(&'static str, String)> {
-        model::claims(Some(&self.model), self.isvc)
+        model::claims(Some(&self.model), &self.isvc)
     }
 }
 
-/// Checks what the schema cannot (metadata, the model source's form, the KV-cache size) and
-/// parses it, once.
-pub fn validate(isvc: &InferenceService) -> Result<Validated<'_>, BuildError> {
+/// Merges the resource profile the spec names (from `config`), then checks what the schema
+/// cannot (metadata, the model source's form, the KV-cache size, requests against limits,
+/// mount paths, the rollout's bounds) and parses it, once.
+pub fn validate<'a>(
+    isvc: &'a InferenceService,
+    config: &OperatorConfig,
+) -> Result<Validated<'a>, BuildError> {
     let owner = Owner::of(isvc)?;
+    let isvc = match profile::resolve(isvc, &config.resource_profiles)? {
+        Some(merged) => Cow::Owned(merged),
+        None => Cow::Borrowed(isvc),
+    };
     let model = ModelSource::parse(&isvc.spec.model.source)?;
     let kv_cache_bytes = match &isvc.spec.runtime.engine.kv_cache_memory {
-        Some(q) => Some(
-            deployment::quantity_bytes(q).ok_or_else(|| BuildError::KvCacheMemory(q.clone()))?,
-        ),
+        Some(q) => Some(quantity::bytes(q).ok_or_else(|| BuildError::KvCacheMemory(q.clone()))?),
         None => None,
     };
+    check_resources(&isvc)?;
+    check_mounts(&isvc)?;
+    check_rollout(&isvc)?;
     Ok(Validated {
         isvc,
         owner,
@@ -202,13 +227,102 @@ pub fn validate(isvc: &InferenceService) -> Result<Validated<'_>, BuildError> {
     })
 }
 
+/// Every request and limit a quantity, no limit below its request, and an extended resource
+/// (a GPU) requested as much as its limit: the apiserver would refuse the pods, not the
+/// Deployment, and only the ReplicaSet's events would say so.
+fn check_resources(isvc: &InferenceService) -> Result<(), BuildError> {
+    let r = deployment::resources(isvc);
+    let (requests, limits) = (r.requests.unwrap_or_default(), r.limits.unwrap_or_default());
+    let parse = |kind: &str, name: &str, q: &str| {
+        quantity::value(q)
+            .ok_or_else(|| BuildError::Resources(format!("{kind} {name}: {q:?} is not a quantity")))
+    };
+    for (name, q) in &requests {
+        parse("request", name, &q.0)?;
+    }
+    for (name, limit) in &limits {
+        let l = parse("limit", name, &limit.0)?;
+        let Some(request) = requests.get(name) else {
+            continue;
+        };
+        let req = parse("request", name, &request.0)?;
+        let extended = name.contains('/') && !name.starts_with("kubernetes.io/");
+        if extended && req != l {
+            return Err(BuildError::Resources(format!(
+                "{name} is requested {} but limited to {}: an extended resource's request must equal its limit",
+                request.0, limit.0
+            )));
+        }
+        if req > l {
+            return Err(BuildError::Resources(format!(
+                "the {name} limit {} is below its request {}",
+                limit.0, request.0
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Every mount names one of the spec's volumes (a CEL rule would cost more than the
+/// apiserver's budget over lists this long), and the operator's mount points (the scratch
+/// dir, shared memory, the model) stay its own.
+fn check_mounts(isvc: &InferenceService) -> Result<(), BuildError> {
+    const RESERVED: [&str; 3] = ["/tmp", "/dev/shm", model::MODEL_ROOT];
+    let pod = &isvc.spec.pod;
+    for m in &pod.volume_mounts {
+        if !pod.volumes.iter().any(|v| v.name == m.name) {
+            return Err(BuildError::PodSettings(format!(
+                "volumeMounts {:?} names no volume in pod.volumes",
+                m.name
+            )));
+        }
+        let path = m.mount_path.trim_end_matches('/');
+        if let Some(r) = RESERVED
+            .iter()
+            .find(|r| path == **r || path.starts_with(&format!("{r}/")))
+        {
+            return Err(BuildError::PodSettings(format!(
+                "volumeMounts {:?} at {:?}: {r} is the operator's mount point; mount elsewhere",
+                m.name, m.mount_path
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A rolling update that may neither add nor remove a pod never progresses; the apiserver
+/// refuses the Deployment.
+fn check_rollout(isvc: &InferenceService) -> Result<(), BuildError> {
+    let s = deployment::strategy(isvc);
+    if let Some(r) = s.rolling_update {
+        let zero = |v: &Option<k8s_openapi::apimachinery::pkg::util::intstr::IntOrString>| {
+            v.as_ref().is_none_or(deployment::is_zero)
+        };
+        for v in [&r.max_surge, &r.max_unavailable].into_iter().flatten() {
+            if let k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(s) = v
+                && !s.ends_with('%')
+            {
+                return Err(BuildError::Rollout(
+                    "maxSurge and maxUnavailable take a number (1) or a percentage (\"25%\"), not a number in quotes",
+                ));
+            }
+        }
+        if zero(&r.max_surge) && zero(&r.max_unavailable) {
+            return Err(BuildError::Rollout(
+                "maxSurge and maxUnavailable are both 0, so no pod could ever be replaced",
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Validates, then builds every desired object.
 pub fn build(
     isvc: &InferenceService,
     config: &OperatorConfig,
     caps: ClusterCapabilities,
 ) -> Result<Desired, BuildError> {
-    desired(&validate(isvc)?, config, caps)
+    desired(&validate(isvc, config)?, config, caps)
 }
 
 /// Builds every desired object of a validated spec.
@@ -217,13 +331,13 @@ pub fn desired(
     config: &OperatorConfig,
     caps: ClusterCapabilities,
 ) -> Result<Desired, BuildError> {
-    let (isvc, owner) = (v.isvc, &v.owner);
+    let (isvc, owner) = (&*v.isvc, &v.owner);
     let deployment = deployment::deployment(v, config);
     let service = service::service(isvc, owner);
     let pdb = (isvc.desired_replicas() > 1).then(|| service::pdb(owner));
     let sm = &isvc.spec.monitoring.service_monitor;
-    let service_monitor =
-        (sm.enabled && caps.service_monitor_crd).then(|| monitor::service_monitor(sm, owner));
+    let service_monitor = (sm.enabled && caps.service_monitor_crd)
+        .then(|| monitor::service_monitor(sm, &config.monitor_labels, owner));
     let dashboards = if isvc.spec.monitoring.dashboards.enabled {
         dashboards::config_maps(isvc, config, owner)?
     } else {

@@ -15,7 +15,7 @@ const MODEL_VOLUME: &str = "model";
 /// A parsed `spec.model.source`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSource {
-    /// An absolute path inside the image (or a volume the user adds).
+    /// An absolute path inside the image, or in a volume of `pod.volumes`.
     Path(String),
     /// `pvc://claim/path`.
     Pvc { claim: String, path: String },
@@ -79,6 +79,11 @@ pub fn claims(model: Option<&ModelSource>, isvc: &InferenceService) -> Vec<(&'st
     }
     if let Some(c) = &isvc.spec.model_cache {
         claims.push(("modelCache.claimName", c.claim_name.clone()));
+    }
+    for v in &isvc.spec.pod.volumes {
+        if let Some(pvc) = &v.persistent_volume_claim {
+            claims.push(("pod.volumes", pvc.claim_name.clone()));
+        }
     }
     claims
 }

@@ -42,7 +42,13 @@ pub struct Endpoint {
 /// The CRD whose presence decides whether monitors can be created.
 pub const SERVICE_MONITOR_CRD: &str = "servicemonitors.monitoring.coreos.com";
 
-pub(crate) fn service_monitor(settings: &MonitorSettings, owner: &Owner) -> ServiceMonitor {
+/// The monitor of one InferenceService; `defaults` (the operator's `--monitor-label`s) sit
+/// under the spec's own labels.
+pub(crate) fn service_monitor(
+    settings: &MonitorSettings,
+    defaults: &std::collections::BTreeMap<String, String>,
+    owner: &Owner,
+) -> ServiceMonitor {
     let spec = ServiceMonitorSpec {
         // The Service carries the owner's labels; select it by the instance label only.
         selector: LabelSelector {
@@ -59,6 +65,8 @@ pub(crate) fn service_monitor(settings: &MonitorSettings, owner: &Owner) -> Serv
         }],
     };
     let mut sm = ServiceMonitor::new(&owner.name, spec);
-    sm.metadata = owner.meta(owner.name.clone(), &settings.labels);
+    let mut labels = defaults.clone();
+    labels.extend(settings.labels.clone());
+    sm.metadata = owner.meta(owner.name.clone(), &labels);
     sm
 }

@@ -105,8 +105,7 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
         .await
         .map_err(|_| Error::Cache("watch"))?;
     let cluster = dereference(ctx).await?;
-    let desired =
-        validate(isvc, &ctx.caches, &id.ns).and_then(|v| build_step(&v, ctx, cluster.caps));
+    let desired = validate(isvc, ctx, &id.ns).and_then(|v| build_step(&v, ctx, cluster.caps));
     let mut events = Events::new();
     let applied = apply_step(ctx, &id, &cluster, desired, &mut events).await?;
     let rollout = applied.deployment.as_deref().map(status::rollout);
@@ -168,10 +167,11 @@ async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
 /// reported before anything wrong with the spec itself: it is the likelier thing to fix.
 fn validate<'a>(
     isvc: &'a InferenceService,
-    caches: &Caches,
+    ctx: &Context,
     ns: &str,
 ) -> Result<Validated<'a>, Finding> {
-    let valid = build::validate(isvc);
+    let caches = &ctx.caches;
+    let valid = build::validate(isvc, &ctx.config);
     let claims = match &valid {
         Ok(v) => v.claims(),
         Err(_) => claims_of(isvc),
