@@ -32,6 +32,18 @@ ROUTER = 'model_name=~"$model_name"'
 # Joins a per-pod series without `model_name` (process, DCGM) to the pods serving the model.
 MODEL_PODS = f"on (namespace, pod) group_left () (max by (namespace, pod) ({ANCHOR}{{{SEL}}}) * 0 + 1)"
 
+
+def dcgm(metric):
+    """A DCGM exporter series with the GPU's pod in `pod` and `namespace`, in either form it
+    is scraped in: the GPU operator's ServiceMonitor honors the exporter's own labels, while
+    kube-prometheus-stack's default scrape renames them to `exported_pod` and
+    `exported_namespace` (the target's own being the exporter pod's). The join with
+    MODEL_PODS then keeps the model's pods."""
+    return (
+        f'label_replace(label_replace({metric}, "pod", "$1", "exported_pod", "(.+)"), '
+        f'"namespace", "$1", "exported_namespace", "(.+)")'
+    )
+
 PERCENTILES = [("p99", 0.99), ("p95", 0.95), ("p90", 0.9), ("p50", 0.5)]
 
 
@@ -252,8 +264,9 @@ def gpu_util(title):
     return timeseries(
         title,
         "GPU utilization per GPU of the model's pods, from NVIDIA's DCGM exporter "
-        "(DCGM_FI_DEV_GPU_UTIL, percent). Empty on CPU-only pods.",
-        [(f"avg by (pod, gpu) (DCGM_FI_DEV_GPU_UTIL{{namespace=~\"$namespace\", pod=~\"$pod\"}} * {MODEL_PODS})", "{{pod}} GPU {{gpu}}")],
+        "(DCGM_FI_DEV_GPU_UTIL, percent), whether Prometheus keeps the exporter's pod labels or "
+        "renames them exported_pod. Empty on CPU-only pods.",
+        [(f"avg by (pod, gpu) ({dcgm('DCGM_FI_DEV_GPU_UTIL')} * {MODEL_PODS})", "{{pod}} GPU {{gpu}}")],
         unit="percent",
     )
 
@@ -479,8 +492,10 @@ def realtime():
         (gpu_util("GPU utilization"), 6, 8),
         (timeseries(
             "GPU memory used",
-            "Frame-buffer memory in use per GPU of the model's pods (DCGM_FI_DEV_FB_USED, MiB). Empty on CPU-only pods.",
-            [(f"avg by (pod, gpu) (DCGM_FI_DEV_FB_USED{{namespace=~\"$namespace\", pod=~\"$pod\"}} * {MODEL_PODS})", "{{pod}} GPU {{gpu}}")],
+            "Frame-buffer memory in use per GPU of the model's pods (DCGM_FI_DEV_FB_USED, MiB), "
+            "whether Prometheus keeps the exporter's pod labels or renames them exported_pod. "
+            "Empty on CPU-only pods.",
+            [(f"avg by (pod, gpu) ({dcgm('DCGM_FI_DEV_FB_USED')} * {MODEL_PODS})", "{{pod}} GPU {{gpu}}")],
             unit="decmbytes",
         ), 6, 8),
     ]

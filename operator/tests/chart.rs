@@ -514,6 +514,17 @@ fn check_notes(tag: &str, docs: &[Value]) {
         text.contains("kubectl port-forward svc/smollm2 8000:8000"),
         "{tag}:\n{text}"
     );
+    // How a model gets onto the claim the example names.
+    assert!(
+        text.contains("kubectl cp SmolLM2-135M-Instruct.Q4_1.gguf model-copy:/models/")
+            && text.contains("claimName: models"),
+        "{tag}:\n{text}"
+    );
+    assert_eq!(
+        text.contains("Resource profiles for spec.resourceProfile (NAME or NAME:GPUS): amd-mi300x, nvidia-a100-mig, nvidia-h100."),
+        tag == "resource-profiles",
+        "{tag}:\n{text}"
+    );
 }
 
 /// What a value set renders for the router.

@@ -8,7 +8,9 @@ pub mod metrics;
 pub mod policy;
 pub mod prefix;
 pub mod proxy;
+pub mod recent;
 pub mod registry;
+pub mod work;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

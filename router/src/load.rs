@@ -1,9 +1,12 @@
-//! Each replica's load as the router weighs it: the requests this router has open there right
-//! now, plus the queue and running requests of everyone else as last scraped from its
-//! `/metrics` (the operator's scraper and parser, the autoscaler's view). Counting its own
-//! requests exactly, and not through the scrape, means a burst between two scrapes spreads
-//! out instead of piling onto the replica that looked idle, and a request that ended stops
-//! counting at once instead of making an idle replica look busy until the next scrape.
+//! Each replica's load as the router weighs it, in tokens of work (see [`crate::work`]): the
+//! requests this router has open there right now, each weighed by its own estimate, plus the
+//! queue and running requests of everyone else as last scraped from its `/metrics` (the
+//! operator's scraper and parser, the autoscaler's view), each weighed as a typical request
+//! of this router. Counting its own requests exactly, and not through the scrape, means a
+//! burst between two scrapes spreads out instead of piling onto the replica that looked idle,
+//! and a request that ended stops counting at once instead of making an idle replica look
+//! busy until the next scrape. Weighing them by work means a replica prefilling a long prompt
+//! looks as busy as it is.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -13,6 +16,7 @@ use ferrite_operator::autoscale::scrape::{PodTarget, Scraper};
 use ferrite_operator::signal::PodSample;
 
 use crate::registry::Registry;
+use crate::work::Work;
 
 #[derive(Debug, Default, Clone, Copy)]
 struct PodLoad {
@@ -21,52 +25,114 @@ struct PodLoad {
     others: f64,
     /// Requests this router has open there.
     open: u64,
+    /// Their work, summed.
+    open_work: f64,
     /// Set aside until then: it refused a connection (its pod may still be listed Ready
     /// while it is gone).
     aside_until: Option<Instant>,
 }
 
+/// How fast the typical request's work follows the router's recent requests.
+const TYPICAL_ALPHA: f64 = 0.05;
+
+#[derive(Debug)]
+struct Inner {
+    pods: HashMap<String, PodLoad>,
+    /// A moving average of the work of the requests this router sent: what one scraped
+    /// request of someone else's counts for.
+    typical: f64,
+}
+
+impl Default for Inner {
+    fn default() -> Inner {
+        Inner {
+            pods: HashMap::new(),
+            typical: crate::work::DEFAULT_MAX_TOKENS,
+        }
+    }
+}
+
 /// Loads by replica base URL.
 #[derive(Debug, Clone, Default)]
 pub struct Loads {
-    pods: Arc<Mutex<HashMap<String, PodLoad>>>,
+    inner: Arc<Mutex<Inner>>,
 }
 
 impl Loads {
-    /// The load the policies weigh for the replica at `base_url`.
-    pub fn get(&self, base_url: &str) -> f64 {
-        let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        pods.get(base_url).map_or(0.0, |p| p.others + p.open as f64)
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Counts a request sent to `base_url` until the guard drops.
-    pub fn open(&self, base_url: &str) -> Open {
-        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        pods.entry(base_url.to_string()).or_default().open += 1;
+    /// The load the policies weigh for the replica at `base_url`, in tokens of work.
+    pub fn get(&self, base_url: &str) -> f64 {
+        let inner = self.lock();
+        inner
+            .pods
+            .get(base_url)
+            .map_or(0.0, |p| p.others * inner.typical + p.open_work)
+    }
+
+    /// Counts a request of `work` sent to `base_url` until the guard drops. `preamble` is
+    /// the number of stream events that come before its first token (a chat stream's role
+    /// event), for [`Open::events`].
+    pub fn open(&self, base_url: &str, work: Work, preamble: u64) -> Open {
+        let clean = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
+        let (prompt, output) = (clean(work.prompt), clean(work.output));
+        let mut inner = self.lock();
+        let total = prompt + output;
+        inner.typical += TYPICAL_ALPHA * (total - inner.typical);
+        let p = inner.pods.entry(base_url.to_string()).or_default();
+        p.open += 1;
+        p.open_work += total;
         Open {
             loads: self.clone(),
             base_url: base_url.to_string(),
+            prompt,
+            output,
+            preamble,
+            seen: 0,
         }
     }
 
-    fn close(&self, base_url: &str) {
-        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = pods.get_mut(base_url) {
+    /// Takes `work` off a request still open at `base_url`.
+    fn release(&self, base_url: &str, work: f64) {
+        if work <= 0.0 {
+            return;
+        }
+        let mut inner = self.lock();
+        if let Some(p) = inner.pods.get_mut(base_url) {
+            p.open_work = (p.open_work - work).max(0.0);
+        }
+    }
+
+    fn close(&self, base_url: &str, work: f64) {
+        let mut inner = self.lock();
+        if let Some(p) = inner.pods.get_mut(base_url) {
             p.open = p.open.saturating_sub(1);
+            // Summing floats up and down drifts: nothing open is exactly nothing.
+            p.open_work = if p.open == 0 {
+                0.0
+            } else {
+                (p.open_work - work).max(0.0)
+            };
         }
     }
 
     /// Sets `base_url` aside for `span` (or until a scrape reaches it): it refused a
     /// connection.
     pub fn set_aside(&self, base_url: &str, span: Duration) {
-        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        pods.entry(base_url.to_string()).or_default().aside_until = Some(Instant::now() + span);
+        self.lock()
+            .pods
+            .entry(base_url.to_string())
+            .or_default()
+            .aside_until = Some(Instant::now() + span);
     }
 
     /// Whether `base_url` is set aside now.
     pub fn is_set_aside(&self, base_url: &str) -> bool {
-        let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        pods.get(base_url)
+        self.lock()
+            .pods
+            .get(base_url)
             .and_then(|p| p.aside_until)
             .is_some_and(|t| Instant::now() < t)
     }
@@ -75,8 +141,8 @@ impl Loads {
     /// open there: the scraped count includes those, so the rest is everyone else's. A
     /// failed scrape (`None`) keeps the last estimate.
     fn scraped(&self, base_url: &str, value: Option<f64>, open_then: u64) {
-        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        let p = pods.entry(base_url.to_string()).or_default();
+        let mut inner = self.lock();
+        let p = inner.pods.entry(base_url.to_string()).or_default();
         if let Some(v) = value {
             p.others = (v - open_then as f64).max(0.0);
             // It answered: back in.
@@ -85,14 +151,14 @@ impl Loads {
     }
 
     fn open_now(&self, base_url: &str) -> u64 {
-        let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        pods.get(base_url).map_or(0, |p| p.open)
+        self.lock().pods.get(base_url).map_or(0, |p| p.open)
     }
 
     /// Forgets replicas that are gone and have nothing open.
     fn retain(&self, live: &[String]) {
-        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
-        pods.retain(|url, p| p.open > 0 || live.contains(url));
+        self.lock()
+            .pods
+            .retain(|url, p| p.open > 0 || live.contains(url));
     }
 
     /// Scrapes every ready replica of every service every `every`, for ever.
@@ -135,40 +201,78 @@ impl Loads {
 pub struct Open {
     loads: Loads,
     base_url: String,
+    /// Work still counted: the prompt until its first token, then the output not yet seen.
+    prompt: f64,
+    output: f64,
+    /// Stream events before the first token.
+    preamble: u64,
+    /// Stream events seen so far.
+    seen: u64,
+}
+
+impl Open {
+    /// Notes `n` more events of the response's stream: once the first token arrives the
+    /// prompt has been prefilled and stops counting, and each token after takes one off the
+    /// output still to come.
+    pub fn events(&mut self, n: u64) {
+        if n == 0 {
+            return;
+        }
+        let before = self.seen;
+        self.seen += n;
+        let mut done = 0.0;
+        if before <= self.preamble && self.seen > self.preamble {
+            done += std::mem::take(&mut self.prompt);
+        }
+        let tokens = self.seen.saturating_sub(self.preamble) - before.saturating_sub(self.preamble);
+        let out = (tokens as f64).min(self.output);
+        self.output -= out;
+        self.loads.release(&self.base_url, done + out);
+    }
 }
 
 impl Drop for Open {
     fn drop(&mut self) {
-        self.loads.close(&self.base_url);
+        self.loads.close(&self.base_url, self.prompt + self.output);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::work::DEFAULT_MAX_TOKENS as U;
+
+    /// A request of `w` tokens, all of them output.
+    fn w(w: f64) -> Work {
+        Work {
+            prompt: 0.0,
+            output: w,
+        }
+    }
 
     #[test]
     fn own_requests_count_at_once_and_others_come_from_the_scrape() {
         let loads = Loads::default();
         let a = "http://10.0.0.1:8000";
         loads.scraped(a, Some(3.0), 0);
-        let first = loads.open(a);
-        let second = loads.open(a);
-        assert_eq!(loads.get(a), 5.0, "3 others + 2 of ours");
+        // Requests of the typical size: the counts read in units of U.
+        let first = loads.open(a, w(U), 0);
+        let second = loads.open(a, w(U), 0);
+        assert_eq!(loads.get(a), 5.0 * U, "3 others + 2 of ours");
         // A scrape that began with both open counts them: the others are still 3.
         loads.scraped(a, Some(5.0), 2);
-        assert_eq!(loads.get(a), 5.0);
+        assert_eq!(loads.get(a), 5.0 * U);
         drop(first);
         drop(second);
-        assert_eq!(loads.get(a), 3.0, "ours stop counting when they end");
+        assert_eq!(loads.get(a), 3.0 * U, "ours stop counting when they end");
         loads.scraped(a, Some(0.0), 0);
         assert_eq!(loads.get(a), 0.0);
         // A failed scrape keeps the last value, and gone replicas with nothing open go.
         loads.scraped(a, Some(2.0), 0);
         loads.scraped(a, None, 0);
-        assert_eq!(loads.get(a), 2.0);
+        assert_eq!(loads.get(a), 2.0 * U);
         loads.retain(&[]);
-        assert_eq!(loads.pods.lock().expect("lock").len(), 0);
+        assert_eq!(loads.lock().pods.len(), 0);
     }
 
     #[test]
@@ -188,11 +292,69 @@ mod tests {
     fn a_scrape_that_missed_our_requests_does_not_go_negative() {
         let loads = Loads::default();
         let a = "http://10.0.0.2:8000";
-        let r = loads.open(a);
+        let r = loads.open(a, w(U), 0);
         // Sent, but not yet admitted when the replica answered the scrape.
         loads.scraped(a, Some(0.0), 1);
-        assert_eq!(loads.get(a), 1.0);
+        assert_eq!(loads.get(a), U);
         drop(r);
+        assert_eq!(loads.get(a), 0.0);
+    }
+
+    #[test]
+    fn open_requests_weigh_their_work_and_others_the_typical_request() {
+        let loads = Loads::default();
+        let (a, b) = ("http://10.0.0.1:8000", "http://10.0.0.2:8000");
+        let long = loads.open(a, w(1128.0), 0);
+        let short = loads.open(b, w(80.0), 0);
+        assert_eq!(loads.get(a), 1128.0);
+        assert_eq!(loads.get(b), 80.0);
+        // The typical request moved from U toward what was sent.
+        let typical = loads.lock().typical;
+        assert!(typical < 1128.0 && typical != U, "{typical}");
+        // One request of someone else's on b counts as a typical one.
+        loads.scraped(b, Some(2.0), 1);
+        assert_eq!(loads.get(b), 80.0 + typical);
+        drop(long);
+        drop(short);
+        assert_eq!(loads.get(a), 0.0);
+        // Nonsense weighs nothing rather than poisoning the sums.
+        let bad = loads.open(a, w(f64::NAN), 0);
+        assert_eq!(loads.get(a), 0.0);
+        drop(bad);
+    }
+
+    #[test]
+    fn a_stream_gives_back_its_prompt_at_the_first_token_then_one_per_token() {
+        let loads = Loads::default();
+        let a = "http://10.0.0.4:8000";
+        let work = Work {
+            prompt: 1000.0,
+            output: 3.0,
+        };
+        // A chat stream: the role event comes before the first token.
+        let mut open = loads.open(a, work, 1);
+        assert_eq!(loads.get(a), 1003.0);
+        open.events(1);
+        assert_eq!(loads.get(a), 1003.0, "the role event: still prefilling");
+        open.events(1);
+        assert_eq!(
+            loads.get(a),
+            2.0,
+            "first token: prefill done, one token out"
+        );
+        open.events(5);
+        assert_eq!(loads.get(a), 0.0, "never below nothing");
+        drop(open);
+        assert_eq!(loads.get(a), 0.0);
+        // A completion stream's first event is its first token; a request that ends early
+        // gives back what is left.
+        let mut open = loads.open(a, work, 0);
+        let other = loads.open(a, work, 0);
+        open.events(2);
+        assert_eq!(loads.get(a), 1.0 + 1003.0);
+        drop(open);
+        assert_eq!(loads.get(a), 1003.0);
+        drop(other);
         assert_eq!(loads.get(a), 0.0);
     }
 }

@@ -1,14 +1,22 @@
 //! Picking a replica for one request: pure functions over a snapshot of the replicas' load,
 //! so every policy is unit-tested without pods, servers or clocks.
 //!
+//! Loads and requests are weighed in tokens of work (see [`crate::work`]).
+//!
 //! - [`Policy::PrefixAffinity`] (the default): consistent hashing with bounded loads
-//!   (Mirrokni, Thorup and Zadimoghaddam, 2018). The request's prefix key hashes onto a ring of
-//!   [`VNODES`] points per replica; the first replica clockwise whose load is below
-//!   `ceil((1 + ε) · (total + 1) / n)` takes it. The same conversation or tenant keeps landing
-//!   where its prefix is cached, and no replica takes more than its bounded share, so a hot
-//!   prefix overflows to the next replica on the ring (always the same one) instead of
-//!   queueing.
-//! - [`Policy::LeastLoad`]: the replica with the least load, ties broken by name.
+//!   (Mirrokni, Thorup and Zadimoghaddam, 2018), counted in requests the size of the new one.
+//!   The request's prefix key hashes onto a ring of [`VNODES`] points per replica; the first
+//!   replica clockwise that would then hold at most `ceil((1 + ε) · (m + 1) / n)` takes it,
+//!   where each replica's load is its work over the request's, rounded ([`units`]), and `m`
+//!   their sum. With requests of one size this is the paper exactly; a short request is kept
+//!   off a replica busy with a long prompt, which counts as many of it. The same conversation
+//!   or tenant keeps landing where its prefix is cached, and no replica takes more than its
+//!   bounded share, so a hot prefix overflows to the next replica on the ring (always the same
+//!   one) instead of queueing. A prefix the router has not routed lately gets no slack
+//!   (ε = 0): no replica can hold it, so keeping it on its owner buys nothing, and with few
+//!   replicas even ε = 0.25 rounds up to letting one replica hold two requests while
+//!   another holds none.
+//! - [`Policy::LeastLoad`]: the replica with the least work, ties broken by name.
 //! - [`Policy::RoundRobin`]: in turn.
 
 use ferrite_operator::hash::fnv1a;
@@ -24,8 +32,7 @@ pub use ferrite_operator::crd::RoutingPolicy as Policy;
 pub struct Replica {
     /// Pod name: the ring is built from names, so it survives IP changes and restarts.
     pub name: String,
-    /// Requests waiting and running there, as last scraped, plus the router's own requests
-    /// sent since that scrape and still open (so a burst between two scrapes spreads too).
+    /// Work open there, in tokens (see `load`).
     pub load: f64,
 }
 
@@ -57,14 +64,27 @@ pub struct Decision {
     pub affinity: Affinity,
 }
 
-/// Picks a replica, or `None` when there is none. `key` is the request's prefix key (see
-/// `prefix`), `turn` a counter the caller advances per request (round-robin), and `epsilon`
-/// the load bound's slack (0.25: a replica may take a quarter more than the average).
+/// What one request brings to the choice.
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    /// Its prefix key (see `prefix`).
+    pub key: Option<&'a str>,
+    /// Its work, in the loads' units (see `work`).
+    pub work: f64,
+    /// A counter the caller advances per request (round-robin).
+    pub turn: u64,
+    /// Whether the router routed this key lately (see `recent`): a prefix no replica can
+    /// have cached gets no load slack.
+    pub known: bool,
+}
+
+/// Picks a replica, or `None` when there is none. `epsilon` is the load bound's slack (0.25:
+/// a replica may take a quarter more than the average) for a known prefix; a new one gets
+/// none, so it lands on the first replica along its ring at or below the average.
 pub fn pick(
     policy: Policy,
     replicas: &[Replica],
-    key: Option<&str>,
-    turn: u64,
+    request: Request<'_>,
     epsilon: f64,
 ) -> Option<Decision> {
     if replicas.is_empty() {
@@ -74,10 +94,11 @@ pub fn pick(
         index,
         affinity: Affinity::None,
     };
-    match (policy, key) {
-        (Policy::RoundRobin, _) => Some(decision((turn % replicas.len() as u64) as usize)),
+    match (policy, request.key) {
+        (Policy::RoundRobin, _) => Some(decision((request.turn % replicas.len() as u64) as usize)),
         (Policy::PrefixAffinity, Some(key)) if !key.is_empty() => {
-            Some(bounded_ring(replicas, key, epsilon))
+            let epsilon = if request.known { epsilon } else { 0.0 };
+            Some(bounded_ring(replicas, key, request.work, epsilon))
         }
         // Without a key there is nothing to be affine to: the least loaded replica.
         (Policy::LeastLoad | Policy::PrefixAffinity, _) => Some(decision(least_loaded(replicas))),
@@ -97,7 +118,7 @@ fn least_loaded(replicas: &[Replica]) -> usize {
 
 /// Position of a string on the ring: FNV-1a (stable across builds and router replicas, which
 /// must agree) through a finalizer that spreads FNV's weak low bits.
-fn point(bytes: &[u8]) -> u64 {
+pub fn point(bytes: &[u8]) -> u64 {
     let mut z = fnv1a(bytes);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -117,13 +138,39 @@ fn ring(replicas: &[Replica]) -> Vec<(u64, usize)> {
     points
 }
 
-fn bounded_ring(replicas: &[Replica], key: &str, epsilon: f64) -> Decision {
-    let total: f64 = replicas.iter().map(|r| r.load.max(0.0)).sum();
-    // Every replica may hold this many, counting the new request; at least 1, so an idle
-    // service still follows the ring.
-    let bound = ((1.0 + epsilon.max(0.0)) * (total + 1.0) / replicas.len() as f64)
+/// Each replica's load in requests the size of this one (`work`), rounded to the nearest
+/// whole: with one request size these are the paper's counts, small differences in size
+/// (a conversation's later turns are a little longer) change nothing, and a replica
+/// prefilling a long prompt counts as many short requests.
+pub fn units(replicas: &[Replica], work: f64) -> Vec<f64> {
+    let work = if work.is_finite() && work > 0.0 {
+        work
+    } else {
+        1.0
+    };
+    replicas
+        .iter()
+        .map(|r| {
+            let u = (r.load / work).round();
+            if u.is_finite() { u.max(0.0) } else { 0.0 }
+        })
+        .collect()
+}
+
+/// The most a replica may hold, in [`units`], once it takes the request:
+/// `ceil((1 + ε) · (m + 1) / n)` where `m` is the units held in all, and at least 1, so an
+/// idle service still follows the ring. Some replica always has room: the least loaded holds
+/// at most the average.
+pub fn bound(units: &[f64], epsilon: f64) -> f64 {
+    let m: f64 = units.iter().sum();
+    ((1.0 + epsilon.max(0.0)) * (m + 1.0) / units.len().max(1) as f64)
         .ceil()
-        .max(1.0);
+        .max(1.0)
+}
+
+fn bounded_ring(replicas: &[Replica], key: &str, work: f64, epsilon: f64) -> Decision {
+    let units = units(replicas, work);
+    let bound = bound(&units, epsilon);
     let points = ring(replicas);
     let h = point(key.as_bytes());
     let start = points.partition_point(|&(p, _)| p < h);
@@ -136,7 +183,7 @@ fn bounded_ring(replicas: &[Replica], key: &str, epsilon: f64) -> Decision {
         }
         seen[i] = true;
         let first = *owner.get_or_insert(i);
-        if replicas[i].load + 1.0 <= bound {
+        if units[i] + 1.0 <= bound {
             let affinity = if i == first {
                 Affinity::Kept
             } else {
@@ -145,8 +192,8 @@ fn bounded_ring(replicas: &[Replica], key: &str, epsilon: f64) -> Decision {
             return Decision { index: i, affinity };
         }
     }
-    // Unreachable in exact arithmetic (some replica is at or below the average), kept for
-    // NaN loads: the least loaded replica.
+    // Unreachable (the least loaded replica fits the bound), kept for NaN loads: the least
+    // loaded replica.
     Decision {
         index: least_loaded(replicas),
         affinity: Affinity::Overflowed,
@@ -169,8 +216,18 @@ mod tests {
             .collect()
     }
 
+    /// A request of unit work: the loads read as request counts.
+    fn req(key: Option<&str>, turn: u64) -> Request<'_> {
+        Request {
+            key,
+            work: 1.0,
+            turn,
+            known: true,
+        }
+    }
+
     fn affine(rs: &[Replica], key: &str) -> Decision {
-        pick(Policy::PrefixAffinity, rs, Some(key), 0, 0.25).expect("a replica")
+        pick(Policy::PrefixAffinity, rs, req(Some(key), 0), 0.25).expect("a replica")
     }
 
     #[test]
@@ -180,7 +237,7 @@ mod tests {
             Policy::LeastLoad,
             Policy::RoundRobin,
         ] {
-            assert_eq!(pick(p, &[], Some("k"), 0, 0.25), None);
+            assert_eq!(pick(p, &[], req(Some("k"), 0), 0.25), None);
         }
     }
 
@@ -239,7 +296,7 @@ mod tests {
     #[test]
     fn least_load_avoids_the_long_queue_and_breaks_ties_by_name() {
         let rs = replicas(&[20.0, 3.0, 3.0]);
-        let d = pick(Policy::LeastLoad, &rs, Some("k"), 7, 0.25).expect("replica");
+        let d = pick(Policy::LeastLoad, &rs, req(Some("k"), 7), 0.25).expect("replica");
         assert_eq!(d.index, 1);
         assert_eq!(d.affinity, Affinity::None);
     }
@@ -249,32 +306,141 @@ mod tests {
         let rs = replicas(&[5.0, 0.0, 9.0]);
         let picks: Vec<usize> = (0..6)
             .map(|t| {
-                pick(Policy::RoundRobin, &rs, None, t, 0.25)
+                pick(Policy::RoundRobin, &rs, req(None, t), 0.25)
                     .expect("replica")
                     .index
             })
             .collect();
         assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
         for key in [None, Some("")] {
-            let d = pick(Policy::PrefixAffinity, &rs, key, 0, 0.25).expect("replica");
+            let d = pick(Policy::PrefixAffinity, &rs, req(key, 0), 0.25).expect("replica");
             assert_eq!((d.index, d.affinity), (1, Affinity::None));
         }
     }
 
+    #[test]
+    fn a_short_request_keeps_off_a_replica_prefilling_a_long_prompt() {
+        // Two replicas; one holds a 1,000-token prompt with 128 tokens to write.
+        let short = |key| Request {
+            key: Some(key),
+            work: 80.0,
+            turn: 0,
+            known: true,
+        };
+        let key = (0..100)
+            .map(|t| format!("fresh prompt {t}"))
+            .find(|k| affine(&replicas(&[0.0, 0.0]), k).index == 0)
+            .expect("some key lands on pod-0");
+        let busy = replicas(&[1128.0, 0.0]);
+        let d = pick(Policy::PrefixAffinity, &busy, short(&key), 0.25).expect("replica");
+        assert_eq!((d.index, d.affinity), (1, Affinity::Overflowed));
+        // Counted in requests, one open request was within the bound and the short one
+        // queued behind the prefill.
+        let counted = replicas(&[1.0, 0.0]);
+        assert_eq!(affine(&counted, &key).index, 0);
+        // A short request in the way does not count against a long one: it keeps its replica.
+        let long = Request {
+            key: Some(&key),
+            work: 1128.0,
+            turn: 0,
+            known: true,
+        };
+        let d = pick(Policy::PrefixAffinity, &replicas(&[80.0, 0.0]), long, 0.25).expect("replica");
+        assert_eq!((d.index, d.affinity), (0, Affinity::Kept));
+        // Turns a little longer than this one count as one each: two on the owner, one on
+        // each other replica, and the owner may still take a third (the paper's bound, 3).
+        let turn = Request {
+            key: Some(&key),
+            work: 1036.0,
+            turn: 0,
+            known: true,
+        };
+        let owner = affine(&replicas(&[0.0, 0.0, 0.0]), &key).index;
+        let mut loads = [1150.0; 3];
+        loads[owner] = 2300.0;
+        let d = pick(Policy::PrefixAffinity, &replicas(&loads), turn, 0.25).expect("replica");
+        assert_eq!((d.index, d.affinity), (owner, Affinity::Kept), "{loads:?}");
+        // Least-load weighs work too.
+        let d = pick(
+            Policy::LeastLoad,
+            &replicas(&[1128.0, 300.0]),
+            short(&key),
+            0.25,
+        )
+        .expect("replica");
+        assert_eq!(d.index, 1);
+    }
+
+    #[test]
+    fn a_new_prefix_gets_no_slack_and_a_known_one_keeps_its_replica() {
+        // Two replicas, the key's owner prefilling one long prompt, the other idle.
+        let key = (0..100)
+            .map(|t| format!("fresh prompt {t}"))
+            .find(|k| affine(&replicas(&[0.0, 0.0]), k).index == 0)
+            .expect("some key lands on pod-0");
+        let loads = replicas(&[1128.0, 0.0]);
+        let long = |known| Request {
+            key: Some(&key),
+            work: 1128.0,
+            turn: 0,
+            known,
+        };
+        // Known: (1 + 0.25) x (1 + 1) / 2 rounds up to 2, so the owner takes a second.
+        let d = pick(Policy::PrefixAffinity, &loads, long(true), 0.25).expect("replica");
+        assert_eq!((d.index, d.affinity), (0, Affinity::Kept));
+        // New: nothing to keep, so the idle replica takes it.
+        let d = pick(Policy::PrefixAffinity, &loads, long(false), 0.25).expect("replica");
+        assert_eq!((d.index, d.affinity), (1, Affinity::Overflowed));
+        // On an idle service a new prefix still follows the ring.
+        let d = pick(
+            Policy::PrefixAffinity,
+            &replicas(&[0.0, 0.0]),
+            long(false),
+            0.25,
+        )
+        .expect("replica");
+        assert_eq!((d.index, d.affinity), (0, Affinity::Kept));
+    }
+
+    #[test]
+    fn with_one_request_size_the_bound_is_the_papers() {
+        for loads in [
+            [0.0, 0.0, 0.0],
+            [1.0, 0.0, 0.0],
+            [2.0, 1.0, 0.0],
+            [7.0, 2.0, 3.0],
+        ] {
+            let total: f64 = loads.iter().sum();
+            let paper = (1.25 * (total + 1.0) / 3.0).ceil().max(1.0);
+            for size in [1.0, 80.0, 1128.0] {
+                let scaled: Vec<f64> = loads.iter().map(|l| l * size).collect();
+                let u = units(&replicas(&scaled), size);
+                assert_eq!(u, loads, "{size}");
+                assert_eq!(bound(&u, 0.25), paper, "{loads:?} x {size}");
+            }
+        }
+    }
+
     proptest! {
-        /// Whatever the loads, prefix affinity never sends a request to a replica that would
-        /// then hold more than the bound, while another is below it.
+        /// Whatever the loads and the request's size, prefix affinity never sends a request
+        /// to a replica that would then hold more than the bound, and the bound always
+        /// leaves room somewhere.
         #[test]
         fn the_load_bound_holds(
-            loads in proptest::collection::vec(0u32..50, 1..8),
+            loads in proptest::collection::vec(0u32..5000, 1..8),
             key in "[a-z ]{1,40}",
+            work in 1u32..2000,
             eps in 0.0f64..1.0,
         ) {
             let rs = replicas(&loads.iter().map(|&l| f64::from(l)).collect::<Vec<_>>());
-            let d = pick(Policy::PrefixAffinity, &rs, Some(&key), 0, eps).expect("replica");
-            let total: f64 = rs.iter().map(|r| r.load).sum();
-            let bound = ((1.0 + eps) * (total + 1.0) / rs.len() as f64).ceil().max(1.0);
-            prop_assert!(rs[d.index].load + 1.0 <= bound, "{:?} -> {}", loads, d.index);
+            for known in [true, false] {
+                let request = Request { key: Some(&key), work: f64::from(work), turn: 0, known };
+                let d = pick(Policy::PrefixAffinity, &rs, request, eps).expect("replica");
+                let u = units(&rs, f64::from(work));
+                let eps = if known { eps } else { 0.0 };
+                prop_assert!(u[d.index] + 1.0 <= bound(&u, eps), "{:?} -> {}", loads, d.index);
+                prop_assert!(d.affinity != Affinity::None);
+            }
         }
     }
 }

@@ -27,9 +27,11 @@ use serde_json::{Value, json};
 
 use crate::load::{Loads, Open};
 use crate::metrics::Metrics;
-use crate::policy::{self, Replica};
+use crate::policy::{self, Replica, Request};
 use crate::prefix;
+use crate::recent::RecentKeys;
 use crate::registry::{Registry, Service};
+use crate::work;
 
 /// The router's settings.
 #[derive(Debug, Clone)]
@@ -59,6 +61,8 @@ pub struct App {
     pub draining: AtomicBool,
     client: HttpClient<HttpConnector, Full<Bytes>>,
     turn: AtomicU64,
+    /// Prefix keys routed lately.
+    recent: RecentKeys,
 }
 
 impl std::fmt::Debug for App {
@@ -90,6 +94,7 @@ impl App {
             draining: AtomicBool::new(false),
             client,
             turn: AtomicU64::new(0),
+            recent: RecentKeys::default(),
         }
     }
 }
@@ -213,6 +218,11 @@ pub async fn forward(
         };
     }
     let key = prefix::key(&parsed, app.config.prefix_chars);
+    let work = work::estimate(&parsed);
+    // Asked once per request (a retry is the same request).
+    let known = key.as_deref().is_some_and(|k| app.recent.seen(k));
+    // A chat stream opens with the role event before its first token.
+    let preamble = u64::from(uri.path().ends_with("/chat/completions"));
     let path = uri
         .path_and_query()
         .map_or(uri.path(), |p| p.as_str())
@@ -242,14 +252,13 @@ pub async fn forward(
                 load: app.loads.get(&e.base_url),
             })
             .collect();
-        let turn = app.turn.fetch_add(1, Ordering::Relaxed);
-        let Some(d) = policy::pick(
-            svc.policy,
-            &replicas,
-            key.as_deref(),
-            turn,
-            app.config.epsilon,
-        ) else {
+        let request = Request {
+            key: key.as_deref(),
+            work: work.total(),
+            turn: app.turn.fetch_add(1, Ordering::Relaxed),
+            known,
+        };
+        let Some(d) = policy::pick(svc.policy, &replicas, request, app.config.epsilon) else {
             break;
         };
         let ep = candidates[d.index];
@@ -257,7 +266,7 @@ pub async fn forward(
             .decisions
             .with_label_values(&[&model, policy_label, d.affinity.as_str()])
             .inc();
-        let open = app.loads.open(&ep.base_url);
+        let open = app.loads.open(&ep.base_url, work, preamble);
         let in_flight = app.metrics.in_flight.with_label_values(&[&model, &ep.name]);
         in_flight.inc();
         let gauge = GaugeGuard(in_flight);
@@ -308,7 +317,8 @@ pub async fn forward(
                     .is_some_and(|v| v.starts_with("text/event-stream"));
                 let tracked = Tracked {
                     inner: incoming,
-                    _open: open,
+                    open,
+                    event_stream,
                     _gauge: gauge,
                     started,
                     duration: Some(app.metrics.upstream_duration.with_label_values(&[&model])),
@@ -441,7 +451,10 @@ impl Drop for GaugeGuard {
 /// the request stays counted against the replica until the body ends or the client leaves.
 struct Tracked {
     inner: Incoming,
-    _open: Open,
+    /// Counted against the replica until the body ends; an event stream's events tell it
+    /// how far the replica has got.
+    open: Open,
+    event_stream: bool,
     _gauge: GaugeGuard,
     started: Instant,
     duration: Option<Histogram>,
@@ -481,6 +494,16 @@ impl Tracked {
     }
 }
 
+/// Server-sent events that start in `chunk`: its `data:` fields at the start of a line.
+fn events_in(chunk: &[u8]) -> u64 {
+    let mut n = u64::from(chunk.starts_with(b"data:"));
+    n += chunk
+        .windows(6)
+        .filter(|w| w[0] == b'\n' && &w[1..] == b"data:")
+        .count() as u64;
+    n
+}
+
 impl HttpBody for Tracked {
     type Data = Bytes;
     type Error = hyper::Error;
@@ -508,6 +531,12 @@ impl HttpBody for Tracked {
                 Poll::Ready(event.map(|b| Ok(Frame::data(b))))
             }
             Some(Ok(frame)) => {
+                if self.event_stream
+                    && let Some(data) = frame.data_ref()
+                {
+                    let events = events_in(data);
+                    self.open.events(events);
+                }
                 // hyper reads a body of known length no further than its last byte, so
                 // its end shows here rather than as a final `None`.
                 if self.inner.is_end_stream() {
@@ -530,5 +559,20 @@ impl HttpBody for Tracked {
         } else {
             self.inner.size_hint()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::events_in;
+
+    #[test]
+    fn events_are_counted_by_their_data_lines() {
+        assert_eq!(events_in(b"data: {\"a\":1}\n\n"), 1);
+        assert_eq!(events_in(b"data: {}\n\ndata: {}\n\ndata: [DONE]\n\n"), 3);
+        // A field inside a JSON string is not at the start of a line.
+        assert_eq!(events_in(b"data: {\"text\":\"data: x\"}\n\n"), 1);
+        assert_eq!(events_in(b": keep-alive\n\n"), 0);
+        assert_eq!(events_in(b""), 0);
     }
 }

@@ -1,0 +1,144 @@
+//! How much a request asks of a replica, in tokens: what [`crate::load`] weighs open requests
+//! by, so that a replica prefilling a 1,000-token prompt does not count the same as one
+//! answering a greeting.
+//!
+//! The router has no tokenizer, so a prompt's tokens are estimated from its characters
+//! ([`CHARS_PER_TOKEN`], about right for English under the BPE vocabularies served here);
+//! token-id prompts count exactly. The output counts at its most: `max_tokens` (or
+//! `max_completion_tokens`) times `n`, or [`DEFAULT_MAX_TOKENS`] when the request does not
+//! say. For an event stream, the load bookkeeping (`load::Open`) lets the prompt go once the
+//! first token arrives (its prefill is done) and the output go token by token; a response
+//! that is not streamed counts in full until it ends.
+
+use serde_json::Value;
+
+/// Characters per token when estimating a prompt's length.
+pub const CHARS_PER_TOKEN: f64 = 4.0;
+
+/// Output tokens counted for a request that does not set `max_tokens`.
+pub const DEFAULT_MAX_TOKENS: f64 = 256.0;
+
+/// Tokens added per chat message for its role and the template's markers.
+const PER_MESSAGE: f64 = 4.0;
+
+/// A request's estimated work, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Work {
+    /// Prompt tokens to prefill.
+    pub prompt: f64,
+    /// The most tokens it may generate, over all its choices.
+    pub output: f64,
+}
+
+impl Work {
+    /// Prompt and output; at least 1.
+    pub fn total(self) -> f64 {
+        (self.prompt + self.output).max(1.0)
+    }
+}
+
+/// The estimated work of an OpenAI request body.
+pub fn estimate(body: &Value) -> Work {
+    let prompt = if let Some(messages) = body.get("messages").and_then(Value::as_array) {
+        messages
+            .iter()
+            .map(|m| PER_MESSAGE + chars(m.get("content")) / CHARS_PER_TOKEN)
+            .sum()
+    } else {
+        match body.get("prompt") {
+            Some(Value::String(s)) => s.chars().count() as f64 / CHARS_PER_TOKEN,
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|item| match item {
+                    Value::String(s) => s.chars().count() as f64 / CHARS_PER_TOKEN,
+                    Value::Number(_) => 1.0,
+                    Value::Array(ids) => ids.len() as f64,
+                    _ => 0.0,
+                })
+                .sum(),
+            _ => 0.0,
+        }
+    };
+    let max_tokens = ["max_tokens", "max_completion_tokens"]
+        .iter()
+        .find_map(|k| body.get(*k).and_then(Value::as_f64))
+        .filter(|m| m.is_finite() && *m >= 0.0)
+        .unwrap_or(DEFAULT_MAX_TOKENS);
+    let n = body
+        .get("n")
+        .and_then(Value::as_f64)
+        .filter(|n| n.is_finite() && *n >= 1.0)
+        .unwrap_or(1.0);
+    Work {
+        prompt,
+        output: max_tokens * n,
+    }
+}
+
+/// Characters in a message's content: a string, or the text parts of a list of parts.
+fn chars(content: Option<&Value>) -> f64 {
+    match content {
+        Some(Value::String(s)) => s.chars().count() as f64,
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .map(|t| t.chars().count() as f64)
+            .sum(),
+        _ => 0.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_long_prompt_weighs_more_than_a_short_one() {
+        let long = json!({"prompt": "word ".repeat(800), "max_tokens": 128});
+        let short = json!({"prompt": "word ".repeat(40), "max_tokens": 32});
+        assert_eq!(
+            estimate(&long),
+            Work {
+                prompt: 1000.0,
+                output: 128.0
+            }
+        );
+        assert_eq!(estimate(&short).total(), 50.0 + 32.0);
+    }
+
+    #[test]
+    fn chat_messages_token_ids_and_choices() {
+        let chat = json!({
+            "messages": [
+                {"role": "system", "content": "x".repeat(400)},
+                {"role": "user", "content": [{"type": "text", "text": "y".repeat(40)}]},
+            ],
+            "max_completion_tokens": 10,
+            "n": 2,
+        });
+        assert_eq!(
+            estimate(&chat),
+            Work {
+                prompt: 4.0 + 100.0 + 4.0 + 10.0,
+                output: 20.0
+            }
+        );
+        let ids = json!({"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 0});
+        assert_eq!(estimate(&ids).total(), 5.0);
+        let flat = json!({"prompt": [1, 2, 3, 4]});
+        assert_eq!(estimate(&flat).total(), 4.0 + DEFAULT_MAX_TOKENS);
+    }
+
+    #[test]
+    fn nonsense_still_weighs_something() {
+        for body in [
+            json!({}),
+            json!({"prompt": 7, "max_tokens": -5, "n": "two"}),
+            json!({"prompt": "", "max_tokens": 0}),
+        ] {
+            let w = estimate(&body).total();
+            assert!(w.is_finite() && w >= 1.0, "{body}: {w}");
+        }
+    }
+}
