@@ -27,6 +27,31 @@ use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// Waits until `name` is Degraded; its (status, reason, message).
+async fn degraded(client: &kube::Client, ns: &str, name: &str) -> (String, String, String) {
+    eventually(WAIT, &format!("{name} to be Degraded"), async || {
+        condition(client, ns, name, "Degraded")
+            .await
+            .filter(|c| c.0 == "True")
+    })
+    .await
+}
+
+/// Waits for the first pod the ReplicaSet controller made for InferenceService `name`.
+async fn first_pod(client: &kube::Client, ns: &str, name: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let selector = format!("ferrite.dev/inferenceservice={name}");
+    eventually(WAIT, &format!("a pod of {name}"), async || {
+        pods.list(&ListParams::default().labels(&selector))
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .next()
+    })
+    .await
+}
+
 /// What the examples need to exist in their namespace: claims, a ServiceAccount, a priority
 /// and runtime class.
 async fn prerequisites(applier: &mut Applier, ns: &str) {
@@ -180,16 +205,7 @@ async fn the_examples_reconcile_without_the_service_monitor_crd() {
 /// server, its ServiceAccount admission included) carry every pod setting, resource and the
 /// rollout of the spec.
 async fn full_example_pods(client: &kube::Client, ns: &str) {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let pod = eventually(WAIT, "the full example's pods", async || {
-        pods.list(&ListParams::default().labels("ferrite.dev/inferenceservice=llama-8b"))
-            .await
-            .ok()?
-            .items
-            .into_iter()
-            .next()
-    })
-    .await;
+    let pod = first_pod(client, ns, "llama-8b").await;
     let labels = pod.metadata.labels.clone().unwrap_or_default();
     assert_eq!(
         labels.get("kueue.x-k8s.io/queue-name").map(String::as_str),
@@ -509,12 +525,7 @@ async fn pods_and_children_that_cannot_be_created_show_as_degraded() {
         ),
         (&quota_ns, "over-quota", "exceeded quota"),
     ] {
-        let d = eventually(WAIT, &format!("{name} to be Degraded"), async || {
-            condition(&client, ns, name, "Degraded")
-                .await
-                .filter(|c| c.0 == "True")
-        })
-        .await;
+        let d = degraded(&client, ns, name).await;
         assert_eq!(d.1, "ReplicaFailure", "{name}: {d:?}\n{}", op.log());
         assert!(d.2.contains(cause), "{name}: {d:?}");
         let ready = condition(&client, ns, name, "Ready").await.expect("Ready");
@@ -545,12 +556,7 @@ async fn pods_and_children_that_cannot_be_created_show_as_degraded() {
             json!({"model": {"source": "/models/smol.gguf"}}),
         ))
         .await;
-    let d = eventually(WAIT, "no-ip to be Degraded", async || {
-        condition(&client, &ns, "no-ip", "Degraded")
-            .await
-            .filter(|c| c.0 == "True")
-    })
-    .await;
+    let d = degraded(&client, &ns, "no-ip").await;
     assert_eq!(d.1, "ChildApplyFailed", "{d:?}\n{}", op.log());
     assert!(
         d.2.contains("Service no-ip") && d.2.contains("range is full"),
@@ -595,12 +601,7 @@ async fn a_missing_claim_blocks_until_it_is_created() {
             json!({"model": {"source": "pvc://weights/smol.gguf"}}),
         ))
         .await;
-    let d = eventually(WAIT, "Degraded for the missing claim", async || {
-        condition(&client, &ns, "chat", "Degraded")
-            .await
-            .filter(|c| c.0 == "True")
-    })
-    .await;
+    let d = degraded(&client, &ns, "chat").await;
     assert_eq!(d.1, "PersistentVolumeClaimNotFound");
     assert!(d.2.contains(&format!("{ns}/weights")), "{d:?}");
     let deployments = Api::<Deployment>::namespaced(client.clone(), &ns);
@@ -665,16 +666,7 @@ async fn resource_profiles_from_the_chart_apply_under_the_spec() {
             .await;
     }
     observed(&client, &ns, "h100").await;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let pod = eventually(WAIT, "the profiled service's pod", async || {
-        pods.list(&ListParams::default().labels("ferrite.dev/inferenceservice=h100"))
-            .await
-            .ok()?
-            .items
-            .into_iter()
-            .next()
-    })
-    .await;
+    let pod = first_pod(&client, &ns, "h100").await;
     let spec = pod.spec.expect("pod spec");
     let selector = spec.node_selector.unwrap_or_default();
     assert_eq!(selector["pool"], "inference", "the spec's own");
@@ -699,12 +691,7 @@ async fn resource_profiles_from_the_chart_apply_under_the_spec() {
         limits.get("nvidia.com/gpu").map(|q| q.0.as_str()),
         Some("2")
     );
-    let d = eventually(WAIT, "tpu to be Degraded", async || {
-        condition(&client, &ns, "tpu", "Degraded")
-            .await
-            .filter(|d| d.0 == "True")
-    })
-    .await;
+    let d = degraded(&client, &ns, "tpu").await;
     assert_eq!(d.1, "ResourceProfileNotFound", "{d:?}\n{}", op.log());
     assert!(
         d.2.contains("\"tpu-v5\"") && d.2.contains("nvidia-h100"),
