@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::build::profile::ResourceProfile;
+use k8s_openapi::api::core::v1::{Affinity, LocalObjectReference, Toleration};
+use serde::{Deserialize, Serialize};
 
 /// One Grafana dashboard (from `dashboards/`).
 #[derive(Debug, Clone, PartialEq)]
@@ -30,6 +31,36 @@ pub struct OperatorConfig {
     /// Labels on every ServiceMonitor the operator makes, under each spec's own (e.g.
     /// kube-prometheus-stack's `release`).
     pub monitor_labels: BTreeMap<String, String>,
+}
+
+/// One resource profile (see `build::profile`), as the chart's `resourceProfiles.<name>` values give it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ResourceProfile {
+    /// Node labels the pods require.
+    #[serde(default)]
+    pub node_selector: BTreeMap<String, String>,
+    /// Taints the pods tolerate.
+    #[serde(default)]
+    pub tolerations: Vec<Toleration>,
+    /// Node and pod (anti-)affinity, used when the spec has none.
+    #[serde(default)]
+    pub affinity: Option<Affinity>,
+    /// RuntimeClass of the pods.
+    #[serde(default)]
+    pub runtime_class_name: Option<String>,
+    /// PriorityClass of the pods.
+    #[serde(default)]
+    pub priority_class_name: Option<String>,
+    /// Scheduler of the pods.
+    #[serde(default)]
+    pub scheduler_name: Option<String>,
+    /// The extended resource GPUs are counted in.
+    #[serde(default)]
+    pub gpu_resource_name: Option<String>,
+    /// Registry credentials.
+    #[serde(default)]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
 }
 
 /// The one field manager for every server-side apply.

@@ -9,41 +9,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Affinity, LocalObjectReference, Toleration};
-use serde::{Deserialize, Serialize};
-
 use super::BuildError;
+pub use crate::config::ResourceProfile;
 use crate::crd::InferenceService;
-
-/// One profile, as the chart's `resourceProfiles.<name>` values give it.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ResourceProfile {
-    /// Node labels the pods require.
-    #[serde(default)]
-    pub node_selector: BTreeMap<String, String>,
-    /// Taints the pods tolerate.
-    #[serde(default)]
-    pub tolerations: Vec<Toleration>,
-    /// Node and pod (anti-)affinity, used when the spec has none.
-    #[serde(default)]
-    pub affinity: Option<Affinity>,
-    /// RuntimeClass of the pods.
-    #[serde(default)]
-    pub runtime_class_name: Option<String>,
-    /// PriorityClass of the pods.
-    #[serde(default)]
-    pub priority_class_name: Option<String>,
-    /// Scheduler of the pods.
-    #[serde(default)]
-    pub scheduler_name: Option<String>,
-    /// The extended resource GPUs are counted in.
-    #[serde(default)]
-    pub gpu_resource_name: Option<String>,
-    /// Registry credentials.
-    #[serde(default)]
-    pub image_pull_secrets: Vec<LocalObjectReference>,
-}
 
 /// `NAME[:COUNT]` split; the schema has checked the form.
 fn parse(reference: &str) -> Result<(&str, Option<i32>), BuildError> {
