@@ -32,6 +32,18 @@ struct PodLoad {
     aside_until: Option<Instant>,
 }
 
+impl PodLoad {
+    /// Takes `work` off the open work. Summing floats up and down drifts: nothing open is
+    /// exactly nothing.
+    fn give_back(&mut self, work: f64) {
+        self.open_work = if self.open == 0 {
+            0.0
+        } else {
+            (self.open_work - work).max(0.0)
+        };
+    }
+}
+
 /// How fast the typical request's work follows the router's recent requests.
 const TYPICAL_ALPHA: f64 = 0.05;
 
@@ -99,9 +111,8 @@ impl Loads {
         if work <= 0.0 {
             return;
         }
-        let mut inner = self.lock();
-        if let Some(p) = inner.pods.get_mut(base_url) {
-            p.open_work = (p.open_work - work).max(0.0);
+        if let Some(p) = self.lock().pods.get_mut(base_url) {
+            p.give_back(work);
         }
     }
 
@@ -109,12 +120,7 @@ impl Loads {
         let mut inner = self.lock();
         if let Some(p) = inner.pods.get_mut(base_url) {
             p.open = p.open.saturating_sub(1);
-            // Summing floats up and down drifts: nothing open is exactly nothing.
-            p.open_work = if p.open == 0 {
-                0.0
-            } else {
-                (p.open_work - work).max(0.0)
-            };
+            p.give_back(work);
         }
     }
 

@@ -19,7 +19,9 @@ pub fn key(body: &Value, chars: usize) -> Option<String> {
             let role = m.get("role").and_then(Value::as_str).unwrap_or("");
             push(&mut out, role, chars);
             push(&mut out, ": ", chars);
-            content(&mut out, m.get("content"), chars);
+            for t in texts(m.get("content")) {
+                push(&mut out, t, chars);
+            }
             push(&mut out, "\n", chars);
             if out.chars().count() >= chars {
                 break;
@@ -46,19 +48,20 @@ fn push(out: &mut String, s: &str, chars: usize) {
     out.extend(s.chars().take(chars.saturating_sub(have)));
 }
 
-/// A message's content: a string, or the text parts of a list of parts.
-fn content(out: &mut String, c: Option<&Value>, chars: usize) {
-    match c {
-        Some(Value::String(s)) => push(out, s, chars),
-        Some(Value::Array(parts)) => {
-            for p in parts {
-                if let Some(t) = p.get("text").and_then(Value::as_str) {
-                    push(out, t, chars);
-                }
-            }
-        }
-        _ => {}
-    }
+/// The text of a message's content: a string, or the text parts of a list of parts. The key
+/// and the work estimate (`work`) read a message the same way.
+pub fn texts(content: Option<&Value>) -> impl Iterator<Item = &str> {
+    let (whole, parts) = match content {
+        Some(Value::String(s)) => (Some(s.as_str()), None),
+        Some(Value::Array(parts)) => (None, Some(parts)),
+        _ => (None, None),
+    };
+    whole.into_iter().chain(
+        parts
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p.get("text").and_then(Value::as_str)),
+    )
 }
 
 fn tokens(out: &mut String, ids: &[Value], chars: usize) {

@@ -12,6 +12,8 @@
 
 use serde_json::Value;
 
+use crate::prefix::texts;
+
 /// Characters per token when estimating a prompt's length.
 pub const CHARS_PER_TOKEN: f64 = 4.0;
 
@@ -42,7 +44,10 @@ pub fn estimate(body: &Value) -> Work {
     let prompt = if let Some(messages) = body.get("messages").and_then(Value::as_array) {
         messages
             .iter()
-            .map(|m| PER_MESSAGE + chars(m.get("content")) / CHARS_PER_TOKEN)
+            .map(|m| {
+                let chars: usize = texts(m.get("content")).map(|t| t.chars().count()).sum();
+                PER_MESSAGE + chars as f64 / CHARS_PER_TOKEN
+            })
             .sum()
     } else {
         match body.get("prompt") {
@@ -72,19 +77,6 @@ pub fn estimate(body: &Value) -> Work {
     Work {
         prompt,
         output: max_tokens * n,
-    }
-}
-
-/// Characters in a message's content: a string, or the text parts of a list of parts.
-fn chars(content: Option<&Value>) -> f64 {
-    match content {
-        Some(Value::String(s)) => s.chars().count() as f64,
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .map(|t| t.chars().count() as f64)
-            .sum(),
-        _ => 0.0,
     }
 }
 

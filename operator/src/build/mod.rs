@@ -20,6 +20,7 @@ use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 
 use crate::config::OperatorConfig;
@@ -293,21 +294,20 @@ fn check_mounts(isvc: &InferenceService) -> Result<(), BuildError> {
 /// A rolling update that may neither add nor remove a pod never progresses; the apiserver
 /// refuses the Deployment.
 fn check_rollout(isvc: &InferenceService) -> Result<(), BuildError> {
-    let s = deployment::strategy(isvc);
-    if let Some(r) = s.rolling_update {
-        let zero = |v: &Option<k8s_openapi::apimachinery::pkg::util::intstr::IntOrString>| {
-            v.as_ref().is_none_or(deployment::is_zero)
-        };
-        for v in [&r.max_surge, &r.max_unavailable].into_iter().flatten() {
-            if let k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(s) = v
-                && !s.ends_with('%')
-            {
-                return Err(BuildError::Rollout(
-                    "maxSurge and maxUnavailable take a number (1) or a percentage (\"25%\"), not a number in quotes",
-                ));
-            }
+    if let Some(r) = deployment::strategy(isvc).rolling_update {
+        let bounds: Vec<&IntOrString> = [&r.max_surge, &r.max_unavailable]
+            .into_iter()
+            .flatten()
+            .collect();
+        if bounds
+            .iter()
+            .any(|v| matches!(v, IntOrString::String(s) if !s.ends_with('%')))
+        {
+            return Err(BuildError::Rollout(
+                "maxSurge and maxUnavailable take a number (1) or a percentage (\"25%\"), not a number in quotes",
+            ));
         }
-        if zero(&r.max_surge) && zero(&r.max_unavailable) {
+        if bounds.iter().all(|v| deployment::is_zero(v)) {
             return Err(BuildError::Rollout(
                 "maxSurge and maxUnavailable are both 0, so no pod could ever be replaced",
             ));
