@@ -22,8 +22,6 @@ pub struct OperatorConfig {
     pub ferrite_cuda_image: String,
     /// vLLM's OpenAI server image.
     pub vllm_image: String,
-    /// Image with Python, used by the init container that downloads `hf://` models for ferrite.
-    pub downloader_image: String,
     /// Dashboards shipped as ConfigMaps for each InferenceService.
     pub dashboards: Vec<Dashboard>,
     /// Resource profiles by name, for `spec.resourceProfile`.
@@ -73,7 +71,6 @@ impl Default for OperatorConfig {
             ferrite_image: format!("ghcr.io/ferrite-dev/ferrite-server:{v}"),
             ferrite_cuda_image: format!("ghcr.io/ferrite-dev/ferrite-server:{v}-cuda"),
             vllm_image: "vllm/vllm-openai:v0.11.0".into(),
-            downloader_image: "python:3.12-slim".into(),
             dashboards: Vec::new(),
             resource_profiles: BTreeMap::new(),
             monitor_labels: BTreeMap::new(),

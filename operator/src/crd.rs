@@ -199,13 +199,24 @@ impl RoutingPolicy {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ModelSpec {
-    /// Where the weights are: an absolute path in the image (`/models/x.gguf`),
-    /// `pvc://<claim>/<path>` (the claim is mounted read-only), or `hf://<org>/<name>`
-    /// (downloaded at start, into modelCache when set).
+    /// Where the weights are: an absolute path in the image or a volume of `pod.volumes`
+    /// (`/models/x.gguf`); `pvc://<claim>/<path>` (the claim is mounted read-only);
+    /// `hf://<org>/<name>[@<revision>][/<file>]` (a Hugging Face repository, pinned to a branch,
+    /// tag or commit, optionally one file of it); or an `s3://<bucket>/<key>`,
+    /// `gs://<bucket>/<key>` or `https://<host>/<path>` URL (a key ending in `/` is a folder).
+    /// Remote sources are downloaded by the runtime at start into `modelCache` (else an
+    /// emptyDir), resuming an interrupted download; credentials come from `secretRef`.
     #[schemars(regex(
-        pattern = r"^(/[^\s]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]+|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+(/[^\s]+)?)$"
+        pattern = r"^(/[^\s]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]+|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_.]+)?(/[^\s]*)?|(s3|gs)://[a-z0-9][-a-z0-9_.]*/[^\s?#]+|https?://[^\s/?#]+/[^\s?#]*[^\s?#/])$"
     ))]
     pub source: String,
+    /// A Secret in the namespace whose keys become the server's environment, for downloads:
+    /// `HF_TOKEN` (gated Hugging Face repositories, for ferrite and vLLM alike), `HF_ENDPOINT`
+    /// (a mirror), `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_REGION`/`AWS_ENDPOINT_URL`
+    /// (S3 and S3-compatible stores), `GOOGLE_SERVICE_ACCOUNT_KEY` (GCS). Pods wait for it to
+    /// exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretRef>,
     /// The `model` id clients send; defaults to the resource's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
@@ -215,6 +226,14 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "model_format_schema")]
     pub format: Option<ModelFormat>,
+}
+
+/// A Secret in the InferenceService's namespace.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct SecretRef {
+    /// The Secret's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
 }
 
 /// An optional enum without the `null` that schemars lists for `Option` (`kubectl explain`

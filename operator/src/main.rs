@@ -45,9 +45,6 @@ struct Args {
     /// vLLM OpenAI server image.
     #[arg(long, env = "FERRITE_VLLM_IMAGE")]
     vllm_image: Option<String>,
-    /// Image with Python for the hf:// download init container.
-    #[arg(long, env = "FERRITE_DOWNLOADER_IMAGE")]
-    downloader_image: Option<String>,
     /// Run without leader election (a single replica only).
     #[arg(long)]
     no_leader_election: bool,
@@ -102,7 +99,6 @@ fn config(args: &Args) -> anyhow::Result<OperatorConfig> {
     set(&mut c.ferrite_image, &args.ferrite_image);
     set(&mut c.ferrite_cuda_image, &args.ferrite_cuda_image);
     set(&mut c.vllm_image, &args.vllm_image);
-    set(&mut c.downloader_image, &args.downloader_image);
     if let Some(dir) = &args.dashboards_dir {
         c.dashboards = load_dashboards(dir)?;
     }

@@ -3,7 +3,7 @@
 //! yields an identical status and the reconciler writes nothing.
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::crd::{CurrentMetrics, InferenceServiceStatus};
@@ -120,6 +120,37 @@ const FAILING_WAIT_REASONS: &[&str] = &[
     "RunContainerError",
 ];
 
+/// Reasons ferrite-server writes as the first word of its termination message when it cannot
+/// start: the condition then names the cause instead of `CrashLoopBackOff`.
+pub const SERVER_REASONS: &[&str] = &[
+    "ModelDownloadFailed",
+    "ModelLoadFailed",
+    "ServerStartFailed",
+];
+
+/// A container that is down (waiting to restart, or terminated) after the server said why:
+/// `<Reason>: <detail>` in its last termination message.
+fn server_failure(pod: &str, c: &ContainerStatus) -> Option<Finding> {
+    let state = c.state.as_ref()?;
+    let down = state.waiting.is_some() || state.terminated.is_some();
+    if !down {
+        return None;
+    }
+    let terminated = state
+        .terminated
+        .as_ref()
+        .or_else(|| c.last_state.as_ref()?.terminated.as_ref())?;
+    let message = terminated.message.as_deref()?.trim();
+    let (reason, detail) = message.split_once(": ")?;
+    let reason = SERVER_REASONS.iter().find(|r| **r == reason)?;
+    // The first line is the server's; FallbackToLogsOnError may append log lines after it.
+    let detail = detail.lines().next().unwrap_or_default();
+    Some(Finding::new(
+        *reason,
+        format!("pod {pod}, container {}: {detail}", c.name),
+    ))
+}
+
 /// The first hard failure among the pods' containers, or an unschedulable pod.
 pub fn pod_failure(pods: &[Pod]) -> Option<Finding> {
     for pod in pods {
@@ -131,6 +162,9 @@ pub fn pod_failure(pods: &[Pod]) -> Option<Finding> {
             .flatten()
             .chain(status.container_statuses.iter().flatten());
         for c in containers {
+            if let Some(f) = server_failure(name, c) {
+                return Some(f);
+            }
             let waiting = c.state.as_ref().and_then(|s| s.waiting.as_ref());
             if let Some(w) = waiting {
                 let reason = w.reason.as_deref().unwrap_or_default();

@@ -291,39 +291,43 @@ fn pvc_models_mount_read_only() {
 }
 
 #[test]
-fn hugging_face_models_for_ferrite_are_downloaded_by_an_init_container() {
+fn remote_models_are_downloaded_by_the_runtime_into_the_cache_with_the_models_secret() {
     let d = built(
-        json!({"model": {"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}}),
+        json!({"model": {"source": "hf://meta-llama/Llama-3.2-1B@v1.0/q4.gguf",
+                         "secretRef": {"name": "hf-token"}}}),
         NO_MONITOR_CRD,
     );
-    let init = &pod(&d).init_containers.as_ref().expect("init containers")[0];
-    assert_eq!(init.name, "model-download");
-    let env: BTreeMap<String, String> = init
-        .env
-        .as_ref()
-        .expect("env")
-        .iter()
-        .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
-        .collect();
-    assert_eq!(env["MODEL_REPO"], "HuggingFaceTB/SmolLM2-135M-Instruct");
-    assert_eq!(
-        env["MODEL_DIR"],
-        "/mnt/models/HuggingFaceTB/SmolLM2-135M-Instruct"
-    );
-    // The repository never enters the shell script.
-    let script = init.command.as_ref().expect("command").join(" ");
-    assert!(!script.contains("SmolLM2"), "{script}");
-    assert_eq!(
-        init.security_context
-            .as_ref()
-            .and_then(|s| s.allow_privilege_escalation),
-        Some(false)
-    );
+    // ferrite-server fetches the source as written: no init container, no image to pull.
+    assert!(pod(&d).init_containers.is_none());
     assert_eq!(
         arg(&d, "--model").as_deref(),
-        Some("/mnt/models/HuggingFaceTB/SmolLM2-135M-Instruct")
+        Some("hf://meta-llama/Llama-3.2-1B@v1.0/q4.gguf")
     );
-    // Without a cache claim the download lands in an emptyDir.
+    assert_eq!(
+        arg(&d, "--termination-message-path").as_deref(),
+        Some("/dev/termination-log")
+    );
+    let c = server(&d);
+    assert_eq!(
+        c.termination_message_policy.as_deref(),
+        Some("FallbackToLogsOnError")
+    );
+    let env: BTreeMap<String, String> = c
+        .env
+        .iter()
+        .flatten()
+        .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+        .collect();
+    assert_eq!(env["HF_HOME"], "/mnt/models/hf");
+    let from = c.env_from.as_ref().expect("envFrom");
+    assert_eq!(
+        from[0]
+            .secret_ref
+            .as_ref()
+            .map(|s| (s.name.as_str(), s.optional)),
+        Some(("hf-token", Some(false)))
+    );
+    // The server writes into the cache: an emptyDir without a claim, mounted writable.
     let vol = pod(&d)
         .volumes
         .as_ref()
@@ -332,6 +336,70 @@ fn hugging_face_models_for_ferrite_are_downloaded_by_an_init_container() {
         .find(|v| v.name == "model")
         .expect("model volume");
     assert!(vol.empty_dir.is_some());
+    let m = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "model")
+        .expect("model mount");
+    assert_eq!(m.read_only, Some(false));
+
+    // Object stores take the same path, with the user's own envFrom after the model's Secret.
+    let d = built(
+        json!({"model": {"source": "s3://weights/llama/8b/", "secretRef": {"name": "s3"}},
+               "modelCache": {"claimName": "cache"},
+               "pod": {"envFrom": [{"configMapRef": {"name": "proxy"}}]}}),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(
+        arg(&d, "--model").as_deref(),
+        Some("s3://weights/llama/8b/")
+    );
+    let from = server(&d).env_from.clone().expect("envFrom");
+    assert_eq!(from.len(), 2);
+    assert!(from[0].secret_ref.is_some() && from[1].config_map_ref.is_some());
+}
+
+#[test]
+fn vllm_gets_the_revision_apart_streams_buckets_and_refuses_what_it_cannot_read() {
+    let d = built(
+        json!({"model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct@0e9e39f",
+                         "secretRef": {"name": "hf-token"}},
+               "runtime": {"kind": "vllm"}}),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(
+        arg(&d, "--model").as_deref(),
+        Some("meta-llama/Llama-3.1-8B-Instruct")
+    );
+    assert_eq!(arg(&d, "--revision").as_deref(), Some("0e9e39f"));
+    assert_eq!(
+        arg(&d, "--termination-message-path"),
+        None,
+        "not a vLLM flag"
+    );
+    // The token reaches vLLM's own downloader.
+    let from = server(&d).env_from.clone().expect("envFrom");
+    assert_eq!(
+        from[0].secret_ref.as_ref().map(|s| s.name.as_str()),
+        Some("hf-token")
+    );
+    let d = built(
+        json!({"model": {"source": "gs://weights/llama/"}, "runtime": {"kind": "vllm"}}),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(arg(&d, "--model").as_deref(), Some("gs://weights/llama/"));
+    assert_eq!(arg(&d, "--load-format").as_deref(), Some("runai_streamer"));
+    for source in ["hf://org/m/model.gguf", "https://host/m.gguf"] {
+        let e = build(
+            &isvc(json!({"model": {"source": source}, "runtime": {"kind": "vllm"}})),
+            &config(),
+            NO_MONITOR_CRD,
+        )
+        .expect_err(source);
+        assert_eq!(e.reason(), "InvalidModelSource", "{e}");
+        assert!(e.to_string().contains("ferrite runtime"), "{e}");
+    }
 }
 
 #[test]

@@ -242,7 +242,14 @@ async fn full_example_pods(client: &kube::Client, ns: &str) {
             .flatten()
             .any(|m| m.name == "adapters" && m.mount_path == "/adapters")
     );
-    assert_eq!(c.env_from.as_ref().map(|e| e.len()), Some(1));
+    // The model's Secret, then the pod's own envFrom.
+    let from: Vec<&str> = c
+        .env_from
+        .iter()
+        .flatten()
+        .filter_map(|f| Some(f.secret_ref.as_ref()?.name.as_str()))
+        .collect();
+    assert_eq!(from, ["hf-token", "proxy-env"]);
     let r = c.resources.clone().expect("resources");
     let (requests, limits) = (r.requests.expect("requests"), r.limits.expect("limits"));
     let q = |m: &std::collections::BTreeMap<String, Quantity>, k: &str| {
@@ -695,6 +702,133 @@ async fn resource_profiles_from_the_chart_apply_under_the_spec() {
     assert_eq!(d.1, "ResourceProfileNotFound", "{d:?}\n{}", op.log());
     assert!(
         d.2.contains("\"tpu-v5\"") && d.2.contains("nvidia-h100"),
+        "{d:?}"
+    );
+}
+
+/// A model that cannot be downloaded says so: the pod the ReplicaSet made is run as a kubelet
+/// would run it (its container's arguments, its environment, the model's Secret as `envFrom`)
+/// by the real ferrite-server against a stand-in Hub that refuses the token. The server's
+/// termination message, reported in the pod's status as the kubelet reports it, becomes
+/// `Degraded`, reason `ModelDownloadFailed`, with the pod and the Hub's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_download_refused_by_the_hub_shows_as_degraded() {
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let release = install(&cluster, &json!({}), "download").await;
+    let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let ns = cluster.namespace("download").await;
+    let hub = ferrite_testkit::hub::FileHost::start();
+    hub.add_repo(
+        "acme/smol",
+        "0123456789abcdef0123456789abcdef01234567",
+        &["main"],
+        &[("smol.gguf", b"GGUF".to_vec())],
+    );
+    hub.require_token("hf_right");
+    let mut applier = Applier::new(client.clone()).await;
+    applier
+        .apply(&json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "hf-token", "namespace": ns},
+            "stringData": {"HF_TOKEN": "hf_expired", "HF_ENDPOINT": hub.url()}}))
+        .await;
+    applier
+        .apply(&common::e2e::isvc(
+            &ns,
+            "gated",
+            json!({"model": {"source": "hf://acme/smol/smol.gguf",
+                             "secretRef": {"name": "hf-token"}}}),
+        ))
+        .await;
+    let pod = first_pod(&client, &ns, "gated").await;
+    let name = pod.metadata.name.clone().expect("pod name");
+    let c = &pod.spec.as_ref().expect("pod spec").containers[0];
+    assert!(
+        pod.spec
+            .as_ref()
+            .and_then(|s| s.init_containers.as_ref())
+            .is_none()
+    );
+    let secret = c
+        .env_from
+        .iter()
+        .flatten()
+        .find_map(|f| f.secret_ref.as_ref())
+        .expect("the model's Secret as envFrom");
+    assert_eq!(secret.name, "hf-token");
+
+    // The kubelet's part: the container's arguments and environment, the Secret's keys, the
+    // termination message file (local paths for /dev/termination-log and the model volume).
+    let dir = ferrite_testkit::process::TempDir::new("kubelet");
+    let termination = dir.path().join("termination-log");
+    let mut args = c.args.clone().expect("args");
+    for (flag, value) in [
+        ("--host", "127.0.0.1".to_string()),
+        ("--port", ferrite_testkit::process::free_port().to_string()),
+        (
+            "--termination-message-path",
+            termination.display().to_string(),
+        ),
+    ] {
+        let i = args.iter().position(|a| a == flag).expect(flag);
+        args[i + 1] = value;
+    }
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), &ns);
+    let data = secrets
+        .get("hf-token")
+        .await
+        .expect("Secret")
+        .data
+        .expect("data");
+    let mut cmd = std::process::Command::new(ferrite_testkit::server::binary());
+    cmd.args(&args).env_clear();
+    for e in c.env.iter().flatten() {
+        let value = e.value.clone().unwrap_or_default();
+        cmd.env(
+            &e.name,
+            value.replace("/mnt/models", &dir.path().display().to_string()),
+        );
+    }
+    for (k, v) in &data {
+        cmd.env(k, String::from_utf8_lossy(&v.0).into_owned());
+    }
+    let out = cmd.output().expect("run ferrite-server");
+    assert!(!out.status.success());
+    let message = std::fs::read_to_string(&termination).expect("termination message");
+    assert!(message.starts_with("ModelDownloadFailed: "), "{message}");
+    assert!(
+        hub.requests()
+            .iter()
+            .any(|r| r.status == 401 && r.authorization.as_deref() == Some("Bearer hf_expired")),
+        "the Hub saw the Secret's token"
+    );
+
+    // The kubelet reports the container restarting after that exit.
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    pods.patch_status(
+        &name,
+        &PatchParams::default(),
+        &Patch::Merge(
+            &json!({"status": {"phase": "Running", "containerStatuses": [{
+            "name": "server", "image": c.image, "imageID": "", "ready": false,
+            "restartCount": 3, "started": false,
+            "state": {"waiting": {"reason": "CrashLoopBackOff",
+                                  "message": "back-off 40s restarting failed container"}},
+            "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": message,
+                                         "startedAt": now, "finishedAt": now}}}]}}),
+        ),
+    )
+    .await
+    .expect("pod status");
+    let d = degraded(&client, &ns, "gated").await;
+    assert_eq!(d.1, "ModelDownloadFailed", "{d:?}\n{}", op.log());
+    assert!(
+        d.2.contains(&format!("pod {name}"))
+            && d.2.contains("HTTP 401")
+            && d.2.contains("spec.model.secretRef"),
         "{d:?}"
     );
 }

@@ -124,7 +124,7 @@ fn examples_pass_the_generated_crd_schema() {
         &[
             json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
                  "metadata": {"name": "bad"},
-                 "spec": {"model": {"source": "s3://bucket/m"}, "replicas": "two",
+                 "spec": {"model": {"source": "ftp://bucket/m"}, "replicas": "two",
                           "resources": {"gpus": 99}}}),
         ],
     );

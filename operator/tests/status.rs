@@ -97,6 +97,50 @@ fn pod_failures_name_the_pod_container_and_reason() {
     assert_eq!(pod_failure(&[starting]), None);
 }
 
+/// A container whose server wrote why it stopped is reported with the server's reason; one
+/// that is running again (a retry under way) or wrote something else is not.
+#[test]
+fn the_servers_termination_message_names_the_failure() {
+    let status = |state: Value, message: &str| {
+        pod(
+            json!({"containerStatuses": [{"name": "server", "image": "i", "imageID": "",
+            "ready": false, "restartCount": 2, "state": state,
+            "lastState": {"terminated": {"exitCode": 1, "message": message}}}]}),
+        )
+    };
+    let back_off = json!({"waiting": {"reason": "CrashLoopBackOff"}});
+    let f = pod_failure(&[status(
+        back_off.clone(),
+        "ModelLoadFailed: loading model /mnt/models/x.gguf: not a GGUF file\nlog line",
+    )])
+    .expect("a failure");
+    assert_eq!(f.reason, "ModelLoadFailed");
+    assert_eq!(
+        f.message,
+        "pod p-1, container server: loading model /mnt/models/x.gguf: not a GGUF file"
+    );
+    let just_exited = pod(
+        json!({"containerStatuses": [{"name": "server", "image": "i",
+        "imageID": "", "ready": false, "restartCount": 0,
+        "state": {"terminated": {"exitCode": 1,
+                                 "message": "ModelDownloadFailed: hf://a/b: HTTP 401"}}}]}),
+    );
+    assert_eq!(
+        pod_failure(&[just_exited]).map(|f| f.reason),
+        Some("ModelDownloadFailed".into())
+    );
+    let retrying = status(
+        json!({"running": {"startedAt": "2026-11-26T00:00:00Z"}}),
+        "ModelDownloadFailed: hf://a/b: timed out",
+    );
+    assert_eq!(pod_failure(&[retrying]), None);
+    let other = status(back_off, "panic: something else");
+    assert_eq!(
+        pod_failure(&[other]).map(|f| f.reason),
+        Some("CrashLoopBackOff".into())
+    );
+}
+
 fn obs<'a>(d: Option<&'a Deployment>, desired: i32) -> Observation<'a> {
     Observation {
         generation: Some(4),

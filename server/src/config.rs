@@ -14,10 +14,22 @@ use ferrite_runtime::model::WeightMode;
     about = "OpenAI-compatible LLM server on candle"
 )]
 pub struct ServerArgs {
-    /// GGUF file or Hugging Face folder (config.json, *.safetensors, tokenizer.json).
+    /// The weights: a GGUF file or Hugging Face folder (config.json, *.safetensors,
+    /// tokenizer.json) on disk, or a source to download first: `hf://org/name[@revision][/file]`
+    /// (HF_TOKEN, HF_ENDPOINT), `s3://bucket/key` (AWS_* variables), `gs://bucket/key`
+    /// (GOOGLE_* variables) or an `https://` URL. A key ending in `/` is a folder.
     #[arg(long, env = "FERRITE_MODEL")]
-    pub model: PathBuf,
-    /// Name clients use in the `model` field (default: the model file or folder name).
+    pub model: String,
+    /// Where downloads go (default: `$HF_HOME/hub`, else `~/.cache/huggingface/hub`). An
+    /// interrupted download resumes from here on the next start.
+    #[arg(long, env = "FERRITE_DOWNLOAD_DIR")]
+    pub download_dir: Option<PathBuf>,
+    /// A file to write the reason into when the server cannot start (Kubernetes shows it as
+    /// the container's termination message; the operator sets `/dev/termination-log`).
+    #[arg(long, env = "FERRITE_TERMINATION_MESSAGE_PATH")]
+    pub termination_message_path: Option<PathBuf>,
+    /// Name clients use in the `model` field (default: the repository id for `hf://`, else
+    /// the model file or folder name).
     #[arg(long)]
     pub served_model_name: Option<String>,
     #[arg(long, default_value = "0.0.0.0")]

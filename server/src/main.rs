@@ -3,6 +3,7 @@
 //! requests finish (up to `--shutdown-timeout`), and exits 0.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,10 +17,18 @@ use ferrite_runtime::kv::{KvCache, KvCacheConfig};
 use ferrite_runtime::model::{self, LoadOptions, SeqInput};
 use ferrite_server::api::{self, state::AppState, state::Serving};
 use ferrite_server::config::ServerArgs;
+use ferrite_server::fetch;
 use ferrite_server::metrics::http::HttpMetrics;
 use ferrite_server::metrics::{self, CacheInfo, EngineMetrics, stats_log};
 use tokio::sync::watch;
 use tracing::{info, warn};
+
+/// The termination-message reason of a model that downloaded (or was on disk) but would not
+/// load: a corrupt file, an unsupported architecture, too little memory for the KV cache.
+const LOAD_FAILED: &str = "ModelLoadFailed";
+/// The termination-message reason of any other failure to start (a bad flag value, a KV
+/// cache too small for one sequence, a port in use).
+const START_FAILED: &str = "ServerStartFailed";
 
 #[tokio::main]
 async fn main() -> Result<()> {
@@ -30,15 +39,26 @@ async fn main() -> Result<()> {
         )
         .init();
     let args = ServerArgs::parse();
+    let termination = args.termination_message_path.clone();
+    let result = run(args).await;
+    // Whatever stopped the start, Kubernetes shows it as the termination message, unless a
+    // more specific one was written on the way (the kubelet provides the file, empty).
+    if let (Err(e), Some(path)) = (&result, &termination)
+        && std::fs::metadata(path).map_or(true, |m| m.len() == 0)
+    {
+        fetch::write_termination_message(path, &format!("{START_FAILED}: {e:#}"));
+    }
+    result
+}
+
+async fn run(args: ServerArgs) -> Result<()> {
     if let Err(e) = ferrite_runtime::priority::init_compute_pool(args.compute_nice) {
         warn!(error = %e, "compute threads keep the default priority");
     }
-    let served = args.served_model_name.clone().unwrap_or_else(|| {
-        args.model
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into())
-    });
+    let served = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| fetch::default_served_name(&args.model));
     let registry = metrics::process_registry()?;
     let http_metrics = HttpMetrics::new(&registry)?;
     let state = Arc::new(AppState::new(
@@ -76,10 +96,41 @@ async fn main() -> Result<()> {
             .await
     });
 
+    // Downloads happen behind the open port too: a long one shows as a pending startup probe.
+    let cache_dir = args
+        .download_dir
+        .clone()
+        .unwrap_or_else(fetch::default_cache_dir);
+    if fetch::is_remote(&args.model) {
+        info!(source = %args.model, cache = %cache_dir.display(), "fetching the model");
+    }
+    let model_path = tokio::select! {
+        r = fetch::resolve(&args.model, &cache_dir) => match r {
+            Ok(p) => p,
+            Err(e) => {
+                if let Some(path) = &args.termination_message_path {
+                    fetch::write_termination_message(path, &e.termination_message());
+                }
+                return Err(anyhow::Error::new(e).context("fetching the model"));
+            }
+        },
+        _ = stop_rx.wait_for(|&s| s) => {
+            info!("shutdown requested while fetching the model");
+            return Ok(());
+        }
+    };
     let load_args = args.clone();
-    let loader = tokio::task::spawn_blocking(move || load_and_warm(&load_args));
+    let loader = tokio::task::spawn_blocking(move || load_and_warm(&load_args, &model_path));
     let loaded = tokio::select! {
-        r = loader => r.context("model loader panicked")??,
+        r = loader => match r.context("model loader panicked")? {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                if let Some(path) = &args.termination_message_path {
+                    fetch::write_termination_message(path, &format!("{LOAD_FAILED}: {e:#}"));
+                }
+                return Err(e);
+            }
+        },
         _ = stop_rx.wait_for(|&s| s) => {
             info!("shutdown requested while loading");
             return Ok(());
@@ -170,7 +221,7 @@ async fn main() -> Result<()> {
 
 /// Loads the model, allocates the KV cache, and runs one forward so the first request does not
 /// pay for lazy initialisation.
-fn load_and_warm(args: &ServerArgs) -> Result<(model::LoadedModel, KvCache)> {
+fn load_and_warm(args: &ServerArgs, path: &Path) -> Result<(model::LoadedModel, KvCache)> {
     let device = parse_device(&args.device)?;
     let t0 = Instant::now();
     let opts = LoadOptions {
@@ -179,8 +230,8 @@ fn load_and_warm(args: &ServerArgs) -> Result<(model::LoadedModel, KvCache)> {
         max_model_len: args.max_model_len,
         tokenizer: args.tokenizer.clone(),
     };
-    let loaded = model::load(&args.model, &opts)
-        .with_context(|| format!("loading model {}", args.model.display()))?;
+    let loaded =
+        model::load(path, &opts).with_context(|| format!("loading model {}", path.display()))?;
     let cfg = loaded.model.config();
     let dtype = args.kv_cache_dtype.dtype();
     let probe = KvCacheConfig::for_model(cfg, args.block_size, 0, 0).with_dtype(dtype);

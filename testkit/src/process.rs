@@ -189,3 +189,22 @@ pub async fn eventually<T>(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// [`eventually`] for tests without a runtime: polls `f` every 100 ms.
+pub fn eventually_blocking<T>(
+    timeout: Duration,
+    what: &str,
+    mut f: impl FnMut() -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -14,7 +14,11 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use super::model::model_mount;
+use super::model::{ModelMount, model_mount};
+
+/// Where Kubernetes reads a container's termination message (its default, written out so the
+/// server's flag and the pod agree).
+const TERMINATION_MESSAGE_PATH: &str = "/dev/termination-log";
 use super::{DEFAULT_SHUTDOWN_SECONDS, Validated, served_name};
 use crate::config::OperatorConfig;
 use crate::crd::{
@@ -54,12 +58,12 @@ fn shutdown_seconds(isvc: &InferenceService) -> i32 {
 }
 
 /// The runtime's command-line arguments, derived from the spec, then the user's own.
-fn args(isvc: &InferenceService, model_arg: &str, kv_cache_bytes: Option<u64>) -> Vec<String> {
+fn args(isvc: &InferenceService, model: &ModelMount, kv_cache_bytes: Option<u64>) -> Vec<String> {
     let e = &isvc.spec.runtime.engine;
     let kind = isvc.spec.runtime.kind;
     let mut a: Vec<String> = vec![
         "--model".into(),
-        model_arg.into(),
+        model.model_arg.clone(),
         "--served-model-name".into(),
         served_name(isvc),
         "--host".into(),
@@ -67,6 +71,7 @@ fn args(isvc: &InferenceService, model_arg: &str, kv_cache_bytes: Option<u64>) -
         "--port".into(),
         isvc.port().to_string(),
     ];
+    a.extend(model.args.iter().cloned());
     let mut flag = |name: &str, v: Option<String>| {
         if let Some(v) = v {
             a.push(name.into());
@@ -83,6 +88,10 @@ fn args(isvc: &InferenceService, model_arg: &str, kv_cache_bytes: Option<u64>) -
             flag(
                 "--shutdown-timeout",
                 Some(shutdown_seconds(isvc).to_string()),
+            );
+            flag(
+                "--termination-message-path",
+                Some(TERMINATION_MESSAGE_PATH.into()),
             );
             if gpus(isvc) > 0 {
                 flag("--device", Some("cuda".into()));
@@ -238,7 +247,8 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
     let (isvc, owner) = (&*v.isvc, &v.owner);
     let kind = isvc.spec.runtime.kind;
     let security = container_security(kind);
-    let model = model_mount(isvc, &v.model, &config.downloader_image, &security);
+    let model = model_mount(isvc, &v.model);
+    let server_args = args(isvc, &model, v.kv_cache_bytes);
     let port = isvc.port();
 
     let mut volumes = vec![empty_dir("tmp", false)];
@@ -264,7 +274,7 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
     let container = Container {
         name: "server".into(),
         image: Some(image(isvc, config)),
-        args: Some(args(isvc, &model.model_arg, v.kv_cache_bytes)),
+        args: Some(server_args),
         ports: Some(vec![ContainerPort {
             name: Some("http".into()),
             container_port: port,
@@ -272,7 +282,20 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
             ..ContainerPort::default()
         }]),
         env: Some(env),
-        env_from: (!p.env_from.is_empty()).then(|| p.env_from.clone()),
+        env_from: {
+            // The model's Secret first: a key the user also sets through pod.envFrom wins.
+            let from: Vec<_> = model
+                .env_from
+                .into_iter()
+                .chain(p.env_from.clone())
+                .collect();
+            (!from.is_empty()).then_some(from)
+        },
+        // A container that fails to start says why: ferrite-server writes the reason
+        // (ModelDownloadFailed, ...) to the message file, and anything else shows its last log
+        // lines.
+        termination_message_path: Some(TERMINATION_MESSAGE_PATH.into()),
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
         resources: Some(resources(isvc)),
         // /health answers 503 until the model is loaded and warm, and while draining.
         startup_probe: Some(http_probe(
@@ -295,7 +318,6 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
     let s = &isvc.spec.scheduling;
     let pod = PodSpec {
         containers: vec![container],
-        init_containers: (!model.init_containers.is_empty()).then_some(model.init_containers),
         volumes: Some(volumes),
         termination_grace_period_seconds: Some(
             p.termination_grace_period_seconds

@@ -212,7 +212,7 @@ pub fn validate<'a>(
         Some(merged) => Cow::Owned(merged),
         None => Cow::Borrowed(isvc),
     };
-    let model = ModelSource::parse(&isvc.spec.model.source)?;
+    let model = model::parse(&isvc)?;
     let kv_cache_bytes = match &isvc.spec.runtime.engine.kv_cache_memory {
         Some(q) => Some(quantity::bytes(q).ok_or_else(|| BuildError::KvCacheMemory(q.clone()))?),
         None => None,

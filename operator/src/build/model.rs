@@ -1,9 +1,16 @@
 //! Where the weights come from, and what the pod needs to reach them: the `--model` argument,
-//! volumes, mounts, and for `hf://` with ferrite an init container that downloads them.
+//! volumes, mounts and the environment. Downloads (`hf://`, `s3://`, `gs://`, `http(s)://`)
+//! are the runtime's own: ferrite-server and vLLM fetch into the model cache (the claim, else
+//! an emptyDir) at start, with credentials from `spec.model.secretRef`. No init container, no
+//! package installed at run time.
 
 use k8s_openapi::api::core::v1::{
-    Container, EmptyDirVolumeSource, EnvVar, PersistentVolumeClaimVolumeSource, Volume, VolumeMount,
+    EmptyDirVolumeSource, EnvFromSource, EnvVar, PersistentVolumeClaimVolumeSource,
+    SecretEnvSource, Volume, VolumeMount,
 };
+
+pub use ferrite_source::Source as ModelSource;
+use ferrite_source::{HfSource, Scheme, Source};
 
 use super::BuildError;
 use crate::crd::{InferenceService, RuntimeKind};
@@ -12,61 +19,29 @@ use crate::crd::{InferenceService, RuntimeKind};
 pub const MODEL_ROOT: &str = "/mnt/models";
 const MODEL_VOLUME: &str = "model";
 
-/// A parsed `spec.model.source`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ModelSource {
-    /// An absolute path inside the image, or in a volume of `pod.volumes`.
-    Path(String),
-    /// `pvc://claim/path`.
-    Pvc { claim: String, path: String },
-    /// `hf://org/name[/file]`.
-    HuggingFace { repo: String, file: Option<String> },
-}
-
-impl ModelSource {
-    pub fn parse(s: &str) -> Result<Self, BuildError> {
-        let bad = |why| BuildError::ModelSource(s.to_string(), why);
-        if let Some(rest) = s.strip_prefix("pvc://") {
-            let (claim, path) = rest
-                .split_once('/')
-                .ok_or_else(|| bad("expected pvc://<claim>/<path>"))?;
-            if claim.is_empty() || path.is_empty() {
-                return Err(bad("expected pvc://<claim>/<path>"));
+/// Parses `spec.model.source` and checks that the runtime can read that form.
+pub fn parse(isvc: &InferenceService) -> Result<ModelSource, BuildError> {
+    let s = &isvc.spec.model.source;
+    let source = Source::parse(s).map_err(|e| BuildError::ModelSource(s.clone(), e.why))?;
+    if isvc.spec.runtime.kind == RuntimeKind::Vllm {
+        let refuse = |why| Err(BuildError::ModelSource(s.clone(), why));
+        match &source {
+            Source::Hf(HfSource { file: Some(_), .. }) => {
+                return refuse(
+                    "vLLM downloads a whole repository (hf://<org>/<name>[@<revision>]); for one \
+                     GGUF file use the ferrite runtime",
+                );
             }
-            if path.split('/').any(|p| p == "..") {
-                return Err(bad("the path must stay inside the claim"));
+            Source::Object(o) if matches!(o.scheme, Scheme::Http | Scheme::Https) => {
+                return refuse(
+                    "vLLM streams s3:// and gs:// folders, not http(s) files; use the ferrite \
+                     runtime or a claim",
+                );
             }
-            return Ok(Self::Pvc {
-                claim: claim.into(),
-                path: path.trim_end_matches('/').into(),
-            });
+            _ => {}
         }
-        if let Some(rest) = s.strip_prefix("hf://") {
-            let parts: Vec<&str> = rest.splitn(3, '/').collect();
-            return match parts.as_slice() {
-                [org, name] | [org, name, ""] if !org.is_empty() && !name.is_empty() => {
-                    Ok(Self::HuggingFace {
-                        repo: format!("{org}/{name}"),
-                        file: None,
-                    })
-                }
-                [org, name, file] if !org.is_empty() && !name.is_empty() => {
-                    if file.split('/').any(|p| p == "..") {
-                        return Err(bad("the file must stay inside the repository"));
-                    }
-                    Ok(Self::HuggingFace {
-                        repo: format!("{org}/{name}"),
-                        file: Some((*file).into()),
-                    })
-                }
-                _ => Err(bad("expected hf://<org>/<name>[/<file>]")),
-            };
-        }
-        if s.starts_with('/') {
-            return Ok(Self::Path(s.into()));
-        }
-        Err(bad("expected an absolute path, pvc:// or hf://"))
     }
+    Ok(source)
 }
 
 /// The PersistentVolumeClaims the spec mounts, each with the field that names it: the model's
@@ -102,10 +77,13 @@ pub fn claims_of(isvc: &InferenceService) -> Vec<(&'static str, String)> {
 pub struct ModelMount {
     /// The runtime's `--model` value.
     pub model_arg: String,
+    /// Runtime flags the source implies (vLLM's `--revision`, `--load-format`).
+    pub args: Vec<String>,
     pub volumes: Vec<Volume>,
     pub mounts: Vec<VolumeMount>,
-    pub init_containers: Vec<Container>,
     pub env: Vec<EnvVar>,
+    /// `spec.model.secretRef`, whole, as environment (HF_TOKEN, AWS_*, GOOGLE_*).
+    pub env_from: Vec<EnvFromSource>,
 }
 
 fn mount(read_only: bool) -> VolumeMount {
@@ -136,19 +114,32 @@ fn download_volume(isvc: &InferenceService) -> Volume {
     }
 }
 
+/// A download into the model cache: `HF_HOME` under the mount, which both runtimes (and the
+/// Hub's own tools) read, so one cache claim serves either.
+fn download(isvc: &InferenceService, model_arg: String, args: Vec<String>) -> ModelMount {
+    ModelMount {
+        model_arg,
+        args,
+        volumes: vec![download_volume(isvc)],
+        mounts: vec![mount(false)],
+        env: vec![EnvVar {
+            name: "HF_HOME".into(),
+            value: Some(format!("{MODEL_ROOT}/hf")),
+            ..EnvVar::default()
+        }],
+        ..ModelMount::default()
+    }
+}
+
 /// Resolves the parsed `source` for `isvc`'s runtime.
-pub fn model_mount(
-    isvc: &InferenceService,
-    source: &ModelSource,
-    downloader_image: &str,
-    security: &k8s_openapi::api::core::v1::SecurityContext,
-) -> ModelMount {
-    match source.clone() {
-        ModelSource::Path(p) => ModelMount {
+pub fn model_mount(isvc: &InferenceService, source: &ModelSource) -> ModelMount {
+    let vllm = isvc.spec.runtime.kind == RuntimeKind::Vllm;
+    let mut m = match source.clone() {
+        Source::Path(p) => ModelMount {
             model_arg: p,
             ..ModelMount::default()
         },
-        ModelSource::Pvc { claim, path } => ModelMount {
+        Source::Pvc { claim, path } => ModelMount {
             model_arg: format!("{MODEL_ROOT}/{path}"),
             volumes: vec![Volume {
                 name: MODEL_VOLUME.into(),
@@ -161,129 +152,33 @@ pub fn model_mount(
             mounts: vec![mount(true)],
             ..ModelMount::default()
         },
-        // vLLM downloads by itself into HF_HOME.
-        ModelSource::HuggingFace { repo, file } if isvc.spec.runtime.kind == RuntimeKind::Vllm => {
-            let model_arg = match file {
-                Some(f) => format!("{repo}/{f}"),
-                None => repo,
-            };
-            ModelMount {
-                model_arg,
-                volumes: vec![download_volume(isvc)],
-                mounts: vec![mount(false)],
-                env: vec![EnvVar {
-                    name: "HF_HOME".into(),
-                    value: Some(format!("{MODEL_ROOT}/hf")),
-                    ..EnvVar::default()
-                }],
-                ..ModelMount::default()
-            }
+        // vLLM takes the repository id and the revision apart.
+        Source::Hf(h) if vllm => {
+            let args = h
+                .revision
+                .map(|r| vec!["--revision".to_string(), r])
+                .unwrap_or_default();
+            download(isvc, h.repo, args)
         }
-        // ferrite reads local files: an init container fetches them first (skipping files
-        // already in the cache).
-        ModelSource::HuggingFace { repo, file } => {
-            let dir = format!("{MODEL_ROOT}/{repo}");
-            let model_arg = match &file {
-                Some(f) => format!("{dir}/{f}"),
-                None => dir.clone(),
-            };
-            // The repository and file travel as environment variables, never through the shell.
-            let script = "set -eu; pip install --quiet --no-cache-dir --target /tmp/py \
-                          huggingface_hub; PYTHONPATH=/tmp/py python -c \"\
-                          import os, huggingface_hub as h; f = os.environ.get('MODEL_FILE'); \
-                          (h.hf_hub_download(os.environ['MODEL_REPO'], f, local_dir=os.environ['MODEL_DIR']) \
-                          if f else h.snapshot_download(os.environ['MODEL_REPO'], local_dir=os.environ['MODEL_DIR']))\""
-                .to_string();
-            let var = |name: &str, value: String| EnvVar {
-                name: name.into(),
-                value: Some(value),
-                ..EnvVar::default()
-            };
-            let mut env = vec![
-                var("MODEL_REPO", repo.clone()),
-                var("MODEL_DIR", dir.clone()),
-                var("HF_HOME", format!("{MODEL_ROOT}/hf")),
-                var("HOME", "/tmp".into()),
-            ];
-            if let Some(f) = &file {
-                env.push(var("MODEL_FILE", f.clone()));
-            }
-            let init = Container {
-                name: "model-download".into(),
-                image: Some(downloader_image.into()),
-                command: Some(vec!["sh".into(), "-c".into(), script]),
-                env: Some(env),
-                volume_mounts: Some(vec![
-                    mount(false),
-                    VolumeMount {
-                        name: "tmp".into(),
-                        mount_path: "/tmp".into(),
-                        ..VolumeMount::default()
-                    },
-                ]),
-                security_context: Some(security.clone()),
-                ..Container::default()
-            };
-            ModelMount {
-                model_arg,
-                volumes: vec![download_volume(isvc)],
-                mounts: vec![mount(true)],
-                init_containers: vec![init],
-                ..ModelMount::default()
-            }
+        // vLLM streams object-store folders through the Run:ai model streamer.
+        Source::Object(_) if vllm => download(
+            isvc,
+            isvc.spec.model.source.clone(),
+            vec!["--load-format".into(), "runai_streamer".into()],
+        ),
+        // ferrite-server downloads every remote form itself, given the source as written.
+        Source::Hf(_) | Source::Object(_) => {
+            download(isvc, isvc.spec.model.source.clone(), Vec::new())
         }
+    };
+    if let Some(secret) = &isvc.spec.model.secret_ref {
+        m.env_from.push(EnvFromSource {
+            secret_ref: Some(SecretEnvSource {
+                name: secret.name.clone(),
+                optional: Some(false),
+            }),
+            ..EnvFromSource::default()
+        });
     }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_each_source_form() {
-        assert_eq!(
-            ModelSource::parse("/models/a.gguf"),
-            Ok(ModelSource::Path("/models/a.gguf".into()))
-        );
-        assert_eq!(
-            ModelSource::parse("pvc://weights/llama/8b/"),
-            Ok(ModelSource::Pvc {
-                claim: "weights".into(),
-                path: "llama/8b".into()
-            })
-        );
-        assert_eq!(
-            ModelSource::parse("hf://HuggingFaceTB/SmolLM2-135M-Instruct"),
-            Ok(ModelSource::HuggingFace {
-                repo: "HuggingFaceTB/SmolLM2-135M-Instruct".into(),
-                file: None
-            })
-        );
-        assert_eq!(
-            ModelSource::parse("hf://org/repo/q4/model.gguf"),
-            Ok(ModelSource::HuggingFace {
-                repo: "org/repo".into(),
-                file: Some("q4/model.gguf".into())
-            })
-        );
-    }
-
-    #[test]
-    fn rejects_malformed_sources_with_the_reason() {
-        for bad in [
-            "pvc://claim",
-            "pvc:///x",
-            "pvc://c/../etc",
-            "hf://only-org",
-            "hf://org/repo/../../x",
-            "models/a.gguf",
-            "s3://bucket/x",
-        ] {
-            let e = ModelSource::parse(bad).expect_err(bad);
-            assert!(
-                matches!(e, BuildError::ModelSource(ref s, _) if s == bad),
-                "{e}"
-            );
-        }
-    }
+    m
 }
