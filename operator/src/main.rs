@@ -14,7 +14,10 @@ use ferrite_operator::autoscale::store::SignalStore;
 use ferrite_operator::cache::Caches;
 use ferrite_operator::config::{OperatorConfig, load_dashboards, load_resource_profiles};
 use ferrite_operator::controller::{self, Context, Timing};
-use ferrite_operator::external_metrics::{ServerTls, TlsSettings, serve_tls, service_names};
+use ferrite_operator::external_metrics::keeper::Keeper;
+use ferrite_operator::external_metrics::{
+    CertSource, ServerTls, TlsSettings, serve_tls, service_names,
+};
 use ferrite_operator::leader::{LeaderElector, LeaseSettings, Role};
 use ferrite_operator::telemetry::{self, Health, Metrics};
 use tokio::sync::watch;
@@ -84,6 +87,18 @@ struct Args {
     /// requests must present a client certificate it signed.
     #[arg(long, env = "FERRITE_CLIENT_CA_FILE")]
     client_ca_file: Option<PathBuf>,
+    /// Keep the External Metrics API's serving certificate in this Secret (in the operator's
+    /// namespace): the operator issues a self-signed one, sets the APIService's caBundle, and
+    /// renews both before expiry. Instead of --tls-cert-file.
+    #[arg(long, env = "FERRITE_TLS_SECRET", conflicts_with = "tls_cert_file")]
+    tls_secret: Option<String>,
+    /// The APIService whose caBundle --tls-secret keeps.
+    #[arg(long, default_value = "v1beta1.external.metrics.k8s.io")]
+    api_service: String,
+    /// Lifetime of each certificate --tls-secret issues (e.g. 365d, 12h, 90s); renewed with a
+    /// third left.
+    #[arg(long, default_value = "365d", value_parser = parse_duration)]
+    tls_cert_validity: Duration,
     /// The operator's Service name, for the self-signed certificate's DNS names.
     #[arg(long, env = "FERRITE_SERVICE_NAME", default_value = "ferrite-operator")]
     service_name: String,
@@ -166,9 +181,6 @@ async fn main() -> anyhow::Result<()> {
         tracing::info!("shutting down");
         let _ = stop_tx.send(true);
     });
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
 
     let listener = tokio::net::TcpListener::bind(args.http_addr)
         .await
@@ -209,7 +221,7 @@ async fn main() -> anyhow::Result<()> {
     ));
     tokio::spawn(autoscaler.clone().follow(feeds.autoscaler));
     tokio::spawn(controller::dispatch(feeds.controller, ctx.clone()));
-    let external = external_metrics(&args, autoscaler.store(), stopped(stop_rx.clone())).await?;
+    let external = external_metrics(&args, &client, autoscaler.store(), stop_rx.clone()).await?;
 
     if args.no_leader_election {
         health.ready.store(true, Ordering::Relaxed);
@@ -245,11 +257,40 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Starts the External Metrics API over TLS, unless turned off.
+/// Completes once `rx` says the process is stopping.
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// How often mounted certificate files are reread for a renewal.
+const CERT_FILE_POLL: Duration = Duration::from_secs(5);
+
+/// `90s`, `15m`, `12h`, `365d`, or plain seconds.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let (number, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number and s, m, h or d"))?;
+    let scale = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{s:?}: the unit is s, m, h or d")),
+    };
+    match n.checked_mul(scale) {
+        Some(secs) if secs > 0 => Ok(Duration::from_secs(secs)),
+        _ => Err(format!("{s:?}: give a positive duration")),
+    }
+}
+
+/// Starts the External Metrics API over TLS, unless turned off, with its certificate kept
+/// current: reread from mounted files, or issued and renewed in the --tls-secret Secret.
 async fn external_metrics(
     args: &Args,
+    client: &kube::Client,
     store: &Arc<SignalStore>,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    stop: watch::Receiver<bool>,
 ) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
     if args.external_metrics_addr == "off" {
         return Ok(None);
@@ -258,18 +299,54 @@ async fn external_metrics(
         .external_metrics_addr
         .parse()
         .with_context(|| format!("--external-metrics-addr {:?}", args.external_metrics_addr))?;
-    let settings = TlsSettings::from_flags(
-        args.tls_cert_file.clone(),
-        args.tls_key_file.clone(),
-        service_names(&args.service_name, &args.lease_namespace),
-        args.client_ca_file.clone(),
-    )?;
-    let tls = ServerTls::new(&settings)?;
+    let names = service_names(&args.service_name, &args.lease_namespace);
+    let tls = match &args.tls_secret {
+        Some(secret) => {
+            let keeper = Keeper {
+                client: client.clone(),
+                namespace: args.lease_namespace.clone(),
+                secret: secret.clone(),
+                api_service: args.api_service.clone(),
+                names,
+                validity: args.tls_cert_validity,
+            };
+            let material = keeper
+                .ensure(std::time::SystemTime::now())
+                .await
+                .context("issuing the External Metrics API's certificate")?;
+            let tls = ServerTls::from_pem(
+                &material.cert_pem,
+                &material.key_pem,
+                args.client_ca_file.as_deref(),
+            )?;
+            tokio::spawn(keeper.run(tls.clone(), material, stopped(stop.clone())));
+            tls
+        }
+        None => {
+            let settings = TlsSettings::from_flags(
+                args.tls_cert_file.clone(),
+                args.tls_key_file.clone(),
+                names,
+                args.client_ca_file.clone(),
+            )?;
+            let tls = ServerTls::new(&settings)?;
+            if let CertSource::Files { cert, key } = settings.cert {
+                tokio::spawn(tls.clone().watch_files(
+                    cert,
+                    key,
+                    CERT_FILE_POLL,
+                    stopped(stop.clone()),
+                ));
+            }
+            tls
+        }
+    };
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding {addr}"))?;
     tracing::info!(%addr, "serving the External Metrics API (external.metrics.k8s.io/v1beta1)");
     let store = store.clone();
+    let shutdown = stopped(stop);
     Ok(Some(tokio::spawn(async move {
         if let Err(e) = serve_tls(listener, tls, store, shutdown).await {
             tracing::error!(error = %e, "External Metrics API server failed");

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use common::chart::{
     NAMESPACE, chart_dir, container_args, find, find_component, granted, helm, notes, one,
-    one_component, operator_args, operator_deployment, path_str, render, router_args,
+    one_component, operator_args, operator_deployment, path_str, render, render_text, router_args,
     router_deployment,
 };
 use common::validate::{custom_resources, kubernetes, root, temp_dir};
@@ -426,6 +426,33 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             let api = one(docs, "APIService");
             assert_eq!(api["metadata"]["name"], "v1beta1.external.metrics.k8s.io");
             assert_eq!(api["spec"]["insecureSkipTLSVerify"], false);
+            // Nothing random at render time: the operator issues the certificate and sets the
+            // caBundle, with exactly the rights to do so.
+            assert!(api["spec"]["caBundle"].is_null(), "{api}");
+            assert!(
+                find(docs, "Secret").is_empty(),
+                "no Secret is rendered for the serving certificate"
+            );
+            assert!(
+                has_arg("--tls-secret=ferrite-ferrite-operator-external-metrics-tls"),
+                "{args:?}"
+            );
+            assert!(
+                !has_arg("--tls-cert-file=/etc/ferrite/tls/tls.crt"),
+                "{args:?}"
+            );
+            let role = find(docs, "Role")
+                .into_iter()
+                .find(|r| {
+                    r["metadata"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.ends_with("-serving-cert"))
+                })
+                .expect("the serving certificate's Role");
+            assert_eq!(
+                role["rules"][1]["resourceNames"][0],
+                "ferrite-ferrite-operator-external-metrics-tls"
+            );
             let svc_name = api["spec"]["service"]["name"].as_str().expect("service");
             let svc = find(docs, "Service")
                 .into_iter()
@@ -774,9 +801,32 @@ fn wrong_values_are_refused_with_a_message_naming_the_key() {
     }
 }
 
-/// The chart's self-signed pair, served by the real operator: a client that trusts only the
-/// APIService's caBundle, as the API server's aggregator does, reaches the API by the Service's
-/// DNS name.
+/// GitOps tools render the chart again at every sync: with every value set in `ci/`, two
+/// renders are byte-identical (no generated key, certificate, token or timestamp), so Argo CD
+/// stays in sync and never restarts the operator.
+#[test]
+fn two_renders_with_the_same_values_are_byte_identical() {
+    let mut checked = 0;
+    for entry in std::fs::read_dir(chart_dir().join("ci")).expect("ci/") {
+        let path = entry.expect("ci/ entry").path();
+        let stem = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("file name")
+            .to_string();
+        let first = render_text(&path, &format!("{stem}-first")).expect("renders");
+        let second = render_text(&path, &format!("{stem}-second")).expect("renders");
+        assert!(
+            first == second,
+            "{}: the two renders differ",
+            path.display()
+        );
+        assert!(first.contains("kind: Deployment"), "{first}");
+        checked += 1;
+    }
+    assert!(checked >= 10, "only {checked} value sets");
+}
+
 #[test]
 fn the_custom_resource_validator_rejects_broken_objects() {
     let docs = render(&chart_dir().join("ci/cert-manager-values.yaml"), "broken").expect("renders");

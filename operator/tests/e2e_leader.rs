@@ -258,8 +258,13 @@ async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
         (pods_ready(&client, &ns, "chat", "127.0.0.1").await > 0).then_some(())
     })
     .await;
-    let items = |port: u16| {
-        let (agent, base) = external_client(&release, port, None);
+    // Both replicas serve the one certificate in the shared Secret, which the bundle trusts.
+    let agents = [
+        external_client(&client, &release, release.external_port, None).await,
+        external_client(&client, &release, b_port, None).await,
+    ];
+    let items = |i: usize| {
+        let (agent, base) = agents[i].clone();
         let url = format!(
             "{base}/apis/external.metrics.k8s.io/v1beta1/namespaces/{ns}/ferrite_requests_running"
         );
@@ -275,7 +280,7 @@ async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
             (!items.is_empty()).then_some(items)
         }
     };
-    let (from_a, from_b) = (items(release.external_port), items(b_port));
+    let (from_a, from_b) = (items(0), items(1));
     let leader_items = eventually(WAIT, "the leader's External metric", async || from_a()).await;
     let standby_items = eventually(WAIT, "the standby's External metric", async || from_b()).await;
     assert_eq!(standby_items[0]["metricName"], "ferrite_requests_running");

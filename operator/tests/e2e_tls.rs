@@ -1,7 +1,10 @@
-//! X.509 v1 certificates (what `openssl x509 -req` makes without an extension file), which the
-//! API server accepts and rustls refuses: the operator names the certificate and the cause,
-//! whether it is its own kubeconfig's client certificate, the client CA of its External
-//! Metrics API, or a client certificate presented to that API.
+//! The External Metrics API's certificates on a real API server. X.509 v1 certificates (what
+//! `openssl x509 -req` makes without an extension file), which the API server accepts and
+//! rustls refuses: the operator names the certificate and the cause, whether it is its own
+//! kubeconfig's client certificate, the client CA of its External Metrics API, or a client
+//! certificate presented to that API. The serving certificate: issued by the operator into its
+//! Secret with the caBundle that trusts it, renewed without a restart, and cert-manager's
+//! mounted files reread when they change.
 
 mod common;
 
@@ -252,40 +255,45 @@ async fn v1_certificates_at_the_external_metrics_api_are_named() {
     assert!(text.contains("reissue it with extensions"), "{text}");
 }
 
-/// The chart's self-signed certificate, as the operator serves it from the chart's Secret,
-/// verifies against the APIService's caBundle under the Service's name, as the aggregator
-/// checks it; under any other name it is refused (so the check is real).
+/// The operator's own certificate (nothing rendered by the chart): at start it issues one into
+/// the Secret, under the chart's RBAC, owned by the APIService, and sets the APIService's
+/// caBundle; a client that trusts only that bundle reaches the API by the Service's name, as
+/// the aggregator does, and any other name is refused (so the check is real). A restarted
+/// operator serves the same certificate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_chart_certificate_verifies_for_the_apiservice_name_only() {
-    use base64::Engine as _;
-    use common::e2e::{Operator, external_client, install};
+async fn the_operator_issues_its_certificate_and_the_bundle_that_trusts_it() {
+    use common::e2e::{Operator, external_client, install, live_ca_bundle};
+    use k8s_openapi::api::core::v1::Secret;
     let Some(cluster) = Cluster::start().await else {
         return;
     };
+    let client = cluster.client().await;
     let release = install(
         &cluster,
         &serde_json::json!({"externalMetrics": {"enabled": true}}),
         "tls",
     )
     .await;
-    let api = common::chart::one(&release.docs, "APIService");
-    let secret = release
-        .docs
-        .iter()
-        .find(|d| d["type"] == "kubernetes.io/tls")
-        .expect("Secret");
-    let b64 = |v: &serde_json::Value| {
-        base64::engine::general_purpose::STANDARD
-            .decode(v.as_str().expect("base64"))
-            .expect("base64")
-    };
-    assert_eq!(
-        b64(&api["spec"]["caBundle"]),
-        b64(&secret["data"]["ca.crt"]),
-        "caBundle is the Secret's CA"
+    assert!(
+        common::chart::one(&release.docs, "APIService")["spec"]["caBundle"].is_null(),
+        "the chart renders no caBundle"
     );
-    let _op = Operator::launch(&cluster, &release, "op-0", &[]).await;
-    let (agent, base) = external_client(&release, release.external_port, None);
+    let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let bundle = live_ca_bundle(&client).await;
+    let secrets: kube::Api<Secret> =
+        kube::Api::namespaced(client.clone(), common::chart::NAMESPACE);
+    let secret = secrets
+        .get("ferrite-ferrite-operator-external-metrics-tls")
+        .await
+        .expect("the operator's Secret");
+    let data = secret.data.clone().expect("data");
+    assert_eq!(data["ca.crt"].0, bundle.as_bytes());
+    let owner = &secret.metadata.owner_references.clone().expect("owner")[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.name.as_str()),
+        ("APIService", "v1beta1.external.metrics.k8s.io")
+    );
+    let (agent, base) = external_client(&client, &release, release.external_port, None).await;
     let url = format!("{base}/apis/external.metrics.k8s.io/v1beta1");
     let body: serde_json::Value = eventually(
         Duration::from_secs(30),
@@ -293,12 +301,19 @@ async fn the_chart_certificate_verifies_for_the_apiservice_name_only() {
         async || agent.get(&url).call().ok()?.into_json().ok(),
     )
     .await;
-    assert_eq!(body["groupVersion"], "external.metrics.k8s.io/v1beta1");
+    assert_eq!(
+        body["groupVersion"],
+        "external.metrics.k8s.io/v1beta1",
+        "{}",
+        op.log()
+    );
     let (wrong, base) = external_client(
+        &client,
         &release,
         release.external_port,
         Some("ferrite-elsewhere.ferrite-system.svc"),
-    );
+    )
+    .await;
     let err = wrong
         .get(&format!("{base}/apis/external.metrics.k8s.io/v1beta1"))
         .call()
@@ -307,4 +322,167 @@ async fn the_chart_certificate_verifies_for_the_apiservice_name_only() {
         err.is_some(),
         "a name the certificate does not carry was accepted"
     );
+    // A restart keeps the Secret's certificate (no new one, the bundle unchanged).
+    drop(op);
+    let _op = Operator::launch(&cluster, &release, "op-1", &[]).await;
+    eventually(
+        Duration::from_secs(30),
+        "the restarted operator",
+        async || agent.get(&url).call().ok().map(|_| ()),
+    )
+    .await;
+    let again = secrets
+        .get("ferrite-ferrite-operator-external-metrics-tls")
+        .await
+        .expect("Secret");
+    assert_eq!(again.data.expect("data")["tls.crt"], data["tls.crt"]);
+    assert_eq!(live_ca_bundle(&client).await, bundle);
+}
+
+/// The certificate the server at 127.0.0.1:`port` presents, as PEM (openssl s_client).
+fn presented(port: u16) -> Option<String> {
+    let out = Command::new("openssl")
+        .args(["s_client", "-connect", &format!("127.0.0.1:{port}")])
+        .args([
+            "-servername",
+            "ferrite-ferrite-operator-external-metrics.ferrite-system.svc",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let start = text.find("-----BEGIN CERTIFICATE-----")?;
+    let end = text.find("-----END CERTIFICATE-----")? + "-----END CERTIFICATE-----".len();
+    Some(text[start..end].to_string())
+}
+
+/// Renewal without a restart: with a 30 s validity the operator renews at 20 s, serves the new
+/// certificate from the next handshake, and the bundle holds the new and the old one; a client
+/// trusting the live bundle keeps reaching the API throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_renews_its_certificate_without_a_restart() {
+    use common::e2e::{Operator, external_client, install, live_ca_bundle};
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let release = install(
+        &cluster,
+        &serde_json::json!({"externalMetrics": {"enabled": true, "certValidity": "30s"}}),
+        "renew",
+    )
+    .await;
+    let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let first_bundle = live_ca_bundle(&client).await;
+    let port = release.external_port;
+    let first = eventually(
+        Duration::from_secs(30),
+        "the first certificate",
+        async || presented(port),
+    )
+    .await;
+    assert!(
+        first_bundle.contains(first.trim()),
+        "{first_bundle}\n{first}"
+    );
+    let renewed = eventually(
+        Duration::from_secs(60),
+        "a renewed certificate",
+        async || presented(port).filter(|c| c != &first),
+    )
+    .await;
+    let bundle = live_ca_bundle(&client).await;
+    assert!(
+        bundle.contains(renewed.trim()) && bundle.contains(first.trim()),
+        "the bundle trusts the new and the old certificate:\n{bundle}\n{}",
+        op.log()
+    );
+    let (agent, base) = external_client(&client, &release, port, None).await;
+    let url = format!("{base}/apis/external.metrics.k8s.io/v1beta1");
+    assert!(agent.get(&url).call().is_ok(), "{}", op.log());
+    assert!(
+        op.log().contains("serving the renewed certificate"),
+        "{}",
+        op.log()
+    );
+}
+
+/// cert-manager's path: the operator serves mounted files, and when they are replaced (as the
+/// kubelet swaps a renewed Secret in) serves the new pair within seconds, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewed_certificate_files_are_served_without_a_restart() {
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    ferrite_testkit::kube::standin::install_crd(&cluster.client().await).await;
+    let dir = TempDir::new("tls-files");
+    let pair = |n: &str| {
+        openssl(
+            dir.path(),
+            &[
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                &format!("/CN={n}"),
+                "-addext",
+                "subjectAltName=DNS:ferrite-operator.default.svc",
+                "-keyout",
+                &format!("{n}.key"),
+                "-out",
+                &format!("{n}.crt"),
+            ],
+        );
+    };
+    pair("one");
+    pair("two");
+    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    std::fs::copy(dir.path().join("one.crt"), &cert).expect("copy");
+    std::fs::copy(dir.path().join("one.key"), &key).expect("copy");
+    let port = free_port();
+    let log = dir.path().join("operator.log");
+    let mut op = run_operator(
+        &cluster.admin_kubeconfig(),
+        &[
+            &format!("--external-metrics-addr=127.0.0.1:{port}"),
+            &format!("--tls-cert-file={}", cert.display()),
+            &format!("--tls-key-file={}", key.display()),
+        ],
+        &log,
+    );
+    let pem = |n: &str| std::fs::read_to_string(dir.path().join(format!("{n}.crt"))).expect("pem");
+    eventually(
+        Duration::from_secs(30),
+        "the first pair served",
+        async || {
+            if let Some(s) = op.exited() {
+                panic!(
+                    "the operator exited with {s}: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            presented(port).filter(|c| pem("one").contains(c.trim()))
+        },
+    )
+    .await;
+    // As the kubelet does: write aside, then rename over.
+    for (from, to) in [("two.crt", &cert), ("two.key", &key)] {
+        let tmp = dir.path().join(format!("{from}.tmp"));
+        std::fs::copy(dir.path().join(from), &tmp).expect("copy");
+        std::fs::rename(&tmp, to).expect("rename");
+    }
+    eventually(
+        Duration::from_secs(20),
+        "the renewed pair served",
+        async || presented(port).filter(|c| pem("two").contains(c.trim())),
+    )
+    .await;
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(text.contains("serving the renewed certificate"), "{text}");
 }

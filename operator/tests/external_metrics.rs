@@ -208,7 +208,7 @@ fn self_signed(names: &[&str]) -> ServerTls {
 fn discovery_documents() {
     let tls = self_signed(&["localhost", "127.0.0.1"]);
     let server = Server::start(&tls, store());
-    let agent = agent(tls.cert_pem());
+    let agent = agent(&tls.cert_pem());
 
     let (code, groups) = get(&agent, &server.url("/apis"), None);
     assert_eq!(code, 200);
@@ -267,7 +267,7 @@ fn discovery_documents() {
 fn metric_values_and_timestamps() {
     let tls = self_signed(&["localhost", "127.0.0.1"]);
     let server = Server::start(&tls, store());
-    let agent = agent(tls.cert_pem());
+    let agent = agent(&tls.cert_pem());
 
     let waiting = list(&agent, &server, "ml", "ferrite_requests_waiting", None);
     assert_eq!(waiting.api_version, "external.metrics.k8s.io/v1beta1");
@@ -338,7 +338,7 @@ fn metric_values_and_timestamps() {
 fn label_selection() {
     let tls = self_signed(&["localhost", "127.0.0.1"]);
     let server = Server::start(&tls, store());
-    let agent = agent(tls.cert_pem());
+    let agent = agent(&tls.cert_pem());
     let names = |ns: &str, sel: &str| -> Vec<String> {
         values(&list(
             &agent,
@@ -370,7 +370,7 @@ fn label_selection() {
 fn errors_are_kubernetes_status_objects() {
     let tls = self_signed(&["localhost", "127.0.0.1"]);
     let server = Server::start(&tls, store());
-    let agent = agent(tls.cert_pem());
+    let agent = agent(&tls.cert_pem());
     let check = |code: u16, body: &Value, reason: &str| {
         assert_eq!(body["kind"], "Status", "{body}");
         assert_eq!(body["apiVersion"], "v1");
@@ -472,7 +472,7 @@ fn tls_is_required_and_verified() {
 
     // A client trusting some other certificate refuses this one.
     let other = self_signed(&["localhost", "127.0.0.1"]);
-    let refused = agent(other.cert_pem()).get(&server.url("/healthz")).call();
+    let refused = agent(&other.cert_pem()).get(&server.url("/healthz")).call();
     let Err(ureq::Error::Transport(t)) = refused else {
         panic!("an untrusted certificate was accepted: {refused:?}");
     };
@@ -481,7 +481,7 @@ fn tls_is_required_and_verified() {
 
     // The generated PEM is what a client must trust, and it works.
     assert!(tls.cert_pem().starts_with("-----BEGIN CERTIFICATE-----"));
-    let trusting = agent(tls.cert_pem());
+    let trusting = agent(&tls.cert_pem());
     assert_eq!(
         trusting
             .get(&server.url("/healthz"))
@@ -494,7 +494,7 @@ fn tls_is_required_and_verified() {
 
     // ALPN offers only HTTP/1.1.
     let alpn = server.rt.block_on(async {
-        let mut config = client_config(tls.cert_pem(), None);
+        let mut config = client_config(&tls.cert_pem(), None);
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         let tcp = tokio::net::TcpStream::connect(server.addr)
             .await
@@ -527,7 +527,7 @@ fn server_name_is_checked() {
     let server = Server::start(&tls, store());
     let port = server.addr.port();
     let resolving = ureq::AgentBuilder::new()
-        .tls_config(Arc::new(client_config(tls.cert_pem(), None)))
+        .tls_config(Arc::new(client_config(&tls.cert_pem(), None)))
         .resolver(move |netloc: &str| {
             assert!(
                 netloc.starts_with("ferrite-operator.ferrite-system.svc"),
@@ -544,7 +544,7 @@ fn server_name_is_checked() {
     assert_eq!(code, 200);
     assert_eq!(body["items"][0]["value"], "6");
 
-    let wrong_name = agent(tls.cert_pem()).get(&server.url("/healthz")).call();
+    let wrong_name = agent(&tls.cert_pem()).get(&server.url("/healthz")).call();
     let Err(ureq::Error::Transport(t)) = wrong_name else {
         panic!("a certificate without 127.0.0.1 was accepted for it: {wrong_name:?}");
     };

@@ -33,6 +33,7 @@
 //! Errors are Kubernetes `Status` objects, as kube-apiserver would send them.
 
 pub mod api;
+pub mod keeper;
 pub mod selector;
 pub mod tls;
 

@@ -1,13 +1,15 @@
 //! HTTPS for the External Metrics API: the serving certificate (PEM files, e.g. a cert-manager
-//! Secret, or self-signed at start), an optional client CA, and a hyper server over rustls. It
-//! knows nothing of the API it serves: each request carries a [`ClientCert`] extension saying
-//! whether a client certificate is required and was presented, and the API decides.
+//! Secret, reloaded when they change; one the operator keeps in a Secret of its own, see
+//! `keeper`; or self-signed at start), an optional client CA, and a hyper server over rustls.
+//! The certificate is swapped under running connections, never by a restart. It knows nothing
+//! of the API it serves: each request carries a [`ClientCert`] extension saying whether a client
+//! certificate is required and was presented, and the API decides.
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::pin;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -19,7 +21,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
-use tokio_rustls::rustls::server::WebPkiClientVerifier;
+use tokio_rustls::rustls::crypto::CryptoProvider;
+use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use tokio_rustls::rustls::sign::CertifiedKey;
 use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
 use tower::ServiceExt;
 
@@ -41,7 +45,8 @@ pub struct ClientCert {
 /// Where the serving certificate comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CertSource {
-    /// PEM files (certificate chain and private key), read once at start.
+    /// PEM files (certificate chain and private key), read at start and again whenever they
+    /// change (cert-manager renewing a mounted Secret).
     Files { cert: PathBuf, key: PathBuf },
     /// A certificate made at start for these DNS names or IP addresses. Trust it through
     /// [`ServerTls::cert_pem`] (the APIService's `caBundle`) or `insecureSkipTLSVerify`.
@@ -110,12 +115,65 @@ pub enum TlsError {
     Version(#[from] crate::certs::CertError),
 }
 
+/// The certificate presented to new handshakes; replaced in place when it is renewed.
+#[derive(Debug)]
+struct Current {
+    key: RwLock<Arc<CertifiedKey>>,
+    pem: RwLock<String>,
+}
+
+impl ResolvesServerCert for Current {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        self.key.read().ok().map(|k| k.clone())
+    }
+}
+
 /// A ready TLS server configuration and the certificate it presents.
 #[derive(Debug, Clone)]
 pub struct ServerTls {
     config: Arc<ServerConfig>,
-    cert_pem: String,
+    current: Arc<Current>,
+    provider: Arc<CryptoProvider>,
     client_auth: bool,
+}
+
+/// A certificate chain and its key, parsed from PEM and checked (X.509 v3).
+fn parse_pair(
+    cert_pem: &str,
+    key_pem: &str,
+    cert_path: &Path,
+    key_path: &Path,
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
+    let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| TlsError::Pem {
+            path: cert_path.to_path_buf(),
+            source,
+        })?;
+    if chain.is_empty() {
+        return Err(TlsError::NoCertificate(cert_path.to_path_buf()));
+    }
+    crate::certs::check_pem(
+        cert_pem.as_bytes(),
+        &format!("the serving certificate {}", cert_path.display()),
+    )?;
+    let key =
+        PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|source| TlsError::Pem {
+            path: key_path.to_path_buf(),
+            source,
+        })?;
+    Ok((chain, key))
+}
+
+fn certified(
+    provider: &CryptoProvider,
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<Arc<CertifiedKey>, TlsError> {
+    let signer = provider.key_provider.load_private_key(key)?;
+    let certified = CertifiedKey::new(chain, signer);
+    certified.keys_match()?;
+    Ok(Arc::new(certified))
 }
 
 impl ServerTls {
@@ -123,29 +181,39 @@ impl ServerTls {
         let (cert_pem, chain, key) = match &settings.cert {
             CertSource::Files { cert, key } => {
                 let cert_pem = read_to_string(cert)?;
-                let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|source| TlsError::Pem {
-                        path: cert.clone(),
-                        source,
-                    })?;
-                if chain.is_empty() {
-                    return Err(TlsError::NoCertificate(cert.clone()));
-                }
-                crate::certs::check_file(cert, "the serving certificate")?;
-                let key_der = PrivateKeyDer::from_pem_slice(read_to_string(key)?.as_bytes())
-                    .map_err(|source| TlsError::Pem {
-                        path: key.clone(),
-                        source,
-                    })?;
+                let (chain, key_der) = parse_pair(&cert_pem, &read_to_string(key)?, cert, key)?;
                 (cert_pem, chain, key_der)
             }
             CertSource::SelfSigned { names } => self_signed(names)?,
         };
+        Self::build(cert_pem, chain, key, settings.client_ca.as_deref())
+    }
+
+    /// From PEM text held in memory (the operator's own Secret).
+    pub fn from_pem(
+        cert_pem: &str,
+        key_pem: &str,
+        client_ca: Option<&Path>,
+    ) -> Result<Self, TlsError> {
+        let memory = Path::new("<in memory>");
+        let (chain, key) = parse_pair(cert_pem, key_pem, memory, memory)?;
+        Self::build(cert_pem.to_string(), chain, key, client_ca)
+    }
+
+    fn build(
+        cert_pem: String,
+        chain: Vec<CertificateDer<'static>>,
+        key: PrivateKeyDer<'static>,
+        client_ca: Option<&Path>,
+    ) -> Result<Self, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let current = Arc::new(Current {
+            key: RwLock::new(certified(&provider, chain, key)?),
+            pem: RwLock::new(cert_pem),
+        });
         let builder = ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()?;
-        let builder = match &settings.client_ca {
+        let builder = match client_ca {
             Some(path) => {
                 let mut roots = RootCertStore::empty();
                 let pem = read_to_string(path)?;
@@ -155,45 +223,105 @@ impl ServerTls {
                 )?;
                 for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
                     let cert = cert.map_err(|source| TlsError::Pem {
-                        path: path.clone(),
+                        path: path.to_path_buf(),
                         source,
                     })?;
                     roots.add(cert)?;
                 }
                 if roots.is_empty() {
-                    return Err(TlsError::NoCertificate(path.clone()));
+                    return Err(TlsError::NoCertificate(path.to_path_buf()));
                 }
                 // Unauthenticated clients may connect (the kubelet probes /healthz); the
                 // request layer then keeps them off /apis.
                 let verifier =
-                    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
                         .allow_unauthenticated()
                         .build()
                         .map_err(|source| TlsError::ClientCa {
-                            path: path.clone(),
+                            path: path.to_path_buf(),
                             source,
                         })?;
                 builder.with_client_cert_verifier(verifier)
             }
             None => builder.with_no_client_auth(),
         };
-        let mut config = builder.with_single_cert(chain, key)?;
+        let mut config = builder.with_cert_resolver(current.clone());
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(Self {
             config: Arc::new(config),
-            cert_pem,
-            client_auth: settings.client_ca.is_some(),
+            current,
+            provider,
+            client_auth: client_ca.is_some(),
         })
     }
 
-    /// The PEM of the certificate (chain) presented; for a self-signed one, what clients must
-    /// trust.
-    pub fn cert_pem(&self) -> &str {
-        &self.cert_pem
+    /// Presents `cert_pem`/`key_pem` from the next handshake on; the old certificate stays if
+    /// the new one does not parse or does not match its key.
+    pub fn replace(&self, cert_pem: &str, key_pem: &str, source: &Path) -> Result<(), TlsError> {
+        let (chain, key) = parse_pair(cert_pem, key_pem, source, source)?;
+        let certified = certified(&self.provider, chain, key)?;
+        if let Ok(mut k) = self.current.key.write() {
+            *k = certified;
+        }
+        if let Ok(mut p) = self.current.pem.write() {
+            *p = cert_pem.to_string();
+        }
+        Ok(())
+    }
+
+    /// The PEM of the certificate (chain) presented now; for a self-signed one, what clients
+    /// must trust.
+    pub fn cert_pem(&self) -> String {
+        self.current
+            .pem
+            .read()
+            .map(|p| p.clone())
+            .unwrap_or_default()
     }
 
     pub fn server_config(&self) -> Arc<ServerConfig> {
         self.config.clone()
+    }
+
+    /// Rereads `cert` and `key` every `period` until `shutdown`, and presents them when their
+    /// contents change: a kubelet updates a mounted Secret by swapping a symlink, so comparing
+    /// contents (not modification times) catches every renewal. A pair that does not load (the
+    /// two files caught between writes) is retried at the next poll.
+    pub async fn watch_files(
+        self,
+        cert: PathBuf,
+        key: PathBuf,
+        period: Duration,
+        shutdown: impl Future<Output = ()>,
+    ) {
+        let mut loaded = (
+            std::fs::read(&cert).unwrap_or_default(),
+            std::fs::read(&key).unwrap_or_default(),
+        );
+        let mut shutdown = pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => return,
+                () = tokio::time::sleep(period) => {}
+            }
+            let now = (
+                std::fs::read(&cert).unwrap_or_default(),
+                std::fs::read(&key).unwrap_or_default(),
+            );
+            if now == loaded {
+                continue;
+            }
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            match self.replace(&text(&now.0), &text(&now.1), &cert) {
+                Ok(()) => {
+                    tracing::info!(cert = %cert.display(), "serving the renewed certificate");
+                    loaded = now;
+                }
+                Err(e) => {
+                    tracing::warn!(cert = %cert.display(), error = %e, "the changed certificate does not load yet; keeping the previous one");
+                }
+            }
+        }
     }
 }
 

@@ -32,6 +32,19 @@ pub fn path_str(p: &Path) -> &str {
 /// Renders the chart with `values` (a file merged over values.yaml) as `helm install` would;
 /// returns the objects, or Helm's message.
 pub fn render(values: &Path, tag: &str) -> Result<Vec<Value>, String> {
+    let yaml = render_text(values, tag)?;
+    let mut docs = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(&yaml) {
+        let v: Value = serde::Deserialize::deserialize(doc).expect("rendered YAML parses");
+        if !v.is_null() {
+            docs.push(v);
+        }
+    }
+    Ok(docs)
+}
+
+/// The rendered manifests as Helm wrote them, byte for byte.
+pub fn render_text(values: &Path, tag: &str) -> Result<String, String> {
     let out = temp_dir("chart").join(format!("{tag}.yaml"));
     let (ok, text) = helm(&[
         "render",
@@ -43,15 +56,7 @@ pub fn render(values: &Path, tag: &str) -> Result<Vec<Value>, String> {
     if !ok {
         return Err(text);
     }
-    let yaml = std::fs::read_to_string(&out).expect("rendered file");
-    let mut docs = Vec::new();
-    for doc in serde_yaml_ng::Deserializer::from_str(&yaml) {
-        let v: Value = serde::Deserialize::deserialize(doc).expect("rendered YAML parses");
-        if !v.is_null() {
-            docs.push(v);
-        }
-    }
-    Ok(docs)
+    Ok(std::fs::read_to_string(&out).expect("rendered file"))
 }
 
 /// The NOTES.txt Helm printed for the last [`render`] tagged `tag` in this process.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use ferrite_testkit::kube::{Cluster, Options};
-use ferrite_testkit::process::{Guard, TempDir, free_port};
+use ferrite_testkit::process::{Guard, TempDir, eventually, free_port};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;
@@ -547,16 +547,36 @@ pub fn router_binary() -> PathBuf {
         .unwrap_or_else(|| ferrite_testkit::server::workspace_binary("ferrite-router"))
 }
 
+/// The APIService's live `caBundle` (PEM), once the operator has set it.
+pub async fn live_ca_bundle(client: &kube::Client) -> String {
+    use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
+    let api: Api<APIService> = Api::all(client.clone());
+    eventually(
+        Duration::from_secs(60),
+        "the APIService's caBundle",
+        async || {
+            let bundle = api
+                .get("v1beta1.external.metrics.k8s.io")
+                .await
+                .ok()?
+                .spec?
+                .ca_bundle?;
+            String::from_utf8(bundle.0).ok().filter(|b| !b.is_empty())
+        },
+    )
+    .await
+}
+
 /// An HTTPS client for an operator's External Metrics API on `port`, verifying it as the
-/// aggregator does (the chart's CA, the Service's `NAME.NAMESPACE.svc` name), and the base URL
-/// to use with it (`host` overrides that name, to see a wrong one refused).
-pub fn external_client(release: &Release, port: u16, host: Option<&str>) -> (ureq::Agent, String) {
-    let secret = release
-        .docs
-        .iter()
-        .find(|d| d["kind"] == "Secret" && d["type"] == "kubernetes.io/tls")
-        .expect("the External Metrics TLS Secret");
-    let ca = String::from_utf8(decode(&secret["data"], "ca.crt", true)).expect("PEM");
+/// aggregator does (the APIService's live caBundle, the Service's `NAME.NAMESPACE.svc` name),
+/// and the base URL to use with it (`host` overrides that name, to see a wrong one refused).
+pub async fn external_client(
+    client: &kube::Client,
+    release: &Release,
+    port: u16,
+    host: Option<&str>,
+) -> (ureq::Agent, String) {
+    let ca = live_ca_bundle(client).await;
     let service = release
         .docs
         .iter()
