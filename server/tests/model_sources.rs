@@ -231,38 +231,44 @@ fn a_wrong_token_or_a_missing_file_stops_the_server_with_the_reason() {
     let dir = TempDir::new("hub-errors");
     let url = hub.url();
 
-    let mut wrong = launch(
-        "hf://acme/smol/smol.gguf",
-        dir.path(),
-        &[("HF_ENDPOINT", &url), ("HF_TOKEN", "hf_wrong")],
-    );
-    let message = wrong.failed();
-    assert!(
-        message.starts_with("ModelDownloadFailed: hf://acme/smol/smol.gguf: ")
-            && message.contains("HTTP 401")
-            && message.contains("HF_TOKEN"),
-        "{message}"
-    );
-
-    let mut missing = launch(
-        "hf://acme/smol/other.gguf",
-        dir.path(),
-        &[("HF_ENDPOINT", &url), ("HF_TOKEN", TOKEN)],
-    );
-    let message = missing.failed();
-    assert!(
-        message.starts_with("ModelDownloadFailed: hf://acme/smol/other.gguf: ")
-            && message.contains("file other.gguf was not found (HTTP 404)"),
-        "{message}"
-    );
-
-    let mut no_revision = launch(
-        "hf://acme/smol@v9/smol.gguf",
-        dir.path(),
-        &[("HF_ENDPOINT", &url), ("HF_TOKEN", TOKEN)],
-    );
-    let message = no_revision.failed();
-    assert!(message.contains("HTTP 404"), "{message}");
+    for (source, token, expected) in [
+        (
+            "hf://acme/smol/smol.gguf",
+            "hf_wrong",
+            &[
+                "ModelDownloadFailed: hf://acme/smol/smol.gguf: ",
+                "HTTP 401",
+                "HF_TOKEN",
+            ][..],
+        ),
+        (
+            "hf://acme/smol/other.gguf",
+            TOKEN,
+            &[
+                "ModelDownloadFailed: hf://acme/smol/other.gguf: ",
+                "file other.gguf was not found (HTTP 404)",
+            ],
+        ),
+        (
+            "hf://acme/smol@v9/smol.gguf",
+            TOKEN,
+            &[
+                "ModelDownloadFailed: hf://acme/smol@v9/smol.gguf: ",
+                "HTTP 404",
+            ],
+        ),
+    ] {
+        let mut server = launch(
+            source,
+            dir.path(),
+            &[("HF_ENDPOINT", &url), ("HF_TOKEN", token)],
+        );
+        let message = server.failed();
+        assert!(message.starts_with(expected[0]), "{message}");
+        for part in expected {
+            assert!(message.contains(part), "{part:?} missing from {message}");
+        }
+    }
     assert!(!dir.path().join("hub/models--acme--smol/snapshots").exists());
 }
 
@@ -415,17 +421,15 @@ fn an_s3_folder_downloads_with_credentials_from_the_environment() {
     assert!(st.success(), "uploading to moto");
 
     let dir = TempDir::new("s3-source");
-    let mut server = launch(
-        "s3://weights/smol/v1/",
-        dir.path(),
-        &[
-            ("AWS_ACCESS_KEY_ID", "AKIDTEST"),
-            ("AWS_SECRET_ACCESS_KEY", "secret"),
-            ("AWS_REGION", "us-east-1"),
-            ("AWS_ENDPOINT_URL", &endpoint),
-            ("AWS_ALLOW_HTTP", "true"),
-        ],
-    );
+    // What the operator passes from the model's Secret.
+    let aws = [
+        ("AWS_ACCESS_KEY_ID", "AKIDTEST"),
+        ("AWS_SECRET_ACCESS_KEY", "secret"),
+        ("AWS_REGION", "us-east-1"),
+        ("AWS_ENDPOINT_URL", endpoint.as_str()),
+        ("AWS_ALLOW_HTTP", "true"),
+    ];
+    let mut server = launch("s3://weights/smol/v1/", dir.path(), &aws);
     // The folder holds one GGUF and a README: everything under the prefix is fetched, and the
     // GGUF is what loads.
     let folder = dir.path().join("hub/objects/s3/weights/smol/v1");
@@ -442,17 +446,7 @@ fn an_s3_folder_downloads_with_credentials_from_the_environment() {
     server.guard.kill();
 
     // One object by its key serves.
-    let mut one = launch(
-        "s3://weights/smol/v1/model.gguf",
-        dir.path(),
-        &[
-            ("AWS_ACCESS_KEY_ID", "AKIDTEST"),
-            ("AWS_SECRET_ACCESS_KEY", "secret"),
-            ("AWS_REGION", "us-east-1"),
-            ("AWS_ENDPOINT_URL", &endpoint),
-            ("AWS_ALLOW_HTTP", "true"),
-        ],
-    );
+    let mut one = launch("s3://weights/smol/v1/model.gguf", dir.path(), &aws);
     one.ready();
     one.complete("model");
     assert!(one.log().contains("already downloaded"), "{}", one.log());
