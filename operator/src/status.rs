@@ -2,6 +2,7 @@
 //! Conditions keep their `lastTransitionTime` while their status holds, so an unchanged world
 //! yields an identical status and the reconciler writes nothing.
 
+use ferrite_source::termination::REASONS;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -120,14 +121,6 @@ const FAILING_WAIT_REASONS: &[&str] = &[
     "RunContainerError",
 ];
 
-/// Reasons ferrite-server writes as the first word of its termination message when it cannot
-/// start: the condition then names the cause instead of `CrashLoopBackOff`.
-pub const SERVER_REASONS: &[&str] = &[
-    "ModelDownloadFailed",
-    "ModelLoadFailed",
-    "ServerStartFailed",
-];
-
 /// A container that is down (waiting to restart, or terminated) after the server said why:
 /// `<Reason>: <detail>` in its last termination message.
 fn server_failure(pod: &str, c: &ContainerStatus) -> Option<Finding> {
@@ -142,7 +135,7 @@ fn server_failure(pod: &str, c: &ContainerStatus) -> Option<Finding> {
         .or_else(|| c.last_state.as_ref()?.terminated.as_ref())?;
     let message = terminated.message.as_deref()?.trim();
     let (reason, detail) = message.split_once(": ")?;
-    let reason = SERVER_REASONS.iter().find(|r| **r == reason)?;
+    let reason = REASONS.iter().find(|r| **r == reason)?;
     // The first line is the server's; FallbackToLogsOnError may append log lines after it.
     let detail = detail.lines().next().unwrap_or_default();
     Some(Finding::new(

@@ -20,15 +20,9 @@ use ferrite_server::config::ServerArgs;
 use ferrite_server::fetch;
 use ferrite_server::metrics::http::HttpMetrics;
 use ferrite_server::metrics::{self, CacheInfo, EngineMetrics, stats_log};
+use ferrite_source::termination::{LOAD_FAILED, START_FAILED};
 use tokio::sync::watch;
 use tracing::{info, warn};
-
-/// The termination-message reason of a model that downloaded (or was on disk) but would not
-/// load: a corrupt file, an unsupported architecture, too little memory for the KV cache.
-const LOAD_FAILED: &str = "ModelLoadFailed";
-/// The termination-message reason of any other failure to start (a bad flag value, a KV
-/// cache too small for one sequence, a port in use).
-const START_FAILED: &str = "ServerStartFailed";
 
 #[tokio::main]
 async fn main() -> Result<()> {
@@ -101,9 +95,6 @@ async fn run(args: ServerArgs) -> Result<()> {
         .download_dir
         .clone()
         .unwrap_or_else(fetch::default_cache_dir);
-    if fetch::is_remote(&args.model) {
-        info!(source = %args.model, cache = %cache_dir.display(), "fetching the model");
-    }
     let model_path = tokio::select! {
         r = fetch::resolve(&args.model, &cache_dir) => match r {
             Ok(p) => p,

@@ -27,13 +27,13 @@ struct Repo {
     commit: String,
     /// Branches and tags besides the commit itself.
     revisions: Vec<String>,
-    files: BTreeMap<String, Arc<Vec<u8>>>,
+    files: BTreeMap<String, Blob>,
 }
 
 #[derive(Debug, Default)]
 struct State {
     repos: Mutex<BTreeMap<String, Repo>>,
-    plain: Mutex<BTreeMap<String, Arc<Vec<u8>>>>,
+    plain: Mutex<BTreeMap<String, Blob>>,
     token: Mutex<Option<String>>,
     seen: Mutex<Vec<Seen>>,
     /// Body bytes per second, 0 for no limit.
@@ -92,7 +92,7 @@ impl FileHost {
             revisions: revisions.iter().map(|r| r.to_string()).collect(),
             files: files
                 .iter()
-                .map(|(n, b)| (n.to_string(), Arc::new(b.clone())))
+                .map(|(n, b)| (n.to_string(), Blob::new(b.clone())))
                 .collect(),
         };
         lock(&self.state.repos).insert(repo.into(), r);
@@ -100,7 +100,7 @@ impl FileHost {
 
     /// Serves `body` at `/<path>` as a plain web server would.
     pub fn add_file(&self, path: &str, body: Vec<u8>) {
-        lock(&self.state.plain).insert(path.trim_start_matches('/').into(), Arc::new(body));
+        lock(&self.state.plain).insert(path.trim_start_matches('/').into(), Blob::new(body));
     }
 
     /// Requires `Authorization: Bearer <token>` on every Hub route.
@@ -201,7 +201,7 @@ fn route(state: &State, path: &str, auth: Option<&str>) -> Reply {
     let decoded = path.replace("%2F", "/");
     let trimmed = decoded.trim_start_matches('/');
     if let Some(body) = lock(&state.plain).get(trimmed) {
-        return file(body.clone(), None);
+        return file(body, None);
     }
     if let Some(t) = lock(&state.token).as_deref()
         && auth != Some(format!("Bearer {t}").as_str())
@@ -260,23 +260,38 @@ fn route(state: &State, path: &str, auth: Option<&str>) -> Reply {
         return error(404, "RevisionNotFound", "Invalid rev id");
     }
     match r.files.get(file_name) {
-        Some(body) => file(body.clone(), Some(&r.commit)),
+        Some(body) => file(body, Some(&r.commit)),
         None => error(404, "EntryNotFound", "Entry not found"),
     }
 }
 
-/// A file reply with the headers the Hub sends (`x-repo-commit` when it is in a repository).
-fn file(body: Arc<Vec<u8>>, commit: Option<&str>) -> Reply {
-    // FNV-1a: a stable content tag; the clients only compare it.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in body.iter() {
-        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+/// A served file and its content tag, computed once when it is added (the model is 98 MB, and
+/// every range request would otherwise hash it again).
+#[derive(Debug, Clone)]
+struct Blob {
+    body: Arc<Vec<u8>>,
+    etag: String,
+}
+
+impl Blob {
+    fn new(body: Vec<u8>) -> Blob {
+        // FNV-1a: a stable content tag; the clients only compare it.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in &body {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        let etag = format!("\"{h:016x}{:08x}\"", body.len());
+        Blob {
+            body: Arc::new(body),
+            etag,
+        }
     }
+}
+
+/// A file reply with the headers the Hub sends (`x-repo-commit` when it is in a repository).
+fn file(blob: &Blob, commit: Option<&str>) -> Reply {
     let mut headers = vec![
-        (
-            "etag".to_string(),
-            format!("\"{h:016x}{:08x}\"", body.len()),
-        ),
+        ("etag".to_string(), blob.etag.clone()),
         ("accept-ranges".into(), "bytes".into()),
         (
             "last-modified".into(),
@@ -290,7 +305,7 @@ fn file(body: Arc<Vec<u8>>, commit: Option<&str>) -> Reply {
     Reply {
         status: 200,
         headers,
-        body,
+        body: blob.body.clone(),
         ranged: true,
     }
 }

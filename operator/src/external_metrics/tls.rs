@@ -115,16 +115,14 @@ pub enum TlsError {
     Version(#[from] crate::certs::CertError),
 }
 
-/// The certificate presented to new handshakes; replaced in place when it is renewed.
+/// The certificate presented to new handshakes and its PEM, replaced together when it is
+/// renewed.
 #[derive(Debug)]
-struct Current {
-    key: RwLock<Arc<CertifiedKey>>,
-    pem: RwLock<String>,
-}
+struct Current(RwLock<(Arc<CertifiedKey>, String)>);
 
 impl ResolvesServerCert for Current {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        self.key.read().ok().map(|k| k.clone())
+        self.0.read().ok().map(|c| c.0.clone())
     }
 }
 
@@ -207,10 +205,10 @@ impl ServerTls {
         client_ca: Option<&Path>,
     ) -> Result<Self, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let current = Arc::new(Current {
-            key: RwLock::new(certified(&provider, chain, key)?),
-            pem: RwLock::new(cert_pem),
-        });
+        let current = Arc::new(Current(RwLock::new((
+            certified(&provider, chain, key)?,
+            cert_pem,
+        ))));
         let builder = ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()?;
         let builder = match client_ca {
@@ -260,11 +258,8 @@ impl ServerTls {
     pub fn replace(&self, cert_pem: &str, key_pem: &str, source: &Path) -> Result<(), TlsError> {
         let (chain, key) = parse_pair(cert_pem, key_pem, source, source)?;
         let certified = certified(&self.provider, chain, key)?;
-        if let Ok(mut k) = self.current.key.write() {
-            *k = certified;
-        }
-        if let Ok(mut p) = self.current.pem.write() {
-            *p = cert_pem.to_string();
+        if let Ok(mut c) = self.current.0.write() {
+            *c = (certified, cert_pem.to_string());
         }
         Ok(())
     }
@@ -273,9 +268,9 @@ impl ServerTls {
     /// must trust.
     pub fn cert_pem(&self) -> String {
         self.current
-            .pem
+            .0
             .read()
-            .map(|p| p.clone())
+            .map(|c| c.1.clone())
             .unwrap_or_default()
     }
 

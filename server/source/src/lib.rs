@@ -3,9 +3,10 @@
 //! One grammar serves both sides: the operator parses it to decide what the pod mounts (and to
 //! refuse a bad source in a status condition), and ferrite-server parses it to download what is
 //! not on disk. Keeping it in one place means a source the operator accepts is one the server
-//! can fetch.
+//! can fetch. [`termination`] is the other half of that contract: the reasons the server gives
+//! when it cannot start, which the operator turns into status conditions.
 
-use std::fmt;
+pub mod termination;
 
 /// A parsed model source.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,12 +74,6 @@ impl ObjectSource {
     /// The URL of the store's root (bucket or site).
     pub fn root(&self) -> String {
         format!("{}://{}", self.scheme.as_str(), self.authority)
-    }
-}
-
-impl fmt::Display for ObjectSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.root(), self.key)
     }
 }
 
@@ -261,7 +256,6 @@ mod tests {
             (Scheme::Http, "http://10.0.0.1:9000".into())
         );
         assert!(!o.is_folder());
-        assert_eq!(o.to_string(), "http://10.0.0.1:9000/m/a.gguf");
         assert!(ok("gs://b/x.gguf").is_gguf());
         assert!(!ok("hf://a/b").is_gguf());
     }

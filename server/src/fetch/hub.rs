@@ -22,8 +22,8 @@ fn wanted(name: &str) -> bool {
         || base == "tokenizer.model"
 }
 
-pub fn fetch(src: &HfSource, cache: &Path) -> Result<PathBuf, FetchError> {
-    let label = label(src);
+/// Fetches `src` (written as `label` in `--model`, which errors quote) into `cache`.
+pub fn fetch(label: &str, src: &HfSource, cache: &Path) -> Result<PathBuf, FetchError> {
     let repo = match &src.revision {
         Some(r) => Repo::with_revision(src.repo.clone(), RepoType::Model, r.clone()),
         None => Repo::model(src.repo.clone()),
@@ -40,15 +40,15 @@ pub fn fetch(src: &HfSource, cache: &Path) -> Result<PathBuf, FetchError> {
     if let Ok(endpoint) = std::env::var("HF_ENDPOINT") {
         builder = builder.with_endpoint(endpoint.trim_end_matches('/').to_string());
     }
-    let api = builder.build().map_err(|e| error(&label, None, &e))?;
+    let api = builder.build().map_err(|e| error(label, None, &e))?;
     let api_repo = api.repo(repo.clone());
     let cached = hub_cache.repo(repo);
 
     if let Some(file) = &src.file {
-        return get(&api_repo, &cached, file).map_err(|e| error(&label, Some(file), &e));
+        return get(&api_repo, &cached, file).map_err(|e| error(label, Some(file), &e));
     }
     // A whole model folder: the file list of the revision, then each wanted file.
-    let listing = api_repo.info().map_err(|e| error(&label, None, &e))?;
+    let listing = api_repo.info().map_err(|e| error(label, None, &e))?;
     let names: Vec<&str> = listing
         .siblings
         .iter()
@@ -73,19 +73,19 @@ pub fn fetch(src: &HfSource, cache: &Path) -> Result<PathBuf, FetchError> {
             )
         };
         return Err(FetchError::Refused {
-            model: label,
+            model: label.to_string(),
             detail,
         });
     }
     let mut folder = None;
     for name in names {
-        let path = get(&api_repo, &cached, name).map_err(|e| error(&label, Some(name), &e))?;
+        let path = get(&api_repo, &cached, name).map_err(|e| error(label, Some(name), &e))?;
         // The snapshot folder is the downloaded path less the file's own components.
         let depth = name.split('/').count();
         folder = path.ancestors().nth(depth).map(Path::to_path_buf);
     }
     folder.ok_or_else(|| FetchError::Refused {
-        model: label,
+        model: label.to_string(),
         detail: "the repository lists no files".into(),
     })
 }
@@ -98,19 +98,6 @@ fn get(api: &ApiRepo, cached: &hf_hub::CacheRepo, file: &str) -> Result<PathBuf,
     }
     info!(url = api.url(file), "downloading");
     api.download_with_progress(file, LogProgress::default())
-}
-
-fn label(src: &HfSource) -> String {
-    let mut s = format!("hf://{}", src.repo);
-    if let Some(r) = &src.revision {
-        s.push('@');
-        s.push_str(r);
-    }
-    if let Some(f) = &src.file {
-        s.push('/');
-        s.push_str(f);
-    }
-    s
 }
 
 /// The Hub's answer in words a user can act on: which token, which file, which revision.

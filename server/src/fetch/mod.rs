@@ -12,11 +12,9 @@ mod progress;
 
 use std::path::{Path, PathBuf};
 
+use ferrite_source::termination::DOWNLOAD_FAILED;
 use ferrite_source::{Source, SourceError};
-
-/// The reason a download failure carries into the pod's termination message, and from there
-/// into the InferenceService's `Degraded` condition.
-pub const DOWNLOAD_FAILED: &str = "ModelDownloadFailed";
+use tracing::info;
 
 /// Why the weights could not be put on disk. Each message names the source and what to change.
 #[derive(Debug, thiserror::Error)]
@@ -53,15 +51,21 @@ pub async fn resolve(source: &str, cache: &Path) -> Result<PathBuf, FetchError> 
         Source::Path(p) => Ok(PathBuf::from(p)),
         Source::Pvc { .. } => Err(FetchError::Pvc(source.to_string())),
         Source::Hf(h) => {
-            let cache = cache.to_path_buf();
-            tokio::task::spawn_blocking(move || hub::fetch(&h, &cache))
+            info!(source, cache = %cache.display(), "fetching the model");
+            let (cache, label) = (cache.to_path_buf(), source.to_string());
+            tokio::task::spawn_blocking(move || hub::fetch(&label, &h, &cache))
                 .await
                 .map_err(|e| FetchError::Transfer {
                     model: source.to_string(),
                     detail: format!("the download thread failed: {e}"),
                 })?
         }
-        Source::Object(o) => object::fetch(&o, cache).await.map(|p| single_gguf(&p)),
+        Source::Object(o) => {
+            info!(source, cache = %cache.display(), "fetching the model");
+            object::fetch(source, &o, cache)
+                .await
+                .map(|p| single_gguf(&p))
+        }
     }
 }
 
@@ -82,12 +86,6 @@ fn single_gguf(path: &Path) -> PathBuf {
         [one] => one.clone(),
         _ => path.to_path_buf(),
     }
-}
-
-/// Whether `source` names a download rather than a local path (the served model name and the
-/// log line depend on it).
-pub fn is_remote(source: &str) -> bool {
-    matches!(Source::parse(source), Ok(Source::Hf(_) | Source::Object(_)))
 }
 
 /// The name clients use by default, as vLLM picks it: the repository id for `hf://`, else the

@@ -22,9 +22,9 @@ use super::progress::LogProgress;
 /// Tries per file; each retry resumes from the bytes already written.
 const ATTEMPTS: usize = 3;
 
-pub async fn fetch(src: &ObjectSource, cache: &Path) -> Result<PathBuf, FetchError> {
-    let label = src.to_string();
-    let store = store(src).map_err(|e| error(&label, &e))?;
+/// Fetches `src` (written as `label` in `--model`, which errors quote) into `cache`.
+pub async fn fetch(label: &str, src: &ObjectSource, cache: &Path) -> Result<PathBuf, FetchError> {
+    let store = store(src).map_err(|e| error(label, &e))?;
     let root = cache
         .join("objects")
         .join(src.scheme.as_str())
@@ -32,25 +32,25 @@ pub async fn fetch(src: &ObjectSource, cache: &Path) -> Result<PathBuf, FetchErr
     if !src.is_folder() {
         let key = StorePath::from(src.key.as_str());
         let dest = root.join(&src.key);
-        file(&*store, &key, &dest, &label).await?;
+        file(&*store, &key, &dest, label).await?;
         return Ok(dest);
     }
     let prefix = StorePath::from(src.key.trim_end_matches('/'));
     let mut listing = store.list(Some(&prefix));
     let mut objects = Vec::new();
     while let Some(meta) = listing.next().await {
-        objects.push(meta.map_err(|e| error(&label, &e))?);
+        objects.push(meta.map_err(|e| error(label, &e))?);
     }
     if objects.is_empty() {
         return Err(FetchError::Refused {
-            model: label,
+            model: label.to_string(),
             detail: "no objects under this prefix".into(),
         });
     }
     let dest_dir = root.join(src.key.trim_end_matches('/'));
     for meta in objects {
         let dest = root.join(meta.location.as_ref());
-        file(&*store, &meta.location, &dest, &label).await?;
+        file(&*store, &meta.location, &dest, label).await?;
     }
     Ok(dest_dir)
 }
