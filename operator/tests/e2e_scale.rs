@@ -15,6 +15,7 @@ use ferrite_testkit::process::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::ClusterRole;
 use kube::api::{Api, DynamicObject};
 use kube::core::GroupVersionKind;
 use kube::discovery::ApiResource;
@@ -107,6 +108,21 @@ async fn the_scale_subresource_works_without_spec_replicas() {
         "defaulted: {:?}",
         created.data
     );
+    // `view` joins `edit` only through a second round of aggregation; the chart's edit role
+    // carries the read verbs itself, so whatever lets alice create also lets her read the scale.
+    let edit = Api::<ClusterRole>::all(client.clone())
+        .get("edit")
+        .await
+        .expect("the edit ClusterRole");
+    let allows = |resource: &str, verb: &str| {
+        edit.rules.iter().flatten().any(|r| {
+            r.api_groups.iter().flatten().any(|g| g == "ferrite.dev")
+                && r.resources.iter().flatten().any(|x| x == resource)
+                && r.verbs.iter().any(|v| v == verb)
+        })
+    };
+    assert!(allows("inferenceservices", "create"), "{:?}", edit.rules);
+    assert!(allows("inferenceservices/scale", "get"), "{:?}", edit.rules);
 
     let s = scale(&as_alice, &ns, "chat", None).await;
     assert_eq!(s["kind"], "Scale");
