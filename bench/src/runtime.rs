@@ -7,6 +7,11 @@
 //! f32 work against the FMA peak, and (decode) the weight bytes a step reads against the read
 //! bandwidth. Work is what the model needs, divided by the whole step's time, so each fraction
 //! is a lower bound for its kernel.
+//!
+//! With `--device cuda` (a build with `--features cuda`, scripts/gpu-test.sh) decode is placed
+//! against the GPU's memory bandwidth instead, measured in the same run as a device-to-device
+//! copy: the bytes a step must read (the weights as they sit on the GPU, and every sequence's
+//! keys and values) over the step's time, as a share of that bandwidth.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -38,6 +43,9 @@ struct Args {
     /// Repetitions of each measurement; the best is reported.
     #[arg(long, default_value_t = 2)]
     reps: usize,
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 struct Seq {
@@ -198,7 +206,9 @@ fn main() -> Result<()> {
         Some(p) => p.clone(),
         None => ferrite_testkit::model::default_model(),
     };
+    let device = ferrite_runtime::device::parse_device(&args.device)?;
     let opts = LoadOptions {
+        device: device.clone(),
         weight_mode: args.weights,
         ..Default::default()
     };
@@ -222,11 +232,15 @@ fn main() -> Result<()> {
     )?;
 
     println!(
-        "model: {} ({:?} weights), {} threads",
+        "model: {} ({:?} weights), {} threads, device {}",
         path.display(),
         loaded.weight_mode,
-        rayon_threads()
+        rayon_threads(),
+        args.device
     );
+    if !device.is_cpu() {
+        return gpu_decode(&loaded, &path, &mut cache, &args);
+    }
     // What a decode step reads: the weights, about the GGUF's size.
     let weight_bytes = std::fs::metadata(&path)
         .map(|m| m.len() as f64)
@@ -275,6 +289,70 @@ fn main() -> Result<()> {
         placed(&peaks, work.ops(n, 1.0, n * (n + 1.0) / 2.0), n / rate),
     );
     Ok(())
+}
+
+/// Decode on a GPU against its memory bandwidth (module docs).
+fn gpu_decode(
+    loaded: &model::LoadedModel,
+    path: &std::path::Path,
+    cache: &mut KvCache,
+    args: &Args,
+) -> Result<()> {
+    let m = &loaded.model;
+    let c = m.config();
+    let bandwidth = gpu_copy_bandwidth(m.device())?;
+    println!(
+        "ceiling: device-to-device copy {:.0} GB/s (reads plus writes, 1 GiB)",
+        bandwidth / 1e9
+    );
+    // The weights as they sit on the device: dense keeps f32, quantized the GGUF's blocks.
+    let work = Work::of(c);
+    let params = work.layer_macs + work.head_macs;
+    let weight_bytes = match loaded.weight_mode {
+        WeightMode::Quantized => std::fs::metadata(path).map_or(params, |f| f.len() as f64),
+        _ => 4.0 * params,
+    };
+    // Keys and values read per sequence and step, at the mean context of the timed steps.
+    let kv_per_token = 2.0
+        * (c.num_layers * c.num_kv_heads * c.head_dim) as f64
+        * cache.config().dtype.size_in_bytes() as f64;
+    let mean_ctx = args.context as f64 + (args.steps as f64 + 1.0) / 2.0;
+    let mut baseline = None;
+    for &b in &args.batches {
+        let rate = best(args.reps, || decode_rate(m, cache, b, args))?;
+        let base = *baseline.get_or_insert(rate);
+        let step = b as f64 / rate;
+        let bytes = weight_bytes + b as f64 * mean_ctx * kv_per_token;
+        println!(
+            "decode batch {b:>3}: {rate:>8.1} tok/s  ({:.2}x batch-{} decode); step {:.2} ms \
+             reads {:.0} MB: {:.0} GB/s, {:.1}% of the copy bandwidth",
+            rate / base,
+            args.batches[0],
+            step * 1e3,
+            bytes / 1e6,
+            bytes / step / 1e9,
+            100.0 * bytes / step / bandwidth,
+        );
+    }
+    Ok(())
+}
+
+/// Bytes per second a device-to-device copy of 1 GiB moves (each byte read once and written
+/// once), the best of five after a warm-up.
+fn gpu_copy_bandwidth(device: &candle_core::Device) -> Result<f64> {
+    let n = 1usize << 28; // f32 values: 1 GiB
+    let src = candle_core::Tensor::zeros(n, candle_core::DType::F32, device)?;
+    let _ = src.copy()?;
+    device.synchronize()?;
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let dst = src.copy()?;
+        device.synchronize()?;
+        best = best.max(2.0 * 4.0 * n as f64 / t.elapsed().as_secs_f64());
+        drop(dst);
+    }
+    Ok(best)
 }
 
 fn rayon_threads() -> usize {

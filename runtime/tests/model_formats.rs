@@ -5,117 +5,17 @@ mod common;
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::quantized::gguf_file::{self, Value};
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::GgmlDType;
+use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
-use ferrite_runtime::kv::{KvCache, KvCacheConfig};
-use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
+use common::rel_err;
+use common::tiny::write_tiny_gguf;
 use ferrite_runtime::model::{self, LoadOptions, LoadedModel, ModelError, WeightMode};
-use ferrite_testkit::random::values;
-
-const HIDDEN: usize = 256;
-const FFN: usize = 512;
-const HEADS: usize = 4;
-const KV_HEADS: usize = 2;
-const LAYERS: usize = 2;
-
-/// Tokenizer metadata of the default model, reused so tiny models have a real vocabulary.
-fn tokenizer_metadata() -> Vec<(String, Value)> {
-    let mut f = std::fs::File::open(common::default_model()).expect("model");
-    let c = gguf_file::Content::read(&mut f).expect("gguf");
-    c.metadata
-        .into_iter()
-        .filter(|(k, _)| k.starts_with("tokenizer."))
-        .collect()
-}
-
-/// Writes a tiny random Llama-family GGUF with matrices in `dtype`.
-fn write_tiny_gguf(
-    path: &Path,
-    arch: &str,
-    dtype: GgmlDType,
-    drop: Option<&str>,
-    bad_shape: Option<&str>,
-) {
-    let vocab = 49152;
-    let mut md: Vec<(String, Value)> = tokenizer_metadata();
-    let k = |s: &str| format!("{arch}.{s}");
-    md.extend([
-        (
-            "general.architecture".to_string(),
-            Value::String(arch.into()),
-        ),
-        (k("embedding_length"), Value::U32(HIDDEN as u32)),
-        (k("feed_forward_length"), Value::U32(FFN as u32)),
-        (k("block_count"), Value::U32(LAYERS as u32)),
-        (k("attention.head_count"), Value::U32(HEADS as u32)),
-        (k("attention.head_count_kv"), Value::U32(KV_HEADS as u32)),
-        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
-        (k("rope.freq_base"), Value::F32(10000.0)),
-        (k("context_length"), Value::U32(512)),
-    ]);
-    let hd = HIDDEN / HEADS;
-    let mut specs: Vec<(String, Vec<usize>, bool)> = vec![
-        ("token_embd.weight".into(), vec![vocab, HIDDEN], true),
-        ("output_norm.weight".into(), vec![HIDDEN], false),
-    ];
-    for l in 0..LAYERS {
-        let p = |s: &str| format!("blk.{l}.{s}");
-        specs.extend([
-            (p("attn_norm.weight"), vec![HIDDEN], false),
-            (p("ffn_norm.weight"), vec![HIDDEN], false),
-            (p("attn_q.weight"), vec![HEADS * hd, HIDDEN], true),
-            (p("attn_k.weight"), vec![KV_HEADS * hd, HIDDEN], true),
-            (p("attn_v.weight"), vec![KV_HEADS * hd, HIDDEN], true),
-            (p("attn_output.weight"), vec![HIDDEN, HEADS * hd], true),
-            (p("ffn_gate.weight"), vec![FFN, HIDDEN], true),
-            (p("ffn_up.weight"), vec![FFN, HIDDEN], true),
-            (p("ffn_down.weight"), vec![HIDDEN, FFN], true),
-        ]);
-    }
-    let mut tensors = Vec::new();
-    for (i, (name, mut shape, matrix)) in specs.into_iter().enumerate() {
-        if drop == Some(name.as_str()) {
-            continue;
-        }
-        if bad_shape == Some(name.as_str()) {
-            shape[0] += 32;
-        }
-        let n: usize = shape.iter().product();
-        let t = if matrix {
-            let v = values(n, i as u64 + 1, 0.08);
-            let t = Tensor::from_vec(v, shape.as_slice(), &Device::Cpu).expect("t");
-            QTensor::quantize(&t, dtype).expect("quantize")
-        } else {
-            let v: Vec<f32> = values(n, i as u64 + 1, 0.1)
-                .iter()
-                .map(|x| 1.0 + x)
-                .collect();
-            let t = Tensor::from_vec(v, shape.as_slice(), &Device::Cpu).expect("t");
-            QTensor::quantize(&t, GgmlDType::F32).expect("f32")
-        };
-        tensors.push((name, t));
-    }
-    let mut f = std::fs::File::create(path).expect("create");
-    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut f, &md_refs, &t_refs).expect("write gguf");
-}
 
 /// With an f32 cache: a 16-bit one rounds keys and values where tiny differences between two
 /// loads can fall on either side of a rounding step, and these tests compare formats.
 fn first_logits(m: &LoadedModel, prompt: &[u32]) -> Vec<f32> {
-    let cfg = KvCacheConfig::for_model(m.model.config(), 16, 64, 0).with_dtype(DType::F32);
-    let mut cache = KvCache::new(cfg, &Device::Cpu).expect("cache");
-    let mut seqs = vec![GreedySeq::new(prompt.to_vec(), 1)];
-    run_greedy(&m.model, &mut cache, &mut seqs, 64).expect("run");
-    seqs[0].first_logits.clone().expect("logits")
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
-    let den: f32 = b.iter().map(|y| y * y).sum();
-    (num / den).sqrt()
+    common::first_logits_on(m, &Device::Cpu, prompt, DType::F32)
 }
 
 fn load(path: &Path, mode: WeightMode) -> Result<LoadedModel, ModelError> {

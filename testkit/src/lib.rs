@@ -1,8 +1,9 @@
 //! Test support for the workspace's tests and benchmarks (a dev-dependency only): child
-//! processes that die with the test, free ports, polling, the default model, the Prometheus
-//! runner, a stand-in Hugging Face Hub and web server, a real Kubernetes control plane, deterministic random test data, and the setup scripts'
-//! tools.
+//! processes that die with the test, free ports, polling, the default model, whether a GPU is
+//! here, the Prometheus runner, a stand-in Hugging Face Hub and web server, a real Kubernetes
+//! control plane, deterministic random test data, and the setup scripts' tools.
 
+pub mod gpu;
 pub mod hub;
 pub mod kube;
 pub mod model;

@@ -1,15 +1,18 @@
 //! Paged attention: every token of a mixed batch attends to its own sequence's keys and values,
 //! read from the block pools through that sequence's block table.
 //!
-//! Two implementations share one metadata type. On CPU a fused kernel walks the block tables
-//! directly (one op per layer for the whole batch). On other devices the same maths is composed
-//! from generic tensor ops (gather, matmul, softmax). The two are tested against each other.
+//! Three implementations share one metadata type. On CPU a fused kernel walks the block tables
+//! directly (one op per layer for the whole batch); on CUDA a kernel does the same
+//! (`attention_kernel`, `runtime/kernels/paged_attention.cu`). Elsewhere, and for heads the CUDA
+//! kernel declines, the same maths is composed from generic tensor ops (gather, matmul,
+//! softmax). They are tested against each other.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::attention_kernel::DeviceTables;
 use crate::kernels::exp::exp_approx;
 
 /// Where each token of the flattened batch sits: which sequence, which position.
@@ -28,6 +31,8 @@ pub struct AttnMeta {
     pub token_pos: Vec<u32>,
     /// Per sequence: its block table.
     pub block_tables: Vec<Vec<u32>>,
+    /// The CUDA kernel's copy of the tables above, made on first use; empty in a clone.
+    pub device_tables: DeviceTables,
 }
 
 impl AttnMeta {
@@ -36,6 +41,33 @@ impl AttnMeta {
     pub fn slot(&self, seq: usize, pos: usize) -> usize {
         self.block_tables[seq][pos / self.block_size] as usize * self.block_size
             + pos % self.block_size
+    }
+
+    /// Refuses tables the kernels would read outside the pools with: a block past the pool's
+    /// `num_slots`, or a token past its sequence's table.
+    pub(crate) fn check_tables(&self, num_slots: usize) -> Result<()> {
+        for (s, bt) in self.block_tables.iter().enumerate() {
+            if let Some(&b) = bt
+                .iter()
+                .find(|&&b| (b as usize + 1) * self.block_size > num_slots)
+            {
+                candle_core::bail!(
+                    "paged-attention: sequence {s} references block {b} outside the pool"
+                );
+            }
+        }
+        if self.token_pos.len() != self.token_seq.len() {
+            candle_core::bail!("paged-attention: token positions and sequences differ in length");
+        }
+        for (t, (&s, &p)) in self.token_seq.iter().zip(&self.token_pos).enumerate() {
+            let held = self.block_tables.get(s as usize).map_or(0, Vec::len) * self.block_size;
+            if p as usize >= held {
+                candle_core::bail!(
+                    "paged-attention: token {t} at position {p} is past its block table"
+                );
+            }
+        }
+        Ok(())
     }
 
     /// First position a token at `pos` may attend to.
@@ -51,8 +83,9 @@ impl AttnMeta {
 /// Which attention implementation a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AttentionBackend {
-    /// The fused CPU kernel where it applies (f32 queries on CPU, an f32, f16 or bf16 cache),
-    /// the generic path elsewhere.
+    /// The fused kernel where it applies (f32 queries on CPU, or on CUDA for heads whose rows
+    /// fit the kernel's shared memory, with an f32, f16 or bf16 cache), the generic path
+    /// elsewhere.
     #[default]
     Auto,
     /// Always the generic tensor-op path.
@@ -68,13 +101,14 @@ pub fn paged_attention(
     meta: &AttnMeta,
     backend: AttentionBackend,
 ) -> Result<Tensor> {
-    let fused = q.device().is_cpu()
-        && q.dtype() == DType::F32
+    let types = q.dtype() == DType::F32
         && k_cache.dtype() == v_cache.dtype()
         && matches!(k_cache.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    if backend == AttentionBackend::Auto && fused {
+    let device = q.device().is_cpu()
+        || (q.device().is_cuda() && super::attention_kernel::launch_shape(meta).is_some());
+    if backend == AttentionBackend::Auto && types && device {
         q.contiguous()?
-            .apply_op3_no_bwd(k_cache, v_cache, &CpuPagedAttention(meta))
+            .apply_op3_no_bwd(k_cache, v_cache, &PagedAttention(meta))
     } else {
         paged_attention_generic(q, k_cache, v_cache, meta)
     }
@@ -144,16 +178,16 @@ pub fn paged_attention_generic(
     Tensor::cat(&outs, 0)
 }
 
-/// The fused CPU kernel. One task per (tile of up to [`TILE_TOKENS`] consecutive tokens of one
+/// The fused kernel: on CPU below, on CUDA in `attention_kernel`. On CPU, one task per (tile of up to [`TILE_TOKENS`] consecutive tokens of one
 /// sequence, kv head): the tile's query rows (tokens × the query heads sharing that kv head)
 /// stream over the keys in chunks of [`KC`], so each key and value is loaded once per tile
 /// instead of once per token, with an online softmax (running max and sum per row).
-struct CpuPagedAttention<'a>(&'a AttnMeta);
+struct PagedAttention<'a>(&'a AttnMeta);
 
 /// Query tokens per tile: with 3 query heads per kv head (SmolLM2), 96 rows share each key.
 const TILE_TOKENS: usize = 32;
 
-impl CustomOp3 for CpuPagedAttention<'_> {
+impl CustomOp3 for PagedAttention<'_> {
     fn name(&self) -> &'static str {
         "paged-attention"
     }
@@ -185,9 +219,22 @@ impl CustomOp3 for CpuPagedAttention<'_> {
             ),
         }
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        ql: &Layout,
+        k: &candle_core::CudaStorage,
+        kl: &Layout,
+        v: &candle_core::CudaStorage,
+        vl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::attention_kernel::cuda::forward(self.0, q, ql, k, kl, v, vl)
+    }
 }
 
-impl CpuPagedAttention<'_> {
+impl PagedAttention<'_> {
     fn run<T: KvElem>(&self, q: &[f32], kc: &[T], vc: &[T]) -> Result<(CpuStorage, Shape)> {
         let meta = self.0;
         let (nh, kvh, hd) = (meta.num_heads, meta.num_kv_heads, meta.head_dim);
@@ -201,25 +248,7 @@ impl CpuPagedAttention<'_> {
                 tokens * nh * hd
             );
         }
-        let num_slots = kc.len() / kv_dim;
-        for (s, bt) in meta.block_tables.iter().enumerate() {
-            if let Some(&b) = bt
-                .iter()
-                .find(|&&b| (b as usize + 1) * meta.block_size > num_slots)
-            {
-                candle_core::bail!(
-                    "paged-attention: sequence {s} references block {b} outside the pool"
-                );
-            }
-        }
-        for (t, (&s, &p)) in meta.token_seq.iter().zip(&meta.token_pos).enumerate() {
-            let held = meta.block_tables.get(s as usize).map_or(0, Vec::len) * meta.block_size;
-            if p as usize >= held {
-                candle_core::bail!(
-                    "paged-attention: token {t} at position {p} is past its block table"
-                );
-            }
-        }
+        meta.check_tables(kc.len() / kv_dim)?;
         let mut tiles = Vec::new();
         let mut t = 0;
         while t < tokens {
@@ -744,103 +773,8 @@ fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
     use ferrite_testkit::random::values;
     use proptest::prelude::*;
-
-    fn run(meta: &AttnMeta, q: &[f32], kc: &Tensor, vc: &Tensor, fused: bool) -> Vec<f32> {
-        let dim = meta.num_heads * meta.head_dim;
-        let q = Tensor::from_slice(q, (meta.token_seq.len(), dim), &Device::Cpu).expect("q");
-        let backend = if fused {
-            AttentionBackend::Auto
-        } else {
-            AttentionBackend::Generic
-        };
-        paged_attention(&q, kc, vc, meta, backend)
-            .and_then(|t| t.flatten_all()?.to_vec1())
-            .expect("attention")
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(40))]
-        /// Mixed batches (prefill chunks after cached context, decodes, several sequences,
-        /// shuffled block tables, sliding windows, head sizes that are not multiples of 16,
-        /// every cache type; the generic path widens the same stored values):
-        /// the tiled kernel agrees with the generic path, and each token's output is bitwise
-        /// the same when it is computed alone.
-        #[test]
-        fn tiled_kernel_matches_generic_and_is_batch_invariant(
-            kvh in 1usize..4,
-            group in 1usize..4,
-            hd in prop::sample::select(vec![8usize, 40, 64]),
-            block_size in prop::sample::select(vec![4usize, 16]),
-            seqs in prop::collection::vec((0usize..70, 1usize..45), 1..4),
-            window in prop::option::of(1usize..50),
-            cache in prop::sample::select(vec![DType::F32, DType::F16, DType::BF16]),
-            seed in any::<u64>(),
-        ) {
-            let nh = kvh * group;
-            let kv_dim = kvh * hd;
-            let total_blocks: usize =
-                seqs.iter().map(|(c, n)| (c + n).div_ceil(block_size)).sum::<usize>() + 2;
-            // Blocks handed out back to front, so tables are not in slot order.
-            let mut free: Vec<u32> = (0..total_blocks as u32).collect();
-            let (mut token_seq, mut token_pos, mut block_tables) = (vec![], vec![], vec![]);
-            for (i, &(cached, new)) in seqs.iter().enumerate() {
-                let need = (cached + new).div_ceil(block_size);
-                block_tables.push((0..need).map(|_| free.pop().expect("block")).collect());
-                for p in cached..cached + new {
-                    token_seq.push(i as u32);
-                    token_pos.push(p as u32);
-                }
-            }
-            let meta = AttnMeta {
-                num_heads: nh,
-                num_kv_heads: kvh,
-                head_dim: hd,
-                block_size,
-                scale: 1.0 / (hd as f32).sqrt(),
-                sliding_window: window,
-                token_seq,
-                token_pos,
-                block_tables,
-            };
-            let slots = total_blocks * block_size;
-            let dev = &Device::Cpu;
-            let pool = |seed| {
-                Tensor::from_vec(values(slots * kv_dim, seed, 2.0), (slots, kv_dim), dev)
-                    .and_then(|t| t.to_dtype(cache))
-                    .expect("pool")
-            };
-            let (kc, vc) = (pool(seed), pool(!seed));
-            let tokens = meta.token_seq.len();
-            let q = values(tokens * nh * hd, seed ^ 0x5555, 2.0);
-            let fused = run(&meta, &q, &kc, &vc, true);
-            let generic = run(&meta, &q, &kc, &vc, false);
-            let max = fused
-                .iter()
-                .zip(&generic)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            prop_assert!(max < 1e-4, "fused vs generic: {}", max);
-            for t in 0..tokens {
-                let s = meta.token_seq[t] as usize;
-                let alone = AttnMeta {
-                    token_seq: vec![0],
-                    token_pos: vec![meta.token_pos[t]],
-                    block_tables: vec![meta.block_tables[s].clone()],
-                    ..meta.clone()
-                };
-                let row = &q[t * nh * hd..(t + 1) * nh * hd];
-                let got = run(&alone, row, &kc, &vc, true);
-                let batched = &fused[t * nh * hd..(t + 1) * nh * hd];
-                prop_assert!(
-                    got.iter().zip(batched).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "token {} differs alone", t
-                );
-            }
-        }
-    }
 
     /// Both transpositions (the vector one where this CPU has AVX-512) give every key exactly,
     /// widened from each cache type; missing keys are zeros.

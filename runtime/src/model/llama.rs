@@ -157,6 +157,7 @@ impl LlamaModel {
             token_seq,
             token_pos: pos,
             block_tables: batch.iter().map(|s| s.block_table.to_vec()).collect(),
+            device_tables: Default::default(),
         };
         // Cache slot of every token, from the same block-table lookup attention reads through.
         let slots: Vec<u32> = meta

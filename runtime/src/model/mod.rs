@@ -3,6 +3,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod attention_kernel;
 pub mod chat_template;
 pub mod config;
 pub mod driver;

@@ -10,6 +10,9 @@ use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
 use ferrite_runtime::model::{self, LoadOptions, WeightMode};
 pub use ferrite_testkit::model::default_model;
 
+pub mod batches;
+pub mod tiny;
+
 pub const PROMPT: &str =
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
 pub const NEW_TOKENS: usize = 32;
@@ -89,7 +92,18 @@ pub fn ours_all(
     mode: WeightMode,
     kv: DType,
 ) -> (Vec<Vec<f32>>, Vec<u32>, String) {
+    ours_all_on(&Device::Cpu, backend, mode, kv)
+}
+
+/// As [`ours_all`], on `device`.
+pub fn ours_all_on(
+    device: &Device,
+    backend: AttentionBackend,
+    mode: WeightMode,
+    kv: DType,
+) -> (Vec<Vec<f32>>, Vec<u32>, String) {
     let opts = LoadOptions {
+        device: device.clone(),
         weight_mode: mode,
         ..Default::default()
     };
@@ -97,7 +111,7 @@ pub fn ours_all(
     loaded.model.set_attention_backend(backend);
     let prompt = loaded.tokenizer.encode(PROMPT, false).expect("encode");
     let cfg = KvCacheConfig::for_model(loaded.model.config(), 16, 64, 0).with_dtype(kv);
-    let mut cache = KvCache::new(cfg, &Device::Cpu).expect("cache");
+    let mut cache = KvCache::new(cfg, device).expect("cache");
     let mut seqs = vec![GreedySeq::new(prompt, NEW_TOKENS)];
     seqs[0].keep_all_logits = true;
     run_greedy(&loaded.model, &mut cache, &mut seqs, 7).expect("run");
@@ -114,4 +128,99 @@ pub fn ours_all(
 pub fn prompt_ids() -> Vec<u32> {
     let loaded = model::load(&default_model(), &LoadOptions::default()).expect("load");
     loaded.tokenizer.encode(PROMPT, false).expect("encode")
+}
+
+/// One request decoded alone and inside a busy mixed batch of 16 on `device`: the same greedy
+/// tokens, first-step logits within `logit_tolerance`, the requests really batched, and no block
+/// left held.
+pub fn alone_and_in_a_busy_batch(device: &Device, weight_mode: WeightMode, logit_tolerance: f32) {
+    const TARGET_TOKENS: usize = 24;
+    let opts = LoadOptions {
+        device: device.clone(),
+        weight_mode,
+        ..Default::default()
+    };
+    let loaded = model::load(&default_model(), &opts).expect("load");
+    let tok = &loaded.tokenizer;
+    let target_text =
+        "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n";
+    let target = tok.encode(target_text, false).expect("encode");
+    let cfg = KvCacheConfig::for_model(loaded.model.config(), 16, 512, 0);
+
+    let mut cache = KvCache::new(cfg, device).expect("cache");
+    let mut alone = vec![GreedySeq::new(target.clone(), TARGET_TOKENS)];
+    run_greedy(&loaded.model, &mut cache, &mut alone, 512).expect("alone");
+
+    // 15 other requests with prompts from ~15 to ~160 tokens that join at different steps, and
+    // an 8-token prefill chunk, so that the target's prefill chunks share forwards with other
+    // sequences' decodes and prefills.
+    let mut batch = Vec::new();
+    for i in 0..15usize {
+        let body = format!(
+            "Request {i}: {}",
+            "tell me about rust and numbers 12345. ".repeat(1 + i)
+        );
+        let p = tok.encode(&body, false).expect("encode");
+        let mut s = GreedySeq::new(p, 8 + (i % 5) * 4);
+        s.start_step = i % 4;
+        batch.push(s);
+    }
+    let mut t = GreedySeq::new(target, TARGET_TOKENS);
+    t.start_step = 2;
+    batch.insert(7, t);
+    assert_eq!(batch.len(), 16);
+    let mut cache = KvCache::new(cfg, device).expect("cache");
+    let forwards = run_greedy(&loaded.model, &mut cache, &mut batch, 8).expect("batched");
+
+    assert_eq!(
+        batch[7].generated, alone[0].generated,
+        "target output changed inside the batch"
+    );
+    let (a, b) = (
+        batch[7].first_logits.as_ref().expect("logits"),
+        alone[0].first_logits.as_ref().expect("logits"),
+    );
+    let max_diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    eprintln!(
+        "{weight_mode:?} on {device:?}: max first-token logit difference alone vs batched {max_diff:e}"
+    );
+    assert!(max_diff <= logit_tolerance, "logits moved by {max_diff}");
+    let total_tokens: usize = batch
+        .iter()
+        .map(|s| s.prompt.len() + s.generated.len())
+        .sum();
+    assert!(
+        forwards < total_tokens / 4,
+        "sequences were not batched: {forwards} forwards"
+    );
+    assert_eq!(cache.allocator().num_used(), 0);
+    eprintln!(
+        "alone and batched agree on {:?}",
+        tok.decode(&alone[0].generated, true).expect("decode")
+    );
+}
+
+/// First-step logits of `prompt` on the model's `device`, with a KV cache of type `kv`.
+pub fn first_logits_on(
+    m: &model::LoadedModel,
+    device: &Device,
+    prompt: &[u32],
+    kv: DType,
+) -> Vec<f32> {
+    let cfg = KvCacheConfig::for_model(m.model.config(), 16, 64, 0).with_dtype(kv);
+    let mut cache = KvCache::new(cfg, device).expect("cache");
+    let mut seqs = vec![GreedySeq::new(prompt.to_vec(), 1)];
+    run_greedy(&m.model, &mut cache, &mut seqs, 64).expect("run");
+    seqs[0].first_logits.clone().expect("logits")
+}
+
+/// ‖a − b‖ / ‖b‖.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+    let den: f32 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
 }
