@@ -1,9 +1,29 @@
 #!/usr/bin/env bash
 # Runs every check and test: formatting, clippy, and the whole workspace's tests (which fetch the
-# default model through scripts/fetch-model.sh on first use), then under CI=true the CUDA build.
+# default model through scripts/fetch-model.sh on first use), and under CI=true the CUDA build.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+# The CUDA build (the server binary and the cuda-featured test binaries, sm_80 and sm_90) in CI,
+# or locally with FERRITE_CUDA_BUILD=1. Cold, it is ~44 CPU-minutes, most of it nvcc on candle's
+# kernels (docs/runtime.md, "CUDA"), so it starts now in the background at nice 19: in this
+# session's scheduling group that gives it only the CPU the steps below leave idle (downloads,
+# serial compile steps, tests waiting on servers), and it barely slows them. Its profile has
+# its own target folder and lock, so the two cargo builds do not wait on each other.
+cuda_pid=""
+cuda_log="${CARGO_TARGET_DIR:-$root/target}/cuda-build.log"
+kill_tree() {
+  local child
+  for child in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
+if [ "${CI:-}" = true ] || [ "${FERRITE_CUDA_BUILD:-}" = 1 ]; then
+  mkdir -p "$(dirname "$cuda_log")"
+  echo "== CUDA build: started in the background at nice 19 (log: $cuda_log)"
+  nice -n 19 "$root/scripts/cuda-build.sh" >"$cuda_log" 2>&1 &
+  cuda_pid=$!
+  trap '[ -n "$cuda_pid" ] && kill_tree "$cuda_pid"' EXIT
+fi
 export FERRITE_MODEL="${FERRITE_MODEL:-$("$root/scripts/fetch-model.sh")}"
 export FERRITE_TEST_PYTHON="${FERRITE_TEST_PYTHON:-$("$root/scripts/python-env.sh")}"
 export FERRITE_NODE_MODULES="${FERRITE_NODE_MODULES:-$("$root/scripts/node-env.sh")}"
@@ -23,10 +43,15 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
   cargo test --workspace --no-fail-fast "$@" || status=$?
 fi
-# The CUDA build (server binary and the cuda-featured test binaries, sm_80 and sm_90) compiles
-# in CI, after the tests so their summary prints first; locally with FERRITE_CUDA_BUILD=1.
-if [ "${CI:-}" = true ] || [ "${FERRITE_CUDA_BUILD:-}" = 1 ]; then
-  echo "== CUDA build"
-  "$root/scripts/cuda-build.sh" || status=$?
+if [ -n "$cuda_pid" ]; then
+  echo "== CUDA build: waiting for it ($(date +%T))"
+  if wait "$cuda_pid"; then
+    tail -n 3 "$cuda_log"
+  else
+    status=1
+    tail -n 60 "$cuda_log"
+    echo "the CUDA build failed (the whole log: $cuda_log)"
+  fi
+  cuda_pid=""
 fi
 exit "$status"
