@@ -316,3 +316,33 @@ async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
     .await;
     drop(server);
 }
+
+/// Without the CRD the leader stops at once, non-zero, saying so: the API server answers the
+/// InferenceService list with 404. (An unreachable API server is not that: the leader retries
+/// the list and the Lease decides, as the outage test shows.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_crd_stops_the_leader_with_the_reason() {
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let release = install(&cluster, &json!({}), "nocrd").await;
+    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+        Api::all(client.clone());
+    crds.delete("inferenceservices.ferrite.dev", &Default::default())
+        .await
+        .expect("delete the CRD");
+    eventually(WAIT, "the CRD to be gone", async || {
+        crds.get_opt("inferenceservices.ferrite.dev")
+            .await
+            .ok()
+            .and_then(|c| c.is_none().then_some(()))
+    })
+    .await;
+    let mut op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let status = eventually(WAIT, "the operator to exit", async || op.guard.exited()).await;
+    let log = op.log();
+    assert!(!status.success(), "exit status {status}:\n{log}");
+    assert!(log.contains("the CRD is not installed"), "{log}");
+    let _ = op.terminate();
+}

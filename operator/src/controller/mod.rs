@@ -244,13 +244,28 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) -> anyhow::Result<()> {
     let isvcs: Api<InferenceService> = Api::all(ctx.client.clone());
-    // Fail fast with a clear message when the CRD is missing instead of retrying forever.
-    isvcs
-        .list_metadata(&kube::api::ListParams::default().limit(1))
-        .await
-        .map_err(|e| anyhow::anyhow!("listing InferenceServices (is the CRD installed?): {e}"))?;
-    let requests = ctx.triggers.attach();
     let shutdown = futures::FutureExt::shared(shutdown);
+    // Fail fast with a clear message when the CRD is missing (the API server answers 404)
+    // instead of retrying forever. Any other failure (the API server unreachable for a moment)
+    // is retried: an outage is the leader Lease's business, which ends the process once it
+    // cannot renew.
+    loop {
+        match isvcs
+            .list_metadata(&kube::api::ListParams::default().limit(1))
+            .await
+        {
+            Ok(_) => break,
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                anyhow::bail!("listing InferenceServices: the CRD is not installed ({e})")
+            }
+            Err(e) => tracing::warn!(error = %e, "listing InferenceServices; retrying"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+            _ = shutdown.clone() => return Ok(()),
+        }
+    }
+    let requests = ctx.triggers.attach();
     tokio::select! {
         r = ctx.caches.ready() => r.map_err(|e| anyhow::anyhow!("watch caches: {e}"))?,
         _ = shutdown.clone() => return Ok(()),
