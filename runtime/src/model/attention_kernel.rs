@@ -133,6 +133,14 @@ pub(crate) mod cuda {
         Ok(s.as_cuda_slice::<T>()?.slice(start..end))
     }
 
+    /// One launch's operands: the batch and each tensor's storage with its layout.
+    struct Operands<'a> {
+        meta: &'a AttnMeta,
+        q: (&'a CudaStorage, &'a Layout),
+        k: (&'a CudaStorage, &'a Layout),
+        v: (&'a CudaStorage, &'a Layout),
+    }
+
     /// Runs the kernel: `q` `[tokens, heads * head_dim]` f32, the caches `[slots, kv_dim]` of
     /// one type (f32, f16 or bf16); returns the attention output, shaped like `q`.
     pub(crate) fn forward(
@@ -144,33 +152,29 @@ pub(crate) mod cuda {
         v: &CudaStorage,
         vl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
+        let ops = Operands {
+            meta,
+            q: (q, ql),
+            k: (k, kl),
+            v: (v, vl),
+        };
         match (k.dtype(), v.dtype()) {
-            (DType::F32, DType::F32) => {
-                run::<f32>(meta, q, ql, k, kl, v, vl, "paged_attention_f32")
-            }
-            (DType::F16, DType::F16) => {
-                run::<f16>(meta, q, ql, k, kl, v, vl, "paged_attention_f16")
-            }
-            (DType::BF16, DType::BF16) => {
-                run::<bf16>(meta, q, ql, k, kl, v, vl, "paged_attention_bf16")
-            }
+            (DType::F32, DType::F32) => run::<f32>(&ops, "paged_attention_f32"),
+            (DType::F16, DType::F16) => run::<f16>(&ops, "paged_attention_f16"),
+            (DType::BF16, DType::BF16) => run::<bf16>(&ops, "paged_attention_bf16"),
             (kd, vd) => candle_core::bail!(
                 "paged-attention: keys {kd:?} and values {vd:?} need one cache type of f32, f16, bf16"
             ),
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn run<C: CudaDType>(
-        meta: &AttnMeta,
-        q: &CudaStorage,
-        ql: &Layout,
-        k: &CudaStorage,
-        kl: &Layout,
-        v: &CudaStorage,
-        vl: &Layout,
-        name: &str,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn run<C: CudaDType>(ops: &Operands, name: &str) -> Result<(CudaStorage, Shape)> {
+        let Operands {
+            meta,
+            q: (q, ql),
+            k: (k, kl),
+            v: (v, vl),
+        } = *ops;
         let dev = q.device().clone();
         let shape = launch_shape(meta).ok_or_else(|| {
             candle_core::Error::Msg("paged-attention: no CUDA launch for these heads".into())
