@@ -43,9 +43,13 @@ impl AttnMeta {
             + pos % self.block_size
     }
 
-    /// Refuses tables the kernels would read outside the pools with: a block past the pool's
-    /// `num_slots`, or a token past its sequence's table.
-    pub(crate) fn check_tables(&self, num_slots: usize) -> Result<()> {
+    /// Refuses operands the kernels would read outside of: `q_values` that are not one row per
+    /// token, a block past the pool's `num_slots`, or a token past its sequence's table.
+    pub(crate) fn check_operands(&self, q_values: usize, num_slots: usize) -> Result<()> {
+        let expected = self.token_seq.len() * self.num_heads * self.head_dim;
+        if q_values != expected {
+            candle_core::bail!("paged-attention: q has {q_values} values, expected {expected}");
+        }
         for (s, bt) in self.block_tables.iter().enumerate() {
             if let Some(&b) = bt
                 .iter()
@@ -178,8 +182,9 @@ pub fn paged_attention_generic(
     Tensor::cat(&outs, 0)
 }
 
-/// The fused kernel: on CPU below, on CUDA in `attention_kernel`. On CPU, one task per (tile of up to [`TILE_TOKENS`] consecutive tokens of one
-/// sequence, kv head): the tile's query rows (tokens × the query heads sharing that kv head)
+/// The fused kernel: on CPU below, on CUDA in `attention_kernel`. On CPU, one task per (tile of
+/// up to [`TILE_TOKENS`] consecutive tokens of one sequence, kv head): the tile's query rows
+/// (tokens × the query heads sharing that kv head)
 /// stream over the keys in chunks of [`KC`], so each key and value is loaded once per tile
 /// instead of once per token, with an online softmax (running max and sum per row).
 struct PagedAttention<'a>(&'a AttnMeta);
@@ -241,14 +246,7 @@ impl PagedAttention<'_> {
         let group = nh / kvh;
         let kv_dim = kvh * hd;
         let tokens = meta.token_seq.len();
-        if q.len() != tokens * nh * hd {
-            candle_core::bail!(
-                "paged-attention: q has {} values, expected {}",
-                q.len(),
-                tokens * nh * hd
-            );
-        }
-        meta.check_tables(kc.len() / kv_dim)?;
+        meta.check_operands(q.len(), kc.len() / kv_dim)?;
         let mut tiles = Vec::new();
         let mut t = 0;
         while t < tokens {

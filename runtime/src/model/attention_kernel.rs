@@ -184,14 +184,7 @@ pub(crate) mod cuda {
         let qv = contiguous::<f32>(q, ql, "q")?;
         let kv = contiguous::<C>(k, kl, "the key cache")?;
         let vv = contiguous::<C>(v, vl, "the value cache")?;
-        if qv.len() != tokens * nh * hd {
-            candle_core::bail!(
-                "paged-attention: q has {} values, expected {}",
-                qv.len(),
-                tokens * nh * hd
-            );
-        }
-        meta.check_tables(kv.len() / (kvh * hd))?;
+        meta.check_operands(qv.len(), kv.len() / (kvh * hd))?;
         let up = match meta.device_tables.uploaded.get() {
             Some(up) => up,
             None => {
