@@ -224,3 +224,29 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     let den: f32 = b.iter().map(|y| y * y).sum();
     (num / den).sqrt()
 }
+
+/// Top-two logit gap below which 8-bit activation rounding may pick either token (about twice
+/// the largest per-logit error measured against f32).
+pub const TIE_GAP: f32 = 1.0;
+
+/// How many greedy tokens `got` shares with f32's. They must agree, or part only where f32's
+/// two best logits are within rounding noise of each other, after at least 16 tokens.
+pub fn agreed(name: &str, got: &[u32], exact_tokens: &[u32], exact: &[Vec<f32>]) -> usize {
+    let same = got
+        .iter()
+        .zip(exact_tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    if same < got.len() {
+        let mut v = exact[same].clone();
+        v.sort_by(|a, b| b.total_cmp(a));
+        let gap = v[0] - v[1];
+        eprintln!("{name} parts from f32 at token {same}, where f32's top two differ by {gap}");
+        assert!(same >= 16, "{name} parts from f32 at token {same}: {got:?}");
+        assert!(
+            gap < TIE_GAP,
+            "{name} parts from f32 at token {same}, gap {gap}"
+        );
+    }
+    same
+}
