@@ -40,6 +40,10 @@ struct Args {
     batches: Vec<usize>,
     #[arg(long, default_value_t = 512)]
     prefill_len: usize,
+    /// Most tokens one pass of the layers runs (default: the model's own,
+    /// `model::llama::CPU_SLICE_TOKENS` on CPU); a longer prefill goes through in slices.
+    #[arg(long)]
+    slice_tokens: Option<usize>,
     /// Repetitions of each measurement; the best is reported.
     #[arg(long, default_value_t = 2)]
     reps: usize,
@@ -212,8 +216,11 @@ fn main() -> Result<()> {
         weight_mode: args.weights,
         ..Default::default()
     };
-    let loaded =
+    let mut loaded =
         model::load(&path, &opts).with_context(|| format!("loading {}", path.display()))?;
+    if let Some(n) = args.slice_tokens {
+        loaded.model.set_max_slice_tokens(n);
+    }
     let m = &loaded.model;
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
     let per_seq = blocks_for_tokens(args.context + args.steps + 1, 16)

@@ -5,7 +5,7 @@ mod common;
 use candle_core::Device;
 use ferrite_runtime::kv::{KvCache, KvCacheConfig};
 use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
-use ferrite_runtime::model::{self, LoadOptions, WeightMode};
+use ferrite_runtime::model::{self, LoadOptions, SeqInput, WeightMode};
 
 /// The default on CPU (`auto` resolves to `packed`): our int8 GEMM quantizes and reduces each
 /// row on its own in a fixed order, so logits must be bitwise equal.
@@ -76,6 +76,95 @@ fn packed_weights_are_bitwise_batch_invariant_from_2_to_64() {
     }
 }
 
+/// `tokens` at positions from `start_pos`, through `block_table`.
+fn input<'a>(tokens: &'a [u32], start_pos: usize, block_table: &'a [u32]) -> SeqInput<'a> {
+    SeqInput {
+        tokens,
+        start_pos,
+        block_table,
+    }
+}
+
 fn check(weight_mode: WeightMode, logit_tolerance: f32) {
     common::alone_and_in_a_busy_batch(&Device::Cpu, weight_mode, logit_tolerance);
+}
+
+/// A forward larger than the model's slice limit runs through the layers in slices (a prompt
+/// split between two of them finds its first part's keys and values in the cache). With the
+/// batch-invariant modes the logits are bitwise those of one pass at every slice size; dense
+/// GEMM rounds differently with the row count, as it does for any batch (measured: 2.8e-3 with
+/// one-token slices, whose products take candle's matrix-vector path).
+#[test]
+fn a_sliced_forward_gives_the_logits_of_one_pass() {
+    for (mode, tolerance) in [
+        (WeightMode::Packed, 0.0),
+        (WeightMode::Quantized, 0.0),
+        (WeightMode::Dense, 1e-2),
+    ] {
+        let opts = LoadOptions {
+            weight_mode: mode,
+            ..Default::default()
+        };
+        let mut loaded = model::load(&common::default_model(), &opts).expect("load");
+        let tok = &loaded.tokenizer;
+        let text = |s: &str| tok.encode(s, false).expect("encode");
+        let a = text(&"A long prompt about rivers, mountains and seas. ".repeat(4));
+        let b = text("Count: one two three four five six seven eight nine ten eleven twelve");
+        let c = text(&"Name the planets of the solar system in order. ".repeat(3));
+        assert!(a.len() > 40 && b.len() > 10 && c.len() > 30);
+        let (b_done, c_done) = (b.len() - 1, c.len() / 2);
+        let cfg = KvCacheConfig::for_model(loaded.model.config(), 16, 64, 0);
+        // Every slicing starts from a cache holding b's and c's first parts, written by one
+        // unsliced pass, then runs a's whole prompt, b's last token and the rest of c together.
+        let mut run = |slice: usize| {
+            let mut cache = KvCache::new(cfg, &Device::Cpu).expect("cache");
+            let tables: Vec<Vec<u32>> = [a.len(), b.len(), c.len()]
+                .iter()
+                .map(|&n| {
+                    cache
+                        .allocator_mut()
+                        .allocate_n(n.div_ceil(16))
+                        .expect("blocks")
+                })
+                .collect();
+            loaded.model.set_max_slice_tokens(usize::MAX);
+            let before = [
+                input(&b[..b_done], 0, &tables[1]),
+                input(&c[..c_done], 0, &tables[2]),
+            ];
+            loaded.model.forward(&before, &cache).expect("first part");
+            loaded.model.set_max_slice_tokens(slice);
+            let batch = [
+                input(&a, 0, &tables[0]),
+                input(&b[b_done..], b_done, &tables[1]),
+                input(&c[c_done..], c_done, &tables[2]),
+            ];
+            let logits = loaded.model.forward(&batch, &cache).expect("forward");
+            logits.to_vec2::<f32>().expect("logits")
+        };
+        let whole = run(usize::MAX);
+        assert_eq!(whole.len(), 3);
+        for slice in [1, 7, 16, 40, 64] {
+            let sliced = run(slice);
+            for (seq, (x, y)) in sliced.iter().zip(&whole).enumerate() {
+                let worst = x
+                    .iter()
+                    .zip(y)
+                    .map(|(p, q)| (p - q).abs())
+                    .fold(0f32, f32::max);
+                if tolerance == 0.0 {
+                    let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+                    assert!(
+                        same,
+                        "{mode:?}, slices of {slice}: sequence {seq} differs by {worst}"
+                    );
+                } else {
+                    assert!(
+                        worst <= tolerance,
+                        "{mode:?}, slices of {slice}: sequence {seq} differs by {worst}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -24,14 +24,24 @@ use ferrite_source::termination::{LOAD_FAILED, START_FAILED};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    // Before any thread exists: each takes its arena at its first allocation.
+    let arenas = ferrite_runtime::memory::use_one_arena();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(serve(arenas))
+}
+
+async fn serve(arenas: ferrite_runtime::memory::ArenaPolicy) -> Result<()> {
     tracing_subscriber::fmt()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
+    info!(?arenas, "malloc arenas");
     let args = ServerArgs::parse();
     let termination = args.termination_message_path.clone();
     let result = run(args).await;
@@ -257,6 +267,7 @@ fn load_and_warm(args: &ServerArgs, path: &Path) -> Result<(model::LoadedModel, 
     };
     loaded.model.forward(&[input], &cache)?;
     cache.allocator_mut().free_all(&blocks)?;
+    ferrite_runtime::memory::release_free_memory();
     Ok((loaded, cache))
 }
 

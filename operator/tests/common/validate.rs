@@ -48,11 +48,43 @@ pub fn kubernetes(version: &str, files: &[PathBuf]) -> (bool, String) {
     validate("k8s", version, files)
 }
 
-/// A fresh directory for this test process.
+/// A directory for this test process (nextest runs each test in its own). The first call also
+/// removes the directories of test processes that have ended, so runs do not pile them up in
+/// /tmp (nearly a thousand were found after a day's runs); a failed run's files stay until the
+/// next run, to be read.
 pub fn temp_dir(tag: &str) -> PathBuf {
+    static SWEEP: std::sync::Once = std::sync::Once::new();
+    SWEEP.call_once(remove_ended_processes_dirs);
     let d = std::env::temp_dir().join(format!("ferrite-validate-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&d).expect("temp dir");
     d
+}
+
+/// Removes `ferrite-validate-*-PID` directories whose process no longer runs.
+fn remove_ended_processes_dirs() {
+    // Without /proc (not Linux) nothing can be told ended.
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("ferrite-validate-"))
+        else {
+            continue;
+        };
+        let Some(pid) = rest.rsplit('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let ended = !Path::new(&format!("/proc/{pid}")).exists();
+        if ended && pid != std::process::id() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// Writes `docs` as one multi-document YAML file.

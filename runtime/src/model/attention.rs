@@ -247,7 +247,9 @@ impl PagedAttention<'_> {
         let kv_dim = kvh * hd;
         let tokens = meta.token_seq.len();
         meta.check_operands(q.len(), kc.len() / kv_dim)?;
-        let mut tiles = Vec::new();
+        // Tiles in kv-head-major order, so each tile's output rows `[t][h]` are one
+        // contiguous run of `by_head` (`[g][t][h][d]`); no tile allocates its own.
+        let mut ranges = Vec::new();
         let mut t = 0;
         while t < tokens {
             let mut end = t + 1;
@@ -255,22 +257,26 @@ impl PagedAttention<'_> {
             {
                 end += 1;
             }
-            tiles.extend((0..kvh).map(|g| (t, end, g)));
+            ranges.push((t, end));
             t = end;
         }
-        let outs: Vec<Vec<f32>> = tiles
-            .par_iter()
-            .map(|&(t0, t1, g)| {
-                let mut o = vec![0f32; (t1 - t0) * group * hd];
-                tile(meta, q, kc, vc, t0, t1, g, &mut o);
-                o
-            })
-            .collect();
+        let mut by_head = vec![0f32; tokens * nh * hd];
+        let mut tiles = Vec::with_capacity(ranges.len() * kvh);
+        let mut rest = by_head.as_mut_slice();
+        for g in 0..kvh {
+            for &(t0, t1) in &ranges {
+                let (o, tail) = rest.split_at_mut((t1 - t0) * group * hd);
+                tiles.push((t0, t1, g, o));
+                rest = tail;
+            }
+        }
+        tiles
+            .par_iter_mut()
+            .for_each(|(t0, t1, g, o)| tile(meta, q, kc, vc, *t0, *t1, *g, o));
         let mut out = vec![0f32; tokens * nh * hd];
-        for (&(t0, t1, g), o) in tiles.iter().zip(&outs) {
-            for t in t0..t1 {
-                out[t * nh * hd + g * group * hd..][..group * hd]
-                    .copy_from_slice(&o[(t - t0) * group * hd..][..group * hd]);
+        for (g, head) in by_head.chunks_exact(tokens * group * hd).enumerate() {
+            for (t, rows) in head.chunks_exact(group * hd).enumerate() {
+                out[t * nh * hd + g * group * hd..][..group * hd].copy_from_slice(rows);
             }
         }
         Ok((CpuStorage::F32(out), Shape::from((tokens, nh * hd))))
@@ -567,6 +573,45 @@ pub fn tile<T: KvElem>(
     g: usize,
     out: &mut [f32],
 ) {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut s) => tile_with(meta, q, kc, vc, (t0, t1, g), out, &mut s),
+        // Only re-entry could find it borrowed, and nothing in a tile calls into rayon; a
+        // fresh scratch keeps even that case correct.
+        Err(_) => tile_with(meta, q, kc, vc, (t0, t1, g), out, &mut Scratch::default()),
+    });
+}
+
+/// A tile's working rows, kept per thread: a decode step runs ~100 tiles per layer, and with
+/// their own allocations each the two compute threads took turns at the allocator's lock.
+#[derive(Default)]
+struct Scratch {
+    m: Vec<f32>,
+    l: Vec<f32>,
+    qs: Vec<f32>,
+    kt: Vec<f32>,
+    vs: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// `buf` cleared to `len` copies of `v`, keeping its capacity.
+fn refill(buf: &mut Vec<f32>, len: usize, v: f32) -> &mut [f32] {
+    buf.clear();
+    buf.resize(len, v);
+    buf
+}
+
+fn tile_with<T: KvElem>(
+    meta: &AttnMeta,
+    q: &[f32],
+    kc: &[T],
+    vc: &[T],
+    (t0, t1, g): (usize, usize, usize),
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) {
     let (nh, kvh, hd) = (meta.num_heads, meta.num_kv_heads, meta.head_dim);
     let group = nh / kvh;
     let kv_dim = kvh * hd;
@@ -574,8 +619,9 @@ pub fn tile<T: KvElem>(
     let rows = (t1 - t0) * group;
     // Per row: its query, valid key range, running max, sum and output.
     let pos = |r: usize| meta.token_pos[t0 + r / group] as usize;
-    let mut m = vec![f32::NEG_INFINITY; rows];
-    let mut l = vec![0f32; rows];
+    let Scratch { m, l, qs, kt, vs } = scratch;
+    let m = refill(m, rows, f32::NEG_INFINITY);
+    let l = refill(l, rows, 0.0);
     out.iter_mut().for_each(|v| *v = 0.0);
     let first = (t0..t1)
         .map(|t| meta.window_start(meta.token_pos[t] as usize))
@@ -584,16 +630,16 @@ pub fn tile<T: KvElem>(
     let last = meta.token_pos[t1 - 1] as usize;
     // Chunks start at multiples of KC in position space, whatever the tile, so that a row's
     // operations never depend on the rows beside it.
-    let mut qs = vec![0f32; rows * hd];
+    let qs = refill(qs, rows * hd, 0.0);
     for row in 0..rows {
         let (t, h) = (t0 + row / group, row % group);
         qs[row * hd..][..hd].copy_from_slice(&q[t * nh * hd + (g * group + h) * hd..][..hd]);
     }
-    let mut kt = vec![0f32; hd * KC];
+    let kt = refill(kt, hd * KC, 0.0);
     let avx512 = has_avx512();
     let vector = avx512 && hd.is_multiple_of(KC);
     // The chunk's values widened to f32 once, `[KC][hd]`, for every micro-tile of the tile.
-    let mut vs = vec![0f32; KC * hd];
+    let vs = refill(vs, KC * hd, 0.0);
     let mut c0 = first / KC * KC;
     while c0 <= last {
         let n = KC.min(last + 1 - c0);
@@ -603,7 +649,7 @@ pub fn tile<T: KvElem>(
             krows[j] = at;
             T::widen(&vc[at..][..hd], &mut vs[j * hd..][..hd]);
         }
-        transpose_keys(kc, &krows, n, hd, &mut kt, avx512);
+        transpose_keys(kc, &krows, n, hd, kt, avx512);
         let mut r = 0;
         while r < rows {
             let take = RT.min(rows - r);
@@ -615,8 +661,8 @@ pub fn tile<T: KvElem>(
             });
             let chunk = Chunk {
                 q: &qs[r * hd..(r + take) * hd],
-                kt: &kt,
-                vs: &vs,
+                kt,
+                vs,
                 hd,
                 scale: meta.scale,
                 ranges,

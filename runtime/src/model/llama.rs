@@ -28,7 +28,17 @@ pub struct LlamaModel {
     max_len: usize,
     device: Device,
     attention: AttentionBackend,
+    /// Most tokens one pass of the layers runs; larger forwards go through in slices.
+    max_slice_tokens: usize,
 }
+
+/// Tokens per slice of a CPU forward. A step of `--max-num-batched-tokens` 2048 would otherwise
+/// hold every activation at 2048 rows (the gate/up output alone is 25 MB for the default model),
+/// and that peak stays resident. 512 rows still reuse each weight block across a whole tile
+/// of rows, so slicing costs only re-reading the weights once per slice. On GPUs the
+/// activations live in device memory and large GEMMs are what they are fast at, so their
+/// forwards are not sliced.
+pub const CPU_SLICE_TOKENS: usize = 512;
 
 impl LlamaModel {
     /// `max_len` bounds positions (the RoPE table size): the server's `--max-model-len`.
@@ -46,7 +56,17 @@ impl LlamaModel {
             max_len,
             device: device.clone(),
             attention: AttentionBackend::default(),
+            max_slice_tokens: if device.is_cpu() {
+                CPU_SLICE_TOKENS
+            } else {
+                usize::MAX
+            },
         })
+    }
+
+    /// Sets the most tokens one pass of the layers runs (tests compare slicings; at least 1).
+    pub fn set_max_slice_tokens(&mut self, tokens: usize) {
+        self.max_slice_tokens = tokens.max(1);
     }
 
     /// Chooses the attention implementation (tests compare the two).
@@ -130,8 +150,31 @@ impl LlamaModel {
         self.forward_on_pool(batch, cache)
     }
 
+    /// Runs the batch through the layers in slices of at most `max_slice_tokens` tokens, in
+    /// order, so a sequence split across slices finds its earlier tokens' keys and values in
+    /// the cache, as with chunked prefill. Every op is row-wise (the GEMMs are batch invariant
+    /// and attention reads only the cache), so the logits are bitwise those of one pass.
     fn forward_on_pool(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
         self.check_batch(batch, cache)?;
+        let eps = self.cfg.rms_norm_eps as f32;
+        let mut last_hidden = Vec::with_capacity(batch.len());
+        for slice in slices(batch, self.max_slice_tokens) {
+            let inputs: Vec<SeqInput> = slice.iter().map(|p| p.input).collect();
+            let hidden = self.layers(&inputs, cache)?;
+            for (row, piece) in slice.iter().enumerate() {
+                if piece.ends_sequence {
+                    last_hidden.push(hidden.narrow(0, row, 1)?);
+                }
+            }
+        }
+        let x = Tensor::cat(&last_hidden, 0)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.weights.norm, eps)?;
+        Ok(self.weights.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// One pass of the embedding and every layer over `batch` (already checked): the hidden
+    /// state after each sequence's last token, `[batch.len(), hidden]`, before the final norm.
+    fn layers(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
         let cfg = &self.cfg;
         let bs = cache.config().block_size;
         let n_tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
@@ -207,8 +250,126 @@ impl LlamaModel {
             let act = super::activation::swiglu(&gate_up, ffn)?;
             x = (x + w.down.forward(&act)?)?;
         }
-        let x = x.index_select(&Tensor::from_vec(last, batch.len(), dev)?, 0)?;
-        let x = candle_nn::ops::rms_norm(&x, &self.weights.norm, eps)?;
-        Ok(self.weights.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        Ok(x.index_select(&Tensor::from_vec(last, batch.len(), dev)?, 0)?)
+    }
+}
+
+/// A run of one sequence's new tokens inside a slice.
+#[derive(Debug, Clone, Copy)]
+struct Piece<'a> {
+    input: SeqInput<'a>,
+    /// The piece holds the sequence's last new token, whose logits the forward returns.
+    ends_sequence: bool,
+}
+
+/// Cuts `batch` into consecutive slices of at most `max_tokens` tokens (at least 1), splitting
+/// a sequence where a slice fills; pieces keep the batch's order.
+fn slices<'a>(batch: &[SeqInput<'a>], max_tokens: usize) -> Vec<Vec<Piece<'a>>> {
+    let max_tokens = max_tokens.max(1);
+    let mut out = vec![Vec::new()];
+    let mut room = max_tokens;
+    for s in batch {
+        let mut done = 0;
+        while done < s.tokens.len() {
+            if room == 0 {
+                out.push(Vec::new());
+                room = max_tokens;
+            }
+            let n = room.min(s.tokens.len() - done);
+            let piece = Piece {
+                input: SeqInput {
+                    tokens: &s.tokens[done..done + n],
+                    start_pos: s.start_pos + done,
+                    block_table: s.block_table,
+                },
+                ends_sequence: done + n == s.tokens.len(),
+            };
+            if let Some(slice) = out.last_mut() {
+                slice.push(piece);
+            }
+            done += n;
+            room -= n;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(tokens: &[u32], start_pos: usize) -> SeqInput<'_> {
+        SeqInput {
+            tokens,
+            start_pos,
+            block_table: &[],
+        }
+    }
+
+    /// (tokens, start_pos, ends_sequence) of every piece, slice by slice.
+    fn shape(slices: &[Vec<Piece>]) -> Vec<Vec<(Vec<u32>, usize, bool)>> {
+        slices
+            .iter()
+            .map(|s| {
+                s.iter()
+                    .map(|p| (p.input.tokens.to_vec(), p.input.start_pos, p.ends_sequence))
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_batch_within_the_limit_is_one_slice() {
+        let (a, b) = ([1, 2, 3], [4]);
+        let got = shape(&slices(&[seq(&a, 0), seq(&b, 9)], 4));
+        assert_eq!(
+            got,
+            vec![vec![(vec![1, 2, 3], 0, true), (vec![4], 9, true)]]
+        );
+    }
+
+    #[test]
+    fn sequences_split_where_a_slice_fills_and_keep_their_positions() {
+        let (a, b, c) = ([1, 2, 3, 4, 5], [6], [7, 8, 9, 10, 11, 12]);
+        let got = shape(&slices(&[seq(&a, 10), seq(&b, 3), seq(&c, 0)], 4));
+        assert_eq!(
+            got,
+            vec![
+                vec![(vec![1, 2, 3, 4], 10, false)],
+                vec![
+                    (vec![5], 14, true),
+                    (vec![6], 3, true),
+                    (vec![7, 8], 0, false)
+                ],
+                vec![(vec![9, 10, 11, 12], 2, true)],
+            ]
+        );
+    }
+
+    #[test]
+    fn every_token_lands_once_in_order_and_no_slice_is_over_the_limit() {
+        let toks: Vec<u32> = (0..100).collect();
+        for max in [1, 2, 3, 7, 64, 1000] {
+            let batch = [
+                seq(&toks[..37], 5),
+                seq(&toks[37..38], 0),
+                seq(&toks[38..], 1),
+            ];
+            let got = slices(&batch, max);
+            let flat: Vec<u32> = got
+                .iter()
+                .flatten()
+                .flat_map(|p| p.input.tokens.iter().copied())
+                .collect();
+            assert_eq!(flat, toks, "max {max}");
+            assert!(got.iter().all(|s| !s.is_empty()), "max {max}");
+            assert!(
+                got.iter()
+                    .all(|s| s.iter().map(|p| p.input.tokens.len()).sum::<usize>() <= max),
+                "max {max}"
+            );
+            let ends: usize = got.iter().flatten().filter(|p| p.ends_sequence).count();
+            assert_eq!(ends, batch.len(), "max {max}");
+        }
     }
 }
