@@ -13,12 +13,13 @@ use ferrite_runtime::model::attention::AttentionBackend;
 /// With the generic attention path our forward performs the same floating-point operations as
 /// the reference, through block tables and per-token positions, so it must match exactly.
 const GENERIC_TOLERANCE: f32 = 1e-4;
-/// The default CPU mode against exact arithmetic. It keeps the GGUF's Q4_1 and Q8_0 blocks
-/// exactly and, like candle's (and llama.cpp's) kernels, quantizes activations to 8 bits in
-/// blocks of 32, so it cannot match f32 maths exactly; it must be as close to it as candle's
-/// `quantized_llama` is. Our dense mode is the exact reference here (it matches the dequantized
-/// `quantized_llama` to 1e-3, `runtime_reference_dense.rs`). Where the two part, `agreed`
-/// (in `common`) allows it only at a near-tie of f32's two best logits.
+// The default CPU mode against exact arithmetic. It keeps the GGUF's Q4_1 and Q8_0 blocks
+// exactly and, like candle's (and llama.cpp's) kernels, quantizes activations to 8 bits in
+// blocks of 32, so it cannot match f32 maths exactly; it must be as close to it as candle's
+// `quantized_llama` is. Our dense mode is the exact reference here (it matches the dequantized
+// `quantized_llama` to 1e-3, `runtime_reference_dense.rs`). Where the two part, `agreed`
+// (in `common`) allows it only at a near-tie of f32's two best logits.
+
 /// A 16-bit KV cache against f32 on dense weights, over every step. Measured: f16 max 0.017,
 /// mean 0.0019; bf16 (8 significant bits) max 0.17, mean 0.020. Packed weights' own error
 /// against f32 is mean ~0.2, max ~1.3, so the cache adds little to it.

@@ -184,9 +184,9 @@ pub fn paged_attention_generic(
 
 /// The fused kernel: on CPU below, on CUDA in `attention_kernel`. On CPU, one task per (tile of
 /// up to [`TILE_TOKENS`] consecutive tokens of one sequence, kv head): the tile's query rows
-/// (tokens × the query heads sharing that kv head)
-/// stream over the keys in chunks of [`KC`], so each key and value is loaded once per tile
-/// instead of once per token, with an online softmax (running max and sum per row).
+/// (tokens × the query heads sharing that kv head) stream over the keys in chunks of [`KC`], so
+/// each key and value is loaded once per tile instead of once per token, with an online softmax
+/// (running max and sum per row).
 struct PagedAttention<'a>(&'a AttnMeta);
 
 /// Query tokens per tile: with 3 query heads per kv head (SmolLM2), 96 rows share each key.

@@ -157,16 +157,24 @@ impl LlamaModel {
     fn forward_on_pool(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
         self.check_batch(batch, cache)?;
         let eps = self.cfg.rms_norm_eps as f32;
-        let mut last_hidden = Vec::with_capacity(batch.len());
+        let mut last_hidden = Vec::new();
         for slice in slices(batch, self.max_slice_tokens) {
             let inputs: Vec<SeqInput> = slice.iter().map(|p| p.input).collect();
             let hidden = self.layers(&inputs, cache)?;
-            for (row, piece) in slice.iter().enumerate() {
-                if piece.ends_sequence {
-                    last_hidden.push(hidden.narrow(0, row, 1)?);
-                }
+            // Rows of the pieces that end their sequence: all of them in an unsliced forward,
+            // which keeps its hidden states as they are.
+            let ends: Vec<u32> = (0..slice.len() as u32)
+                .filter(|&r| slice[r as usize].ends_sequence)
+                .collect();
+            if ends.len() == slice.len() {
+                last_hidden.push(hidden);
+            } else if !ends.is_empty() {
+                let n = ends.len();
+                last_hidden
+                    .push(hidden.index_select(&Tensor::from_vec(ends, n, &self.device)?, 0)?);
             }
         }
+        // One tensor (the unsliced case) is returned as it is, without a copy.
         let x = Tensor::cat(&last_hidden, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.weights.norm, eps)?;
         Ok(self.weights.lm_head.forward(&x)?.to_dtype(DType::F32)?)
