@@ -2,7 +2,7 @@
 # Compiles the CUDA build without a GPU: ferrite-server's binary, and the test binaries of the
 # crates whose code has a `cuda` feature (runtime, server), with the PyPI toolchain of
 # scripts/cuda-env.sh. (ferrite-bench's `cuda` feature only forwards it; its code is the same in
-# both builds and CI compiles it, so scripts/gpu-test.sh builds it on the GPU machine.) Kernels: SASS for sm_80 and sm_90 plus PTX (CUDA_ARCHS,
+# both builds and CI compiles it; scripts/gpu-check.sh builds it for the GPU machine.) Kernels: SASS for sm_80 and sm_90 plus PTX (CUDA_ARCHS,
 # CUDA_COMPUTE_CAP; docs/runtime.md). Output: target/release-cuda/ (the `release-cuda` profile
 # is `release` in its own folder, so the CPU build in target/release stays as it was).
 # scripts/test.sh runs this under CI=true (or FERRITE_CUDA_BUILD=1), in the background at the

@@ -8,7 +8,7 @@
 //! bandwidth. Work is what the model needs, divided by the whole step's time, so each fraction
 //! is a lower bound for its kernel.
 //!
-//! With `--device cuda` (a build with `--features cuda`, scripts/gpu-test.sh) decode is placed
+//! With `--device cuda` (a build with `--features cuda`, scripts/gpu-check.sh) decode is placed
 //! against the GPU's memory bandwidth instead, measured in the same run as a device-to-device
 //! copy: the bytes a step must read (the weights as they sit on the GPU, and every sequence's
 //! keys and values) over the step's time, as a share of that bandwidth.

@@ -28,9 +28,23 @@ pub fn parse_device(spec: &str) -> Result<Device, DeviceError> {
     open_cuda(spec, ordinal)
 }
 
+/// One CUDA stream that every thread submits to. `Device::new_cuda` gives candle the
+/// per-thread default stream, so work from two threads (a forward on one thread, its logits
+/// read on another, the next forward on a third) lands on streams that do not wait for each
+/// other: on an H100 a step then read keys and values the step before had not yet written,
+/// now and then (greedy tokens repeated, runs differing from run to run). Event tracking is
+/// off: it only orders work across streams, and with one stream it would cost two events per
+/// allocation and a record and wait per kernel argument.
 #[cfg(feature = "cuda")]
 fn open_cuda(spec: &str, ordinal: usize) -> Result<Device, DeviceError> {
-    Device::new_cuda(ordinal).map_err(|e| DeviceError::Open(spec.to_string(), e.to_string()))
+    let device = Device::new_cuda_with_stream(ordinal)
+        .map_err(|e| DeviceError::Open(spec.to_string(), e.to_string()))?;
+    if let Device::Cuda(cuda) = &device {
+        // SAFETY: every tensor of this device lives and is used on its one stream, so nothing
+        // needs cross-stream ordering (candle's conditions for turning tracking off).
+        unsafe { cuda.disable_event_tracking() };
+    }
+    Ok(device)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -141,10 +141,11 @@ impl LlamaModel {
     /// sequence (after its last token), `[batch.len(), vocab]` in f32. Keys and values of every
     /// token are written to the cache.
     pub fn forward(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
-        // Run the whole pass on a worker of rayon's pool. Each parallel op called from outside
-        // the pool sends a job there and puts the caller to sleep until it ends; one forward
-        // makes ~150 such calls, and those round trips cost milliseconds per decode step.
-        if rayon::current_thread_index().is_none() {
+        // Run a CPU pass on a worker of rayon's pool. Each parallel op called from outside the
+        // pool sends a job there and puts the caller to sleep until it ends; one forward makes
+        // ~150 such calls, and those round trips cost milliseconds per decode step. A GPU pass
+        // only enqueues work, so it stays on the caller's thread.
+        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
             return rayon::scope(|_| self.forward_on_pool(batch, cache));
         }
         self.forward_on_pool(batch, cache)

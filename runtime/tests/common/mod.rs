@@ -134,6 +134,43 @@ pub fn prompt_ids() -> Vec<u32> {
 /// tokens, first-step logits within `logit_tolerance`, the requests really batched, and no block
 /// left held.
 pub fn alone_and_in_a_busy_batch(device: &Device, weight_mode: WeightMode, logit_tolerance: f32) {
+    let run = busy_batch(device, weight_mode);
+    assert_eq!(
+        run.batched, run.alone,
+        "target output changed inside the batch"
+    );
+    let max_diff = run.max_first_logit_diff();
+    eprintln!(
+        "{weight_mode:?} on {device:?}: max first-token logit difference alone vs batched {max_diff:e}"
+    );
+    assert!(max_diff <= logit_tolerance, "logits moved by {max_diff}");
+    eprintln!("alone and batched agree on {:?}", run.text);
+}
+
+/// What [`busy_batch`] saw of its target request.
+pub struct BusyBatch {
+    /// Greedy tokens and first-step logits alone and inside the batch.
+    pub alone: Vec<u32>,
+    pub batched: Vec<u32>,
+    pub alone_first: Vec<f32>,
+    pub batched_first: Vec<f32>,
+    /// The tokens alone, as text.
+    pub text: String,
+}
+
+impl BusyBatch {
+    pub fn max_first_logit_diff(&self) -> f32 {
+        self.batched_first
+            .iter()
+            .zip(&self.alone_first)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    }
+}
+
+/// Decodes one request alone, then inside a busy mixed batch of 16 on `device`, and checks that
+/// the requests really were batched and no block is left held.
+pub fn busy_batch(device: &Device, weight_mode: WeightMode) -> BusyBatch {
     const TARGET_TOKENS: usize = 24;
     let opts = LoadOptions {
         device: device.clone(),
@@ -171,24 +208,6 @@ pub fn alone_and_in_a_busy_batch(device: &Device, weight_mode: WeightMode, logit
     assert_eq!(batch.len(), 16);
     let mut cache = KvCache::new(cfg, device).expect("cache");
     let forwards = run_greedy(&loaded.model, &mut cache, &mut batch, 8).expect("batched");
-
-    assert_eq!(
-        batch[7].generated, alone[0].generated,
-        "target output changed inside the batch"
-    );
-    let (a, b) = (
-        batch[7].first_logits.as_ref().expect("logits"),
-        alone[0].first_logits.as_ref().expect("logits"),
-    );
-    let max_diff = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    eprintln!(
-        "{weight_mode:?} on {device:?}: max first-token logit difference alone vs batched {max_diff:e}"
-    );
-    assert!(max_diff <= logit_tolerance, "logits moved by {max_diff}");
     let total_tokens: usize = batch
         .iter()
         .map(|s| s.prompt.len() + s.generated.len())
@@ -198,10 +217,15 @@ pub fn alone_and_in_a_busy_batch(device: &Device, weight_mode: WeightMode, logit
         "sequences were not batched: {forwards} forwards"
     );
     assert_eq!(cache.allocator().num_used(), 0);
-    eprintln!(
-        "alone and batched agree on {:?}",
-        tok.decode(&alone[0].generated, true).expect("decode")
-    );
+    let alone = alone.swap_remove(0);
+    let batched = batch.swap_remove(7);
+    BusyBatch {
+        text: tok.decode(&alone.generated, true).expect("decode"),
+        alone_first: alone.first_logits.expect("logits"),
+        batched_first: batched.first_logits.expect("logits"),
+        alone: alone.generated,
+        batched: batched.generated,
+    }
 }
 
 /// First-step logits of `prompt` on the model's `device`, with a KV cache of type `kv`.
@@ -249,4 +273,65 @@ pub fn agreed(name: &str, got: &[u32], exact_tokens: &[u32], exact: &[Vec<f32>])
         );
     }
     same
+}
+
+/// What [`forced_logits`] saw: the next-token logits after the prompt and after each fed
+/// token, and every position's key row of layer `layer` (as f32), read back from the cache.
+pub struct Forced {
+    pub logits: Vec<Vec<f32>>,
+    pub keys: Vec<Vec<f32>>,
+}
+
+/// Teacher forcing: prefills `tokens[..prompt_len]` in chunks of `chunk`, then feeds the rest
+/// one token per step, whatever the model predicts, so one wrong step cannot change what the
+/// later ones see. Reads back `layer`'s keys of every position at the end.
+pub fn forced_logits(
+    m: &model::LoadedModel,
+    kv: DType,
+    tokens: &[u32],
+    prompt_len: usize,
+    chunk: usize,
+    layer: usize,
+) -> Forced {
+    use ferrite_runtime::kv::blocks_for_tokens;
+    use ferrite_runtime::model::SeqInput;
+    let bs = 16;
+    let cfg = KvCacheConfig::for_model(m.model.config(), bs, 64, 0).with_dtype(kv);
+    let mut cache = KvCache::new(cfg, m.model.device()).expect("cache");
+    let blocks = cache
+        .allocator_mut()
+        .allocate_n(blocks_for_tokens(tokens.len(), bs))
+        .expect("blocks");
+    let mut logits = Vec::new();
+    let mut pos = 0;
+    while pos < tokens.len() {
+        let n = if pos < prompt_len {
+            chunk.max(1).min(prompt_len - pos)
+        } else {
+            1
+        };
+        let input = SeqInput {
+            tokens: &tokens[pos..pos + n],
+            start_pos: pos,
+            block_table: &blocks,
+        };
+        let out = m.model.forward(&[input], &cache).expect("forward");
+        pos += n;
+        if pos >= prompt_len {
+            logits.push(out.get(0).expect("row").to_vec1::<f32>().expect("logits"));
+        }
+    }
+    let all = cache
+        .layer(layer)
+        .0
+        .to_dtype(DType::F32)
+        .expect("f32")
+        .to_device(&Device::Cpu)
+        .expect("cpu")
+        .to_vec2::<f32>()
+        .expect("rows");
+    let keys = (0..tokens.len())
+        .map(|p| all[blocks[p / bs] as usize * bs + p % bs].clone())
+        .collect();
+    Forced { logits, keys }
 }

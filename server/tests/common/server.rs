@@ -46,8 +46,15 @@ pub fn start_logged(extra: &[&str]) -> (Server, Log) {
 }
 
 fn spawn(extra: &[&str], stdout: Stdio) -> Server {
-    let bin = Path::new(env!("CARGO_BIN_EXE_ferrite-server"));
-    Server::spawn(bin, "127.0.0.1", free_port(), extra, stdout)
+    Server::spawn(&binary(), "127.0.0.1", free_port(), extra, stdout)
+}
+
+/// `FERRITE_SERVER_BIN` where a test binary runs away from its build (the GPU check carries
+/// both to a GPU machine), else the binary cargo built beside this test.
+fn binary() -> PathBuf {
+    std::env::var_os("FERRITE_SERVER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_BIN_EXE_ferrite-server")).to_path_buf())
 }
 
 /// A streaming response read chunk by chunk.
