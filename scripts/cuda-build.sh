@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
-# Compiles the CUDA build without a GPU: ferrite-server's binary, and the test binaries of the
-# crates whose code has a `cuda` feature (runtime, server), with the PyPI toolchain of
-# scripts/cuda-env.sh. (ferrite-bench's `cuda` feature only forwards it; its code is the same in
-# both builds and CI compiles it; scripts/gpu-check.sh builds it for the GPU machine.) Kernels: SASS for sm_80 and sm_90 plus PTX (CUDA_ARCHS,
-# CUDA_COMPUTE_CAP; docs/runtime.md). Output: target/release-cuda/ (the `release-cuda` profile
-# is `release` in its own folder, so the CPU build in target/release stays as it was).
+# Compiles the CUDA build without a GPU, as CI proves it: ferrite-server's binary and the test
+# binaries of the crates whose code has a `cuda` feature (runtime, server), with the PyPI
+# toolchain of scripts/cuda-env.sh, linted by clippy as the CPU build is (scripts/clippy-env.sh).
+# It proves the code rather than runs it, so nothing is optimised: profile `cuda-ci`
+# (target/cuda-ci) for the Rust code, and the device code without cicc's and ptxas's
+# optimisations (NVCC_APPEND_FLAGS; measured on one of candle's mmq_instance files: 75 s at
+# their -O3, 33 s unoptimised). Kernels for one architecture: SASS for CUDA_ARCHS (default 80)
+# and PTX for CUDA_COMPUTE_CAP (default 80). candle-kernels' build compiles its files on half
+# the cores unless CUDAFORGE_THREADS says otherwise: here, all of them. The image
+# (server/Dockerfile.cuda) and scripts/gpu-check.sh build optimised kernels for their GPUs.
 # scripts/test.sh runs this under CI=true (or FERRITE_CUDA_BUILD=1), in the background at the
 # lowest priority; extra arguments go to cargo.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
+export CUDA_ARCHS="${CUDA_ARCHS:-80}"
+export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:--Xcicc -O0 -Xptxas -O0}"
+CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
+export CUDAFORGE_THREADS
 eval "$("$root/scripts/cuda-env.sh")"
+# shellcheck source=scripts/clippy-env.sh
+source "$root/scripts/clippy-env.sh"
 start=$(date +%s)
-cargo build --profile release-cuda --locked \
+cargo build --profile cuda-ci --locked \
   -p ferrite-server -p ferrite-runtime --features ferrite-server/cuda,ferrite-runtime/cuda \
   --bins --tests "$@"
 echo "CUDA build took $(( $(date +%s) - start )) s"
@@ -20,6 +30,6 @@ echo "CUDA build took $(( $(date +%s) - start )) s"
 # compiled kernels), PTX text for compute_$CUDA_COMPUTE_CAP (candle's modules and ferrite's
 # paged attention, whose three entry points must be there).
 newest=$(printf '%s\n' $CUDA_ARCHS | sort -n | tail -1)
-python3 "$root/scripts/cuda-archs.py" "${CARGO_TARGET_DIR:-$root/target}/release-cuda/ferrite-server" \
+python3 "$root/scripts/cuda-archs.py" "${CARGO_TARGET_DIR:-$root/target}/cuda-ci/ferrite-server" \
   --sass "${CUDA_ARCHS// /,}" --ptx "$newest" --text-ptx "$CUDA_COMPUTE_CAP" \
   --entry paged_attention_f32 --entry paged_attention_f16 --entry paged_attention_bf16

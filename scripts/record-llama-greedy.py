@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Records llama.cpp's greedy answers on the default model, for the runtime's agreement test
-(runtime/tests/llama_server_agreement.rs), into runtime/tests/fixtures/llama_server_greedy.json.
+(runtime/tests/it/llama_server_agreement.rs), into runtime/tests/fixtures/llama_server_greedy.json.
 
 llama-server takes ~10 minutes to build on 2 cores, too long for every CI run, so its outputs
 are recorded once and committed: per prompt, the chat-formatted text, its token ids as

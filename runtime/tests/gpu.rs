@@ -6,6 +6,7 @@
 //! two devices sum in different orders and candle's CUDA quantized matmul quantizes
 //! activations to 8 bits as its CPU one does); they have not yet been measured on a GPU.
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use candle_core::quantized::GgmlDType;

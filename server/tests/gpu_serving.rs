@@ -3,6 +3,7 @@
 //! (docs/runtime.md, "GPU tests"); elsewhere it prints one `=== GPU TEST SKIPPED` line and
 //! tests nothing.
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::sync::{Arc, Barrier};

@@ -58,3 +58,25 @@ impl Isa {
             .collect()
     }
 }
+
+/// Whether a test of a vector path may run here: `present` is whether this CPU has `isa`. If
+/// not, one line says the test was skipped and why, and the test passes: the portable path it
+/// compares against is what this CPU runs, and other tests check that path.
+#[cfg(test)]
+pub(crate) fn isa_or_skip(test: &str, isa: &str, present: bool) -> bool {
+    if !present {
+        eprintln!("=== CPU TEST SKIPPED: {test}: this CPU lacks {isa}; it tested nothing");
+    }
+    present
+}
+
+/// Whether this CPU has AVX-512F (always false off x86-64).
+#[cfg(test)]
+pub(crate) fn has_avx512f() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}

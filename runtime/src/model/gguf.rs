@@ -206,7 +206,7 @@ impl WeightSource for GgufFile {
                 path: self.path.clone(),
                 reason: format!("tensor {name}: {e}"),
             })?;
-        Ok(Some(RawWeight::Quantized(q)))
+        Ok(Some(RawWeight::Quantized(Box::new(q))))
     }
 }
 

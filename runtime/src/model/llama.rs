@@ -219,7 +219,9 @@ impl LlamaModel {
             .map(|(&seq, &p)| meta.slot(seq as usize, p as usize) as u32)
             .collect();
         let dev = &self.device;
-        let positions = Tensor::new(meta.token_pos.as_slice(), dev)?;
+        let rope = self
+            .rope
+            .at(&Tensor::new(meta.token_pos.as_slice(), dev)?)?;
         let kv_dim = cfg.kv_dim();
         let slot_idx = Tensor::from_vec(slots, (n_tokens, 1), dev)?
             .broadcast_as((n_tokens, kv_dim))?
@@ -240,14 +242,8 @@ impl LlamaModel {
                 cfg.head_dim,
             ))?;
             let v = qkv.narrow(1, cfg.q_dim() + kv_dim, kv_dim)?;
-            let q = self
-                .rope
-                .apply(&q, &positions)?
-                .reshape((n_tokens, cfg.q_dim()))?;
-            let k = self
-                .rope
-                .apply(&k, &positions)?
-                .reshape((n_tokens, kv_dim))?;
+            let q = rope.apply(&q)?.reshape((n_tokens, cfg.q_dim()))?;
+            let k = rope.apply(&k)?.reshape((n_tokens, kv_dim))?;
             let (kc, vc) = cache.layer(l);
             kc.scatter_set(&slot_idx, &k.to_dtype(cache_dtype)?, 0)?;
             vc.scatter_set(&slot_idx, &v.to_dtype(cache_dtype)?.contiguous()?, 0)?;

@@ -11,10 +11,11 @@ use super::config::ModelConfig;
 use crate::kernels::Isa;
 use crate::kernels::qgemm::{self, Bits, QWeights};
 
-/// A tensor as a checkpoint stores it: block-quantized (GGUF) or dense.
+/// A tensor as a checkpoint stores it: block-quantized (GGUF) or dense. The quantized one is
+/// boxed: with the `cuda` feature a `QTensor` is over 200 bytes, a `Tensor` one pointer.
 #[derive(Debug)]
 pub enum RawWeight {
-    Quantized(QTensor),
+    Quantized(Box<QTensor>),
     Dense(Tensor),
 }
 
@@ -417,11 +418,11 @@ impl Loader<'_> {
         let quantized = |q: QTensor| QMatMul::from_qtensor(q).map_err(wrap);
         let (quant, dense) = match (w, self.mode) {
             (RawWeight::Quantized(q), WeightMode::Quantized | WeightMode::Auto) => {
-                (Some(quantized(q)?), None)
+                (Some(quantized(*q)?), None)
             }
             (RawWeight::Quantized(q), WeightMode::Hybrid) => {
                 let d = q.dequantize(self.device).map_err(wrap)?;
-                (Some(quantized(q)?), Some(d))
+                (Some(quantized(*q)?), Some(d))
             }
             (w, _) => (None, Some(w.dense(self.device).map_err(wrap)?)),
         };

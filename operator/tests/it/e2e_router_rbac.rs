@@ -1,0 +1,181 @@
+//! ferrite-router's RBAC on a real API server, read back from the API server's audit log: the
+//! chart installed, the real `ferrite-router` binary run as the chart's router ServiceAccount
+//! with the rendered Deployment's arguments, and the operator beside it, a request for a model
+//! scaled to zero is held, the service woken through `/scale` (or, read-only, by someone else),
+//! and answered once its pod turns Ready. The router is never refused and uses every verb the
+//! chart grants it: the rules are exactly enough, cluster-wide and in one namespace.
+//!
+//! The binary is the workspace's (`cargo build -p ferrite-router`, or `FERRITE_ROUTER_BIN`);
+//! `cargo nextest run --workspace` builds it.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::chart::router_args;
+use common::e2e::{
+    Operator, Router, assert_exact_rbac, audited, get_isvc, install, isvc, isvc_api, pods_ready,
+};
+use common::servers::ready_server;
+use ferrite_testkit::kube::Cluster;
+use ferrite_testkit::process::eventually;
+use ferrite_testkit::server::post_json;
+use kube::api::{Patch, PatchParams};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// GET `url` from a blocking thread: (status, body), or `None` when nothing answers.
+async fn get(url: String) -> Option<(u16, String)> {
+    tokio::task::spawn_blocking(move || {
+        match ureq::get(&url).timeout(Duration::from_secs(5)).call() {
+            Ok(r) => Some((r.status(), r.into_string().unwrap_or_default())),
+            Err(ureq::Error::Status(code, r)) => Some((code, r.into_string().unwrap_or_default())),
+            Err(_) => None,
+        }
+    })
+    .await
+    .expect("request thread")
+}
+
+/// A completion for `model` through the router: (status, JSON).
+async fn complete(base: String, model: &str) -> (u16, Value) {
+    let body = json!({"model": model, "prompt": "The capital of France is", "max_tokens": 4,
+                      "temperature": 0});
+    let (status, answer, _) = post_json(format!("{base}/v1/completions"), body).await;
+    (status, answer)
+}
+
+/// The held-requests gauge of `inferenceservice` in the router's `/metrics`.
+async fn held(base: &str, inferenceservice: &str) -> f64 {
+    let (_, text) = get(format!("{base}/metrics")).await.unwrap_or_default();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("ferrite_router_held_requests{")
+                && l.contains(&format!("inferenceservice=\"{inferenceservice}\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Installs the chart with `router` values (in a namespace made first, so they can name it),
+/// runs the operator and the router as the chart would, and sends a completion for a service
+/// scaled to zero: the router holds it; with `wake` it scales the service 0 -> 1 itself,
+/// without it the test does, as another client would. The operator makes the pod, which turns
+/// Ready at 127.0.0.1 where a real ferrite-server listens, and the held request succeeds.
+/// Then the router's audited requests are checked against the chart's rules.
+async fn cold_start_through_the_router(
+    router_values: impl Fn(&str) -> Value,
+    tag: &str,
+    wake: bool,
+) {
+    let Some(cluster) = Cluster::start_with(audited()).await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let ns = cluster.namespace(tag).await;
+    let release = install(&cluster, &json!({"router": router_values(&ns)}), tag).await;
+    let args = router_args(&release.docs);
+    assert_eq!(args.iter().any(|a| a == "--no-wake"), !wake, "{args:?}");
+    let _operator = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let (_server, port) = ready_server().await;
+    common::e2e::create(
+        &client,
+        &isvc(
+            &ns,
+            "smol",
+            json!({"model": {"source": "/models/smol.gguf"}, "replicas": 0,
+                   "runtime": {"port": port}}),
+        ),
+    )
+    .await;
+    let mut router = Router::launch(&cluster, &release).await;
+    let base = router.base.clone();
+    // Ready once both watch caches are listed; then it knows the model, scaled to zero.
+    eventually(
+        WAIT,
+        "the router to list smol as scaled to zero",
+        async || {
+            let (status, body) = get(format!("{base}/v1/models")).await?;
+            let models: Value = serde_json::from_str(&body).ok()?;
+            let state = models["data"]
+                .as_array()?
+                .iter()
+                .find(|m| m["id"] == "smol")?["state"]
+                .clone();
+            (status == 200 && state == "scaled-to-zero").then_some(())
+        },
+    )
+    .await;
+    assert_eq!(get(format!("{base}/readyz")).await.map(|r| r.0), Some(200));
+
+    let request = tokio::spawn(complete(base.clone(), "smol"));
+    eventually(WAIT, "the request to be held", async || {
+        (held(&base, "smol").await >= 1.0).then_some(())
+    })
+    .await;
+    if wake {
+        eventually(WAIT, "the router to scale smol from zero", async || {
+            let i = get_isvc(&client, &ns, "smol").await?;
+            (i["spec"]["replicas"] == 1).then_some(())
+        })
+        .await;
+    } else {
+        // --no-wake: the router only waits; someone else scales the service.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let i = get_isvc(&client, &ns, "smol").await.expect("smol");
+        assert_eq!(i["spec"]["replicas"], 0, "a read-only router scaled: {i}");
+        isvc_api(&client, &ns)
+            .patch(
+                "smol",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"replicas": 1}})),
+            )
+            .await
+            .expect("scaling smol to 1");
+    }
+    assert!(!request.is_finished(), "the request is held, not refused");
+    // The operator scales its Deployment, kube-controller-manager makes the pod; it turns
+    // Ready where the server listens.
+    eventually(WAIT, "smol's pod", async || {
+        (pods_ready(&client, &ns, "smol", "127.0.0.1").await > 0).then_some(())
+    })
+    .await;
+    let (status, body) = request.await.expect("held request");
+    assert_eq!(status, 200, "{body}\n{}", router.log());
+    assert_eq!(body["model"], "smol", "{body}");
+    assert!(body["choices"][0]["text"].is_string(), "{body}");
+
+    let (status, router) = tokio::task::spawn_blocking(move || (router.terminate(), router))
+        .await
+        .expect("terminate");
+    assert!(status.success(), "{}", router.log());
+    let used = assert_exact_rbac(
+        &cluster,
+        &release.docs,
+        &release.router_service_account(),
+        &router.log(),
+    );
+    eprintln!(
+        "{tag}: {used} distinct (verb, group, resource) uses by the router, all granted, every grant used"
+    );
+}
+
+/// The default install: a ClusterRole with list and watch on InferenceServices and pods, and
+/// patch on `inferenceservices/scale`, all of it used by one cold start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_uses_exactly_the_rbac_the_chart_grants() {
+    cold_start_through_the_router(|_| json!({}), "router-rbac", true).await;
+}
+
+/// `watchNamespace` and `scaleFromZero: false`: a Role in that namespace with list and watch
+/// only, and the router's `--namespace` and `--no-wake` keep it within them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespaced_read_only_router_needs_no_more_than_its_role() {
+    cold_start_through_the_router(
+        |ns| json!({"watchNamespace": ns, "scaleFromZero": false}),
+        "router-ro",
+        false,
+    )
+    .await;
+}

@@ -1,0 +1,386 @@
+//! The engine thread with the default model: concurrent requests under KV pressure finish with
+//! the output they have alone, prefix caching changes no output, stop conditions, seeded
+//! sampling, and aborts free their blocks.
+
+use crate::common;
+
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use ferrite_runtime::engine::core::{EngineHandle, Event, FinishReason, Request, spawn};
+use ferrite_runtime::engine::sampler::SamplingParams;
+use ferrite_runtime::engine::scheduler::SchedulerConfig;
+use ferrite_runtime::engine::stats::NoStats;
+use ferrite_runtime::kv::{KvCache, KvCacheConfig};
+use ferrite_runtime::model::{self, LoadOptions, Tokenizer, WeightMode};
+use tokio::sync::mpsc;
+
+struct Output {
+    tokens: Vec<u32>,
+    text: String,
+    reason: FinishReason,
+    completion_tokens: usize,
+    cached_tokens: usize,
+}
+
+/// Starts an engine on the default model with `blocks` device and `host` swap blocks.
+/// Packed weights (the CPU's default) keep every row's numerics independent of the batch
+/// (`batch_invariance.rs`), so "same output as alone" is exact; they prefill several times
+/// faster than candle's quantized kernels, which redo the unpacking for every row.
+fn engine(blocks: usize, host: usize, max_num_seqs: usize) -> (EngineHandle, Tokenizer) {
+    engine_with(blocks, host, max_num_seqs, true)
+}
+
+fn engine_with(
+    blocks: usize,
+    host: usize,
+    max_num_seqs: usize,
+    prefix_caching: bool,
+) -> (EngineHandle, Tokenizer) {
+    let opts = LoadOptions {
+        weight_mode: WeightMode::Packed,
+        max_model_len: Some(256),
+        ..Default::default()
+    };
+    let m = model::load(&common::default_model(), &opts).expect("load");
+    let tok = m.tokenizer.clone();
+    let kv = KvCacheConfig::for_model(m.model.config(), 16, blocks, host);
+    let cache = KvCache::new(kv, &Device::Cpu).expect("cache");
+    let cfg = SchedulerConfig {
+        max_num_seqs,
+        max_num_batched_tokens: 256,
+        max_model_len: 256,
+        block_size: 16,
+        chunked_prefill: true,
+        watermark_blocks: 1,
+        prefix_caching,
+    };
+    let (h, _join) = spawn(m, cache, cfg, Box::new(NoStats)).expect("spawn");
+    (h, tok)
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    }
+}
+
+fn submit(
+    h: &EngineHandle,
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    max_tokens: usize,
+    stop: Vec<String>,
+) -> mpsc::UnboundedReceiver<Event> {
+    submit_with(h, prompt, sampling, max_tokens, stop, false)
+}
+
+fn submit_with(
+    h: &EngineHandle,
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    max_tokens: usize,
+    stop: Vec<String>,
+    ignore_eos: bool,
+) -> mpsc::UnboundedReceiver<Event> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    h.submit(Request {
+        prompt,
+        sampling,
+        max_tokens,
+        stop,
+        stop_token_ids: vec![],
+        ignore_eos,
+        events: tx,
+        arrival: std::time::Instant::now(),
+        group: None,
+    })
+    .expect("submit");
+    rx
+}
+
+fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> Output {
+    let mut out = Output {
+        tokens: vec![],
+        text: String::new(),
+        reason: FinishReason::Abort,
+        completion_tokens: 0,
+        cached_tokens: 0,
+    };
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Token { token, text, .. } => {
+                out.tokens.push(token);
+                out.text.push_str(&text);
+            }
+            Event::Finished {
+                reason,
+                text,
+                completion_tokens,
+                cached_tokens,
+                ..
+            } => {
+                out.text.push_str(&text);
+                out.reason = reason;
+                out.completion_tokens = completion_tokens;
+                out.cached_tokens = cached_tokens;
+                return out;
+            }
+            Event::Failed(e) => panic!("request failed: {e}"),
+        }
+    }
+    panic!("event stream ended without Finished");
+}
+
+fn wait_idle(h: &EngineHandle) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = h.stats();
+        if s.num_running + s.num_waiting + s.num_swapped == 0
+            && s.blocks_used == 0
+            && s.host_blocks_used == 0
+        {
+            return;
+        }
+        assert!(Instant::now() < deadline, "engine not idle: {s:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
+    (0..12)
+        .map(|i| {
+            let q = format!(
+                "Question {i}: {}",
+                "why is the sky blue and the sea green? ".repeat(1 + i % 4)
+            );
+            tok.encode(
+                &format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"),
+                false,
+            )
+            .expect("enc")
+        })
+        .collect()
+}
+
+#[test]
+fn concurrent_requests_under_kv_pressure_match_their_solo_runs() {
+    // 20 blocks (320 tokens) for 12 requests of ~25-60 prompt tokens and 24 new tokens each
+    // (EOS ignored, so every request grows): they cannot all stay resident, so the engine must
+    // preempt (swapping while 6 host blocks last, recomputing after).
+    let (h, tok) = engine(20, 6, 12);
+    let ps = prompts(&tok);
+    let solo: Vec<Output> = ps
+        .iter()
+        .map(|p| collect(submit_with(&h, p.clone(), greedy(), 24, vec![], true)))
+        .collect();
+    wait_idle(&h);
+    let before = h.stats().num_preemptions;
+    let rxs: Vec<_> = ps
+        .iter()
+        .map(|p| submit_with(&h, p.clone(), greedy(), 24, vec![], true))
+        .collect();
+    let together: Vec<Output> = rxs.into_iter().map(collect).collect();
+    let stats = h.stats();
+    assert!(
+        stats.num_preemptions > before,
+        "the workload did not force preemption: {stats:?}"
+    );
+    for (i, (a, b)) in solo.iter().zip(&together).enumerate() {
+        assert_eq!(a.tokens, b.tokens, "request {i} changed under load");
+        assert_eq!(a.text, b.text);
+        assert_eq!(a.reason, b.reason);
+        assert_eq!(b.completion_tokens, 24);
+    }
+    wait_idle(&h);
+    h.shutdown();
+}
+
+/// Prompts sharing a ~70-token system prompt in the ways that matter to block-level caching:
+/// prefixes ending mid-block and exactly at a block boundary (16 tokens), a prompt repeated
+/// whole, and a prompt that extends an earlier one (a later chat turn).
+fn shared_prefix_prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
+    let system = tok
+        .encode(
+            "<|im_start|>system\nYou are a careful assistant for a small library in a quiet \
+             town. Answer every question in one short sentence. Name the facts you rely on, \
+             say so when you do not know, and never invent numbers, dates, people or places. \
+             Keep a friendly tone, avoid jargon, and prefer plain words.<|im_end|>\n",
+            false,
+        )
+        .expect("enc");
+    assert!(
+        system.len() > 50,
+        "system prompt of {} tokens",
+        system.len()
+    );
+    let ask = |q: &str| {
+        tok.encode(
+            &format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"),
+            false,
+        )
+        .expect("enc")
+    };
+    let join = |a: &[u32], b: &[u32]| [a, b].concat();
+    let first = join(&system, &ask("What is the capital of France?"));
+    let boundary = join(&system[..48], &ask("Why is the sky blue?"));
+    let mid_block = join(&system[..50], &ask("Name a large ocean."));
+    let mut next_turn = first.clone();
+    next_turn.extend(
+        tok.encode("The capital of France is Paris.<|im_end|>\n", false)
+            .expect("enc"),
+    );
+    next_turn.extend(ask("And of Italy?"));
+    vec![first.clone(), boundary, mid_block, first, next_turn]
+}
+
+#[test]
+fn prefix_caching_changes_no_output() {
+    let run = |caching: bool| {
+        let (h, tok) = engine_with(64, 8, 8, caching);
+        let ps = shared_prefix_prompts(&tok);
+        // One at a time (each finds the earlier ones cached), then all at once.
+        let mut outs: Vec<Output> = ps
+            .iter()
+            .map(|p| collect(submit_with(&h, p.clone(), greedy(), 16, vec![], true)))
+            .collect();
+        let rxs: Vec<_> = ps
+            .iter()
+            .map(|p| submit_with(&h, p.clone(), greedy(), 16, vec![], true))
+            .collect();
+        outs.extend(rxs.into_iter().map(collect));
+        wait_idle(&h);
+        h.shutdown();
+        (ps, outs)
+    };
+    let (ps, cached) = run(true);
+    let (_, plain) = run(false);
+    for (i, (a, b)) in cached.iter().zip(&plain).enumerate() {
+        assert_eq!(
+            a.tokens, b.tokens,
+            "output {i} differs with the prefix cache"
+        );
+        assert_eq!(a.text, b.text);
+        assert_eq!(b.cached_tokens, 0, "nothing is cached with caching off");
+    }
+    // The first run of each prompt, in order: what the cache could supply, in whole blocks.
+    let full_blocks = full_blocks_of;
+    assert_eq!(cached[0].cached_tokens, 0);
+    assert_eq!(
+        cached[1].cached_tokens, 48,
+        "prefix ending at a block boundary"
+    );
+    assert_eq!(
+        cached[2].cached_tokens, 48,
+        "prefix ending mid-block: whole blocks only"
+    );
+    assert_eq!(
+        cached[3].cached_tokens,
+        full_blocks(ps[3].len() - 1),
+        "a repeated prompt recomputes at least its last token"
+    );
+    assert_eq!(
+        cached[4].cached_tokens,
+        full_blocks(ps[0].len()),
+        "the earlier turn"
+    );
+    // The second pass finds every prompt's blocks cached.
+    for (i, (o, p)) in cached[5..].iter().zip(&ps).enumerate() {
+        assert_eq!(
+            o.cached_tokens,
+            full_blocks(p.len() - 1),
+            "second pass, prompt {i}"
+        );
+    }
+}
+
+#[test]
+fn an_evicted_prefix_gives_the_same_answer() {
+    // 16 blocks (256 tokens, one max_model_len): the other prompts need every block, so the
+    // first's are evicted.
+    let (h, tok) = engine(16, 0, 4);
+    let ps = shared_prefix_prompts(&tok);
+    let first = collect(submit_with(&h, ps[0].clone(), greedy(), 16, vec![], true));
+    let filler = prompts(&tok);
+    for p in filler.iter().rev().take(4) {
+        collect(submit_with(&h, p.clone(), greedy(), 60, vec![], true));
+    }
+    let again = collect(submit_with(&h, ps[0].clone(), greedy(), 16, vec![], true));
+    assert!(
+        again.cached_tokens < full_blocks_of(ps[0].len() - 1),
+        "the prefix should have been evicted (cached {})",
+        again.cached_tokens
+    );
+    assert_eq!(first.tokens, again.tokens);
+    wait_idle(&h);
+    h.shutdown();
+}
+
+fn full_blocks_of(n: usize) -> usize {
+    n / 16 * 16
+}
+
+#[test]
+fn stop_strings_max_tokens_and_seeds() {
+    let (h, tok) = engine(64, 0, 8);
+    let p = tok
+        .encode(
+            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+            false,
+        )
+        .expect("enc");
+    let full = collect(submit(&h, p.clone(), greedy(), 32, vec![]));
+    assert_eq!(
+        full.reason,
+        FinishReason::Stop,
+        "EOS ends it: {:?}",
+        full.text
+    );
+    assert_eq!(full.text, "The capital of France is Paris.");
+
+    let stopped = collect(submit(&h, p.clone(), greedy(), 32, vec![" Paris".into()]));
+    assert_eq!(stopped.reason, FinishReason::Stop);
+    assert_eq!(stopped.text, "The capital of France is");
+
+    let short = collect(submit(&h, p.clone(), greedy(), 3, vec![]));
+    assert_eq!(short.reason, FinishReason::Length);
+    assert_eq!(short.completion_tokens, 3);
+
+    let sampled = |seed| {
+        let s = SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            ..Default::default()
+        };
+        collect(submit(&h, p.clone(), s, 16, vec![])).tokens
+    };
+    assert_eq!(sampled(11), sampled(11), "same seed, same tokens");
+    let others: Vec<_> = (12..16).map(sampled).collect();
+    assert!(
+        others.iter().any(|o| *o != sampled(11)),
+        "different seeds should diverge"
+    );
+    h.shutdown();
+}
+
+#[test]
+fn dropped_receivers_abort_and_free_their_blocks() {
+    let (h, tok) = engine(64, 0, 16);
+    let ps = prompts(&tok);
+    let mut rxs: Vec<_> = ps
+        .iter()
+        .map(|p| submit(&h, p.clone(), greedy(), 200, vec![]))
+        .collect();
+    // Wait until every request has produced a token, then drop them all.
+    for rx in rxs.iter_mut() {
+        match rx.blocking_recv() {
+            Some(Event::Token { .. }) => {}
+            other => panic!("expected a token, got {other:?}"),
+        }
+    }
+    assert!(h.stats().blocks_used > 0);
+    drop(rxs);
+    wait_idle(&h);
+    h.shutdown();
+}

@@ -1,0 +1,24 @@
+//! The official `openai` Python client (PyPI) against the real binary: runs the pytest suite in
+//! `tests/python/`, which starts the server on 127.0.0.1 itself.
+
+use ferrite_testkit::kube::workspace_root;
+use std::process::Command;
+
+#[test]
+fn openai_python_client_suite() {
+    let dir = workspace_root().join("server/tests/python");
+    let out = Command::new(ferrite_testkit::tools::python())
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"])
+        .arg(&dir)
+        .current_dir(&dir)
+        .env("FERRITE_SERVER_BIN", env!("CARGO_BIN_EXE_ferrite-server"))
+        .env("FERRITE_MODEL", ferrite_testkit::model::default_model())
+        .output()
+        .expect("run pytest");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "pytest failed:\n{stdout}");
+    // A suite that collected nothing must not pass silently.
+    assert!(stdout.contains(" passed"), "no tests ran:\n{stdout}");
+}

@@ -1,0 +1,4 @@
+//! ferrite-testkit's own tests, one binary.
+
+mod cluster;
+mod layering;
