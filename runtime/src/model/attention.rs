@@ -370,16 +370,6 @@ fn transpose_keys<T: KvElem>(
     }
 }
 
-/// Whether the AVX-512 key transposition can run here (asked once per kernel call).
-fn has_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -636,7 +626,7 @@ fn tile_with<T: KvElem>(
         qs[row * hd..][..hd].copy_from_slice(&q[t * nh * hd + (g * group + h) * hd..][..hd]);
     }
     let kt = refill(kt, hd * KC, 0.0);
-    let avx512 = has_avx512();
+    let avx512 = crate::kernels::has_avx512f();
     let vector = avx512 && hd.is_multiple_of(KC);
     // The chunk's values widened to f32 once, `[KC][hd]`, for every micro-tile of the tile.
     let vs = refill(vs, KC * hd, 0.0);
@@ -833,8 +823,8 @@ mod tests {
         for (n, avx512) in [
             (KC, false),
             (5, false),
-            (KC, has_avx512()),
-            (5, has_avx512()),
+            (KC, crate::kernels::has_avx512f()),
+            (5, crate::kernels::has_avx512f()),
         ] {
             let mut kts = [
                 vec![f32::NAN; hd * KC],
@@ -869,7 +859,7 @@ mod tests {
         if !crate::kernels::isa_or_skip(
             "vector_micro_tile_matches_portable",
             "AVX-512F",
-            has_avx512(),
+            crate::kernels::has_avx512f(),
         ) {
             return;
         }
