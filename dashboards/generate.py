@@ -580,7 +580,7 @@ def autoscaling():
         ), 8, 8),
         (timeseries(
             "Pod scrape errors",
-            "Failed scrapes of ready pods by the autoscaler, per second, by kind (connect, status, timeout, parse, missing_metric).",
+            "Failed scrapes of ready pods by the autoscaler, per second, by kind (connect, status, timeout, parse, too_large, missing_metric).",
             [(f"sum by (inferenceservice, error) (rate(ferrite_operator_autoscaler_scrape_errors_total{{{ISVC}}}[$__rate_interval]))", "{{error}} {{inferenceservice}}")],
         ), 8, 8),
         row("Operator"),

@@ -7,7 +7,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
-use crate::crd::{CurrentMetrics, InferenceServiceStatus};
+use crate::crd::{CurrentMetrics, InferenceService, InferenceServiceStatus};
 
 /// Now, as the API server stores a `Time`: in whole seconds. Status holding a finer time would
 /// never compare equal to what was stored, so every reconcile would rewrite it, and every write
@@ -108,6 +108,45 @@ pub struct Observation<'a> {
     pub url: Option<String>,
     /// Present when spec.autoscaling is set.
     pub autoscaling: Option<AutoscaleView>,
+    /// Another InferenceService holds this one's served name ([`served_name_conflict`]).
+    pub served_name_conflict: Option<Finding>,
+}
+
+/// The reason of `Ready=False` for an InferenceService whose served name an older one holds.
+pub const SERVED_NAME_CONFLICT: &str = "ServedNameConflict";
+
+/// Why `isvc` does not hold its served name, if it does not: an older InferenceService (in any
+/// namespace) claims the same name, so the router sends that name's traffic there. Clients
+/// still reach this one by its `namespace/name`.
+pub fn served_name_conflict<'a>(
+    isvc: &InferenceService,
+    all: impl IntoIterator<Item = &'a InferenceService>,
+) -> Option<Finding> {
+    let name = crate::build::served_name(isvc);
+    let claimants = all.into_iter().filter(|o| {
+        o.metadata.deletion_timestamp.is_none() && crate::build::served_name(o) == name
+    });
+    let holder = crate::build::served_name_holder(claimants)?;
+    if holder.metadata.uid == isvc.metadata.uid {
+        return None;
+    }
+    let id = |i: &InferenceService| {
+        format!(
+            "{}/{}",
+            i.metadata.namespace.as_deref().unwrap_or_default(),
+            i.metadata.name.as_deref().unwrap_or_default()
+        )
+    };
+    Some(Finding::new(
+        SERVED_NAME_CONFLICT,
+        format!(
+            "the served name `{name}` is held by {}, created earlier; the router sends it no \
+             traffic for that name. Choose another spec.model.servedName, or use the model id \
+             `{}`",
+            id(holder),
+            id(isvc)
+        ),
+    ))
 }
 
 /// Waiting reasons that will not fix themselves without a change to the spec or the cluster.
@@ -260,7 +299,9 @@ pub fn compute(
                 )
             })
         });
-    let ready = if obs.deployment.is_none() {
+    let ready = if let Some(conflict) = &obs.served_name_conflict {
+        (false, conflict.clone())
+    } else if obs.deployment.is_none() {
         let f = obs
             .blocked
             .clone()

@@ -3,13 +3,17 @@
 //! the service's policy ([`policy`]) from the load it scrapes ([`load`]); requests for a
 //! service with no ready replica are held while it scales from zero ([`proxy`]).
 
+pub mod candidates;
+pub mod limits;
 pub mod load;
 pub mod metrics;
+pub mod parse;
 pub mod policy;
 pub mod prefix;
 pub mod proxy;
 pub mod recent;
 pub mod registry;
+pub mod wake;
 pub mod work;
 
 use std::sync::Arc;
@@ -17,7 +21,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
@@ -28,6 +32,7 @@ use crate::load::Loads;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 
+pub use limits::LimitConfig;
 pub use proxy::{App, Config};
 
 /// Why the router could not start.
@@ -56,12 +61,37 @@ pub async fn start(
     tokio::spawn(loads.clone().refresh(registry.clone(), scrape_every));
     let metrics = Metrics::new()?;
     let kube = wake.then_some(client);
-    Ok(Arc::new(App::new(registry, loads, metrics, config, kube)))
+    let app = Arc::new(App::new(registry, loads, metrics, config, kube));
+    tokio::spawn(housekeeping(Arc::downgrade(&app)));
+    Ok(app)
+}
+
+/// Every minute: per-pod series of pods that are gone are removed, and wake records of
+/// services not woken for an hour forgotten.
+async fn housekeeping(app: std::sync::Weak<App>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(60));
+    loop {
+        tick.tick().await;
+        let Some(app) = app.upgrade() else { return };
+        let live = app
+            .registry
+            .all()
+            .into_iter()
+            .flat_map(|s| {
+                let model = s.model;
+                s.endpoints
+                    .into_iter()
+                    .map(move |e| (model.clone(), e.name))
+            })
+            .collect();
+        app.metrics.forget_pods(&live);
+        app.wakes
+            .forget_older_than(tokio::time::Instant::now(), Duration::from_secs(3600));
+    }
 }
 
 /// The HTTP routes: the OpenAI API, health, and metrics.
 pub fn routes(app: Arc<App>) -> Router {
-    let limit = app.config.max_body;
     Router::new()
         .route("/v1/completions", post(proxy::forward))
         .route("/v1/chat/completions", post(proxy::forward))
@@ -69,7 +99,6 @@ pub fn routes(app: Arc<App>) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .layer(DefaultBodyLimit::max(limit))
         .with_state(app)
 }
 

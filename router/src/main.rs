@@ -6,9 +6,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::serve::ListenerExt;
 use clap::Parser;
-use ferrite_router::Config;
+use ferrite_router::{Config, LimitConfig};
 
 #[derive(Debug, Parser)]
 #[command(about = "One OpenAI endpoint for every ferrite InferenceService")]
@@ -29,13 +28,39 @@ struct Args {
     /// Milliseconds between scrapes of the replicas' /metrics.
     #[arg(long, default_value_t = 1000)]
     scrape_interval_ms: u64,
-    /// Largest request body, bytes.
-    #[arg(long, default_value_t = 32 << 20)]
+    /// Largest request body, bytes (the server's own limit: a body the replica would refuse
+    /// is refused here, before it is held).
+    #[arg(long, default_value_t = LimitConfig::default().max_body)]
     max_body: usize,
+    /// Request bodies held in memory at once, bytes: reserved from `Content-Length` (the body
+    /// limit when there is none) before a body is read, given back once it was sent on. Over
+    /// it, requests are refused with 503 and Retry-After.
+    #[arg(long, default_value_t = LimitConfig::default().max_buffered_bytes)]
+    max_buffered_bytes: usize,
+    /// Requests open at once, from arrival until their response ends; more get 503.
+    #[arg(long, default_value_t = LimitConfig::default().max_in_flight)]
+    max_in_flight: usize,
+    /// Requests held for services scaling from zero, in all; more get 503.
+    #[arg(long, default_value_t = LimitConfig::default().max_held)]
+    max_held: usize,
+    /// Requests held for any one service; more get 503.
+    #[arg(long, default_value_t = LimitConfig::default().max_held_per_service)]
+    max_held_per_service: usize,
     /// Milliseconds a replica that refused a connection sits out (its pod may be listed Ready
     /// while it is gone), unless a scrape of its /metrics succeeds first.
     #[arg(long, default_value_t = 10_000)]
     set_aside_ms: u64,
+    /// Client connections open at once; past it the listener stops accepting until one
+    /// closes.
+    #[arg(long, default_value_t = ferrite_net::ListenerLimits::default().max_connections)]
+    max_connections: usize,
+    /// Seconds for a request's head to arrive, and the most a kept-alive client connection
+    /// may idle (slowloris is cut off).
+    #[arg(long, default_value_t = 30)]
+    header_read_timeout_seconds: u64,
+    /// Seconds for a request's whole body to arrive; slower is a 408.
+    #[arg(long, default_value_t = 60)]
+    body_read_timeout_seconds: u64,
     /// Do not scale services up from zero (hold requests only).
     #[arg(long)]
     no_wake: bool,
@@ -59,8 +84,15 @@ async fn main() -> anyhow::Result<()> {
     let config = Config {
         prefix_chars: args.prefix_chars.max(1),
         epsilon: args.epsilon.max(0.0),
-        max_body: args.max_body,
+        limits: LimitConfig {
+            max_body: args.max_body,
+            max_buffered_bytes: args.max_buffered_bytes,
+            max_in_flight: args.max_in_flight,
+            max_held: args.max_held,
+            max_held_per_service: args.max_held_per_service,
+        },
         connect_timeout: Duration::from_secs(3),
+        body_read_timeout: Duration::from_secs(args.body_read_timeout_seconds.max(1)),
         set_aside: Duration::from_millis(args.set_aside_ms),
     };
     let app = ferrite_router::start(
@@ -72,27 +104,30 @@ async fn main() -> anyhow::Result<()> {
     )
     .await
     .context("starting the router")?;
-    // No Nagle delay on the client side either: the upstream side already sets it, and a
-    // stream's small events must not wait for an ACK.
     let listener = tokio::net::TcpListener::bind(args.addr)
         .await
-        .with_context(|| format!("binding {}", args.addr))?
-        .tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "TCP_NODELAY");
-            }
-        });
+        .with_context(|| format!("binding {}", args.addr))?;
     tracing::info!(addr = %args.addr, "serving");
     let draining = app.clone();
     let drain_delay = Duration::from_secs(args.drain_delay_seconds);
-    axum::serve(listener, ferrite_router::routes(app))
-        .with_graceful_shutdown(async move {
-            shutdown_signal().await;
-            draining.draining.store(true, Ordering::SeqCst);
-            tracing::info!(delay = ?drain_delay, "draining: /readyz fails");
-            tokio::time::sleep(drain_delay).await;
-            tracing::info!("closing the listener; open streams finish");
-        })
+    let limits = ferrite_net::ListenerLimits {
+        max_connections: args.max_connections.max(1),
+        header_read_timeout: Duration::from_secs(args.header_read_timeout_seconds.max(1)),
+        body_read_timeout: Duration::from_secs(args.body_read_timeout_seconds.max(1)),
+        // No Nagle delay on the client side either: the upstream side already sets it, and a
+        // stream's small events must not wait for an ACK.
+        nodelay: true,
+    };
+    let stop = async move {
+        shutdown_signal().await;
+        draining.draining.store(true, Ordering::SeqCst);
+        tracing::info!(delay = ?drain_delay, "draining: /readyz fails");
+        tokio::time::sleep(drain_delay).await;
+        tracing::info!("closing the listener; open streams finish");
+    };
+    // Open streams finish however long they take; the pod's grace period bounds them.
+    let streams = Duration::from_secs(24 * 3600);
+    ferrite_net::serve(listener, ferrite_router::routes(app), limits, stop, streams)
         .await
         .context("serving")?;
     Ok(())

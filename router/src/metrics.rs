@@ -36,6 +36,10 @@ pub struct Metrics {
     pub in_flight: IntGaugeVec,
     /// Event streams cut short because their replica failed after the first byte.
     pub broken_streams: IntCounterVec,
+    /// Requests refused at a limit, by which (`busy`, `hold_full`).
+    pub refused: IntCounterVec,
+    /// Writes of a service's scale subresource to wake it from zero.
+    pub wakes: IntCounterVec,
 }
 
 impl Metrics {
@@ -108,9 +112,41 @@ impl Metrics {
                 "Event streams ended with an error event because their replica failed mid-stream.",
                 &["model_name"],
             )?,
+            refused: counter(
+                "ferrite_router_refused_requests_total",
+                "Requests refused with 503 at one of the router's limits (busy: open requests or \
+                 buffered bytes; hold_full: requests held for services scaling from zero).",
+                &["reason"],
+            )?,
+            wakes: counter(
+                "ferrite_router_wakes_total",
+                "Writes of an InferenceService's scale subresource to wake it from zero.",
+                &["model_name"],
+            )?,
             registry,
         };
         Ok(m)
+    }
+
+    /// Removes the per-pod series of pods that are gone (and have nothing open), so the
+    /// exposition does not grow with every pod a service ever had.
+    pub fn forget_pods(&self, live: &std::collections::HashSet<(String, String)>) {
+        for family in prometheus::core::Collector::collect(&self.in_flight) {
+            for m in family.get_metric() {
+                let label = |name: &str| {
+                    m.get_label()
+                        .iter()
+                        .find(|l| l.name() == name)
+                        .map(|l| l.value().to_string())
+                        .unwrap_or_default()
+                };
+                let (model, pod) = (label("model_name"), label("pod"));
+                let idle = m.get_gauge().get_value() == 0.0;
+                if idle && !live.contains(&(model.clone(), pod.clone())) {
+                    let _ = self.in_flight.remove_label_values(&[&model, &pod]);
+                }
+            }
+        }
     }
 
     /// The text exposition.

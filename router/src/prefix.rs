@@ -7,74 +7,61 @@
 //! tokens): the `prompt` of a completion (the first prompt of a batch; token-id prompts as
 //! their numbers), or a chat's messages in order as `role: content` lines, so two
 //! conversations with the same system prompt share a key as long as the system prompt is
-//! longer than `chars`.
+//! longer than `chars`. [`crate::parse`] reads the body and feeds this builder.
 
-use serde_json::Value;
+/// A key being built: text is appended until it holds `cap` characters.
+#[derive(Debug, Clone)]
+pub struct KeyBuilder {
+    out: String,
+    have: usize,
+    cap: usize,
+}
 
-/// The key of an OpenAI request body, or `None` when it has no prompt to speak of.
-pub fn key(body: &Value, chars: usize) -> Option<String> {
-    let mut out = String::new();
-    if let Some(messages) = body.get("messages").and_then(Value::as_array) {
-        for m in messages {
-            let role = m.get("role").and_then(Value::as_str).unwrap_or("");
-            push(&mut out, role, chars);
-            push(&mut out, ": ", chars);
-            for t in texts(m.get("content")) {
-                push(&mut out, t, chars);
-            }
-            push(&mut out, "\n", chars);
-            if out.chars().count() >= chars {
-                break;
-            }
-        }
-    } else {
-        match body.get("prompt") {
-            Some(Value::String(s)) => push(&mut out, s, chars),
-            Some(Value::Array(items)) => match items.first() {
-                Some(Value::String(s)) => push(&mut out, s, chars),
-                Some(Value::Number(_)) => tokens(&mut out, items, chars),
-                Some(Value::Array(first)) => tokens(&mut out, first, chars),
-                _ => {}
-            },
-            _ => {}
+impl KeyBuilder {
+    pub fn new(cap: usize) -> Self {
+        KeyBuilder {
+            out: String::new(),
+            have: 0,
+            cap,
         }
     }
-    (!out.is_empty()).then_some(out)
-}
 
-/// Appends as much of `s` as fits in `chars` characters in all.
-fn push(out: &mut String, s: &str, chars: usize) {
-    let have = out.chars().count();
-    out.extend(s.chars().take(chars.saturating_sub(have)));
-}
+    /// Appends as much of `s` as fits.
+    pub fn push(&mut self, s: &str) {
+        for c in s.chars().take(self.cap - self.have.min(self.cap)) {
+            self.out.push(c);
+            self.have += 1;
+        }
+    }
 
-/// The text of a message's content: a string, or the text parts of a list of parts. The key
-/// and the work estimate (`work`) read a message the same way.
-pub fn texts(content: Option<&Value>) -> impl Iterator<Item = &str> {
-    let (whole, parts) = match content {
-        Some(Value::String(s)) => (Some(s.as_str()), None),
-        Some(Value::Array(parts)) => (None, Some(parts)),
-        _ => (None, None),
-    };
-    whole.into_iter().chain(
-        parts
-            .into_iter()
-            .flatten()
-            .filter_map(|p| p.get("text").and_then(Value::as_str)),
-    )
-}
+    /// Appends a token id as its number and a space.
+    pub fn push_id(&mut self, id: u64) {
+        if !self.is_full() {
+            self.push(&id.to_string());
+            self.push(" ");
+        }
+    }
 
-fn tokens(out: &mut String, ids: &[Value], chars: usize) {
-    for id in ids {
-        push(out, &id.to_string(), chars);
-        push(out, " ", chars);
+    pub fn is_full(&self) -> bool {
+        self.have >= self.cap
+    }
+
+    /// The key, or `None` when the request had no prompt to speak of.
+    pub fn finish(self) -> Option<String> {
+        (!self.out.is_empty()).then_some(self.out)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use serde_json::json;
+    use crate::parse::parse;
+    use serde_json::{Value, json};
+
+    fn key(body: &Value, chars: usize) -> Option<String> {
+        parse(body.to_string().as_bytes(), chars)
+            .expect("parses")
+            .key
+    }
 
     #[test]
     fn completions_use_the_start_of_the_prompt() {
@@ -90,7 +77,6 @@ mod tests {
         assert_eq!(key(&ids, 100).as_deref(), Some("101 2023 2003 "));
         let batch_ids = json!({"prompt": [[7, 8], [9]]});
         assert_eq!(key(&batch_ids, 100).as_deref(), Some("7 8 "));
-        // Characters, not bytes: a multi-byte prompt is never cut inside a character.
         let wide = json!({"prompt": "ééééé"});
         assert_eq!(key(&wide, 3).as_deref(), Some("ééé"));
     }

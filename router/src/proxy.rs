@@ -1,6 +1,7 @@
-//! The OpenAI endpoint: find the InferenceService serving the request's `model`, hold the
-//! request while it has no ready replica (waking it through the scale subresource), pick a
-//! replica with its policy, and pass the response through chunk by chunk.
+//! The OpenAI endpoint: admit the request within the router's limits, read what routing needs
+//! from its body, find the InferenceService serving its `model`, hold it while the service has
+//! no ready replica (waking it through the scale subresource), pick a replica with its policy,
+//! and pass the response through chunk by chunk.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -11,27 +12,28 @@ use std::time::{Duration, Instant};
 use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use ferrite_operator::crd::InferenceService;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kube::api::{Api, Patch, PatchParams};
 use prometheus::Histogram;
 use serde_json::{Value, json};
+use tokio::sync::OwnedSemaphorePermit;
 
+use crate::candidates::candidates;
+use crate::limits::{LimitConfig, Limits, Refusal};
 use crate::load::{Loads, Open};
 use crate::metrics::Metrics;
+use crate::parse::{self, Parsed};
 use crate::policy::{self, Replica, Request};
-use crate::prefix;
 use crate::recent::RecentKeys;
 use crate::registry::{Registry, Service};
-use crate::work;
+use crate::wake::{self, Wakes};
 
 /// The router's settings.
 #[derive(Debug, Clone)]
@@ -40,10 +42,12 @@ pub struct Config {
     pub prefix_chars: usize,
     /// Slack of prefix affinity's load bound.
     pub epsilon: f64,
-    /// Largest request body accepted.
-    pub max_body: usize,
+    /// What the router may hold at once (bodies, open and held requests).
+    pub limits: LimitConfig,
     /// Time to connect to a replica.
     pub connect_timeout: Duration,
+    /// Time for a request's body to arrive.
+    pub body_read_timeout: Duration,
     /// How long a replica that refused a connection sits out, unless a scrape reaches it
     /// first.
     pub set_aside: Duration,
@@ -55,8 +59,11 @@ pub struct App {
     pub loads: Loads,
     pub metrics: Metrics,
     pub config: Config,
+    pub limits: Limits,
     /// Writes the scale subresource to wake a service scaled to zero; absent: only wait.
     pub kube: Option<kube::Client>,
+    /// One wake per service at a time.
+    pub wakes: Wakes,
     /// Set on SIGTERM: `/readyz` fails so no new traffic arrives while streams finish.
     pub draining: AtomicBool,
     client: HttpClient<HttpConnector, Full<Bytes>>,
@@ -83,14 +90,18 @@ impl App {
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
         let client = HttpClient::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
+            // Below the replicas' idle timeout (30 s), so a pooled connection is not reused
+            // just as the replica closes it.
+            .pool_idle_timeout(Duration::from_secs(20))
             .build(connector);
         App {
             registry,
             loads,
             metrics,
+            limits: Limits::new(config.limits),
             config,
             kube,
+            wakes: Wakes::default(),
             draining: AtomicBool::new(false),
             client,
             turn: AtomicU64::new(0),
@@ -113,6 +124,28 @@ pub fn error(
         "code": status.as_u16(),
     }});
     (status, Json(body)).into_response()
+}
+
+/// A 503 the client should retry after `secs`.
+fn unavailable(message: impl Into<String>, secs: u32) -> Response {
+    let mut r = error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "service_unavailable",
+        message,
+        None,
+    );
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    r
+}
+
+fn invalid(message: impl Into<String>, param: Option<&str>) -> Response {
+    error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        message,
+        param,
+    )
 }
 
 /// `GET /v1/models`: every model, with how many replicas are ready.
@@ -141,110 +174,185 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
-/// `POST /v1/completions` and `/v1/chat/completions`.
-pub async fn forward(
-    State(app): State<Arc<App>>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let parsed: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        Ok(_) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "the body must be a JSON object",
-                None,
-            );
-        }
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                format!("invalid JSON body: {e}"),
-                None,
-            );
-        }
+/// `POST /v1/completions` and `/v1/chat/completions`, as its steps: admit (bounded) → read
+/// and parse the body (bounded) → resolve the service (holding while it wakes) → attempt a
+/// replica, again on another only if the first provably did not take the request.
+pub async fn forward(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let mut admission = match app.limits.admit(content_length(&parts.headers)) {
+        Ok(a) => a,
+        Err(r) => return refused(&app, r),
     };
-    let Some(model) = parsed
-        .get("model")
-        .and_then(Value::as_str)
-        .map(str::to_string)
-    else {
-        return error(
-            StatusCode::BAD_REQUEST,
+    let read = ferrite_net::read_body(
+        body,
+        app.limits.config.max_body,
+        app.config.body_read_timeout,
+    );
+    let body = match read.await {
+        Ok(b) => b,
+        Err(e) => return unreadable(&app, e),
+    };
+    let parsed = match parse::parse(&body, app.config.prefix_chars) {
+        Ok(p) => p,
+        Err(e) => return invalid(e.to_string(), None),
+    };
+    let Some(model) = parsed.model.as_deref() else {
+        return invalid("`model` is required", Some("model"));
+    };
+    let svc = match resolve(&app, model).await {
+        Ok(svc) => svc,
+        Err(response) => return response,
+    };
+    let response = attempt(&app, &svc, &parsed, &parts, body, admission.open).await;
+    admission.body = None;
+    response
+}
+
+/// The body's announced length, if it has one.
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+fn refused(app: &App, r: Refusal) -> Response {
+    let reason = match r {
+        Refusal::BodyTooLarge => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                format!(
+                    "the request body is larger than {} bytes",
+                    app.limits.config.max_body
+                ),
+                None,
+            );
+        }
+        Refusal::Busy => "busy",
+        Refusal::HoldFull => "hold_full",
+    };
+    app.metrics.refused.with_label_values(&[reason]).inc();
+    match r {
+        Refusal::HoldFull => unavailable(
+            "too many requests are waiting for this model to start; retry later",
+            10,
+        ),
+        _ => unavailable("the router is at its request limit; retry shortly", 1),
+    }
+}
+
+/// A body that could not be read: over the limit (chunked, so only seen while reading), too
+/// slow, or cut off.
+fn unreadable(app: &App, e: ferrite_net::BodyError) -> Response {
+    match e {
+        ferrite_net::BodyError::TooLarge => refused(app, Refusal::BodyTooLarge),
+        ferrite_net::BodyError::TimedOut => error(
+            StatusCode::REQUEST_TIMEOUT,
             "invalid_request_error",
-            "`model` is required",
-            Some("model"),
-        );
-    };
-    let Some(mut svc) = app.registry.find(&model) else {
+            "the request body did not arrive in time",
+            None,
+        ),
+        ferrite_net::BodyError::Broken => invalid("could not read the request body", None),
+    }
+}
+
+/// The service for `model`, once it has a ready replica: held (and woken) while it has none,
+/// refused at once when it is degraded or too many requests already wait for it.
+async fn resolve(app: &App, model: &str) -> Result<Service, Response> {
+    let Some(svc) = app.registry.find(model) else {
         // Not the client's string: any client could otherwise mint series without end.
         app.metrics
             .requests
             .with_label_values(&["", "none", "unknown_model"])
             .inc();
-        return error(
+        return Err(error(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             format!("The model `{model}` does not exist."),
             Some("model"),
-        );
+        ));
     };
-    let policy_label = svc.policy.as_str();
-    if svc.endpoints.is_empty() {
-        svc = match hold(&app, svc).await {
-            Ok(s) => s,
-            Err(timeout) => {
-                app.metrics
-                    .requests
-                    .with_label_values(&[&model, policy_label, "cold_start_timeout"])
-                    .inc();
-                let mut r = error(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "service_unavailable",
-                    format!(
-                        "The model `{model}` has no ready replica after {}s; it is starting, retry later.",
-                        timeout.as_secs()
-                    ),
-                    None,
-                );
-                r.headers_mut()
-                    .insert(header::RETRY_AFTER, HeaderValue::from(30u32));
-                return r;
-            }
-        };
+    if !svc.endpoints.is_empty() {
+        return Ok(svc);
     }
-    let key = prefix::key(&parsed, app.config.prefix_chars);
-    let work = work::estimate(&parsed);
+    let outcome = |o: &str| {
+        app.metrics
+            .requests
+            .with_label_values(&[&svc.model, svc.policy.as_str(), o])
+            .inc();
+    };
+    if let Some(reason) = &svc.degraded {
+        outcome("degraded");
+        return Err(degraded(&svc.model, reason));
+    }
+    let _slot = match app.limits.hold(&format!("{}/{}", svc.namespace, svc.name)) {
+        Ok(slot) => slot,
+        Err(r) => {
+            outcome("hold_full");
+            return Err(refused(app, r));
+        }
+    };
+    match hold(app, svc.clone()).await {
+        Held::Ready(s) => Ok(s),
+        Held::Degraded(reason) => {
+            outcome("degraded");
+            Err(degraded(&svc.model, &reason))
+        }
+        Held::TimedOut(timeout) => {
+            outcome("cold_start_timeout");
+            Err(unavailable(
+                format!(
+                    "The model `{}` has no ready replica after {}s; it is starting, retry later.",
+                    svc.model,
+                    timeout.as_secs()
+                ),
+                30,
+            ))
+        }
+    }
+}
+
+/// The client learns that the service cannot start and its condition's reason; the details
+/// (pod names, messages) stay in the InferenceService's status, for its owner.
+fn degraded(model: &str, reason: &str) -> Response {
+    unavailable(
+        format!(
+            "The model `{model}` cannot start ({reason}); its InferenceService's status says why."
+        ),
+        60,
+    )
+}
+
+/// Sends the request to a replica the policy picks; if that one refused the connection or
+/// answered 503 (so it did not start on the request), once more to another.
+async fn attempt(
+    app: &App,
+    svc: &Service,
+    parsed: &Parsed,
+    parts: &axum::http::request::Parts,
+    body: Bytes,
+    open_slot: OwnedSemaphorePermit,
+) -> Response {
+    let model = svc.model.as_str();
+    let policy_label = svc.policy.as_str();
+    let key = parsed.key.as_deref();
+    let work = parsed.work;
     // Asked once per request (a retry is the same request).
-    let known = key.as_deref().is_some_and(|k| app.recent.seen(k));
+    let known = key.is_some_and(|k| app.recent.seen(k));
     // A chat stream opens with the role event before its first token.
-    let preamble = u64::from(uri.path().ends_with("/chat/completions"));
-    let path = uri
+    let preamble = u64::from(parts.uri.path().ends_with("/chat/completions"));
+    let path = parts
+        .uri
         .path_and_query()
-        .map_or(uri.path(), |p| p.as_str())
-        .to_string();
+        .map_or(parts.uri.path(), |p| p.as_str());
     let mut tried: Option<String> = None;
     for attempt in 0..2 {
-        let untried: Vec<_> = svc
-            .endpoints
-            .iter()
-            .filter(|e| tried.as_deref() != Some(e.name.as_str()))
-            .collect();
-        // Replicas that just refused a connection sit out, unless none is left.
-        let reachable: Vec<_> = untried
-            .iter()
-            .copied()
-            .filter(|e| !app.loads.is_set_aside(&e.base_url))
-            .collect();
-        let candidates = if reachable.is_empty() {
-            untried
-        } else {
-            reachable
-        };
+        let candidates = candidates(&svc.endpoints, tried.as_deref(), |e| {
+            app.loads.is_set_aside(&e.base_url)
+        });
         let replicas: Vec<Replica> = candidates
             .iter()
             .map(|e| Replica {
@@ -253,7 +361,7 @@ pub async fn forward(
             })
             .collect();
         let request = Request {
-            key: key.as_deref(),
+            key,
             work: work.total(),
             turn: app.turn.fetch_add(1, Ordering::Relaxed),
             known,
@@ -264,22 +372,22 @@ pub async fn forward(
         let ep = candidates[d.index];
         app.metrics
             .decisions
-            .with_label_values(&[&model, policy_label, d.affinity.as_str()])
+            .with_label_values(&[model, policy_label, d.affinity.as_str()])
             .inc();
         let open = app.loads.open(&ep.base_url, work, preamble);
-        let in_flight = app.metrics.in_flight.with_label_values(&[&model, &ep.name]);
+        let in_flight = app.metrics.in_flight.with_label_values(&[model, &ep.name]);
         in_flight.inc();
         let gauge = GaugeGuard(in_flight);
         let started = Instant::now();
         let url = format!("{}{}", ep.base_url, path);
-        let result = send(&app, &method, &url, &headers, body.clone()).await;
+        let result = send(app, &parts.method, &url, &parts.headers, body.clone()).await;
         let retry_reason = match &result {
-            Err(_) => {
+            Err(e) if e.is_connect() => {
                 app.loads.set_aside(&ep.base_url, app.config.set_aside);
                 Some("connect")
             }
             Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE => Some("unavailable"),
-            Ok(_) => None,
+            _ => None,
         };
         if let (Some(reason), 0) = (retry_reason, attempt)
             && svc.endpoints.len() > 1
@@ -287,73 +395,70 @@ pub async fn forward(
             tracing::info!(model, pod = %ep.name, reason, "retrying on another replica");
             app.metrics
                 .retries
-                .with_label_values(&[&model, reason])
+                .with_label_values(&[model, reason])
                 .inc();
             tried = Some(ep.name.clone());
             continue;
         }
         app.metrics
             .upstream_headers
-            .with_label_values(&[&model])
+            .with_label_values(&[model])
             .observe(started.elapsed().as_secs_f64());
-        return match result {
-            Ok(resp) => {
-                let outcome = if resp.status().is_success() {
-                    "success"
-                } else if resp.status().is_client_error() {
-                    "client_error"
-                } else {
-                    "upstream_error"
-                };
-                app.metrics
-                    .requests
-                    .with_label_values(&[&model, policy_label, outcome])
-                    .inc();
-                let (parts, incoming) = resp.into_parts();
-                let event_stream = parts
-                    .headers
-                    .get(header::CONTENT_TYPE)
-                    .and_then(|v| v.to_str().ok())
-                    .is_some_and(|v| v.starts_with("text/event-stream"));
-                let tracked = Tracked {
-                    inner: incoming,
-                    open,
-                    event_stream,
-                    _gauge: gauge,
-                    started,
-                    duration: Some(app.metrics.upstream_duration.with_label_values(&[&model])),
-                    broken: event_stream.then(|| BrokenStream {
-                        counter: app.metrics.broken_streams.with_label_values(&[&model]),
-                        replica: ep.name.clone(),
-                    }),
-                    ended: false,
-                };
-                Response::from_parts(parts, Body::new(tracked))
-            }
+        let resp = match result {
+            Ok(resp) => resp,
             Err(e) => {
+                tracing::warn!(model, pod = %ep.name, error = %e, "replica unreachable");
                 app.metrics
                     .requests
-                    .with_label_values(&[&model, policy_label, "upstream_error"])
+                    .with_label_values(&[model, policy_label, "upstream_error"])
                     .inc();
-                error(
+                return error(
                     StatusCode::BAD_GATEWAY,
                     "upstream_error",
-                    format!("replica {} is unreachable: {e}", ep.name),
+                    format!("the model `{model}` could not be reached"),
                     None,
-                )
+                );
             }
         };
+        let outcome = if resp.status().is_success() {
+            "success"
+        } else if resp.status().is_client_error() {
+            "client_error"
+        } else {
+            "upstream_error"
+        };
+        app.metrics
+            .requests
+            .with_label_values(&[model, policy_label, outcome])
+            .inc();
+        let (parts, incoming) = resp.into_parts();
+        let event_stream = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let tracked = Tracked {
+            inner: incoming,
+            open,
+            event_stream,
+            _gauge: gauge,
+            _slot: open_slot,
+            started,
+            duration: Some(app.metrics.upstream_duration.with_label_values(&[model])),
+            broken: event_stream.then(|| BrokenStream {
+                counter: app.metrics.broken_streams.with_label_values(&[model]),
+                replica: ep.name.clone(),
+                model: model.to_string(),
+            }),
+            ended: false,
+        };
+        return Response::from_parts(parts, Body::new(tracked));
     }
     app.metrics
         .requests
-        .with_label_values(&[&model, policy_label, "upstream_error"])
+        .with_label_values(&[model, policy_label, "upstream_error"])
         .inc();
-    error(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "service_unavailable",
-        format!("no replica of `{model}` answered"),
-        None,
-    )
+    unavailable(format!("no replica of `{model}` answered"), 1)
 }
 
 /// Headers passed to the replica: what the OpenAI API reads; hop-by-hop headers stay here.
@@ -366,7 +471,7 @@ async fn send(
     url: &str,
     headers: &HeaderMap,
     body: Bytes,
-) -> Result<hyper::Response<Incoming>, String> {
+) -> Result<hyper::Response<Incoming>, SendError> {
     let mut req = hyper::Request::builder().method(method.clone()).uri(url);
     for name in FORWARDED
         .iter()
@@ -376,14 +481,42 @@ async fn send(
             req = req.header(name, v);
         }
     }
-    let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
-    app.client.request(req).await.map_err(|e| e.to_string())
+    let req = req
+        .body(Full::new(body))
+        .map_err(|e| SendError::Request(e.to_string()))?;
+    app.client.request(req).await.map_err(SendError::Client)
+}
+
+/// Why a request did not get a response from its replica.
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    #[error("building the request: {0}")]
+    Request(String),
+    #[error(transparent)]
+    Client(hyper_util::client::legacy::Error),
+}
+
+impl SendError {
+    /// The connection was never made, so the replica cannot have seen the request: the one
+    /// case a retry cannot run a generation twice.
+    fn is_connect(&self) -> bool {
+        matches!(self, SendError::Client(e) if e.is_connect())
+    }
+}
+
+/// How a hold ended.
+enum Held {
+    Ready(Service),
+    /// The service turned Degraded while requests waited: no point waiting on.
+    Degraded(String),
+    TimedOut(Duration),
 }
 
 /// Holds a request until `svc` has a ready replica or its cold-start timeout passes, waking
-/// the service through its scale subresource if it is scaled to zero. A client that
-/// disconnects drops this future, and with it the hold.
-async fn hold(app: &App, svc: Service) -> Result<Service, Duration> {
+/// the service through its scale subresource if it is scaled to zero (one write per service,
+/// whatever the number held). A client that disconnects drops this future, and with it the
+/// hold.
+async fn hold(app: &App, svc: Service) -> Held {
     let timeout = svc.cold_start_timeout;
     let deadline = tokio::time::Instant::now() + timeout;
     let gauge = app
@@ -395,47 +528,43 @@ async fn hold(app: &App, svc: Service) -> Result<Service, Duration> {
     let started = Instant::now();
     let histogram = app.metrics.cold_start.with_label_values(&[&svc.model]);
     let mut changes = app.registry.changes();
-    let mut woken = false;
-    loop {
-        if let Some(s) = app.registry.find(&svc.model) {
+    let id = format!("{}/{}", svc.namespace, svc.name);
+    let outcome = loop {
+        if let Some(s) = app.registry.find(&id) {
             if !s.endpoints.is_empty() {
-                histogram.observe(started.elapsed().as_secs_f64());
-                return Ok(s);
+                break Held::Ready(s);
             }
-            if s.replicas == 0 && !woken {
-                woken = wake(app, &s).await;
+            if let Some(reason) = s.degraded {
+                break Held::Degraded(reason);
+            }
+            if s.replicas == 0 {
+                wake(app, &s).await;
             }
         }
+        let retry = tokio::time::sleep(wake::FIRST_BACKOFF);
         tokio::select! {
-            r = changes.changed() => if r.is_err() { break },
-            _ = tokio::time::sleep_until(deadline) => break,
+            r = changes.changed() => if r.is_err() { break Held::TimedOut(timeout) },
+            // A failed wake is retried after its backoff, even if nothing changes.
+            _ = retry => {}
+            _ = tokio::time::sleep_until(deadline) => break Held::TimedOut(timeout),
         }
-    }
+    };
     histogram.observe(started.elapsed().as_secs_f64());
-    Err(timeout)
+    outcome
 }
 
-/// Sets `spec.replicas` to 1 through the scale subresource (what `kubectl scale` does), so
-/// a service scaled to zero starts; with autoscaling on, the autoscaler takes it from there.
-async fn wake(app: &App, svc: &Service) -> bool {
+/// Scales `svc` up from zero, unless another held request already is (or did lately).
+async fn wake(app: &App, svc: &Service) {
     let Some(client) = &app.kube else {
-        return false;
+        return;
     };
-    let api: Api<InferenceService> = Api::namespaced(client.clone(), &svc.namespace);
-    let patch = Patch::Merge(json!({"spec": {"replicas": 1}}));
-    match api
-        .patch_scale(&svc.name, &PatchParams::default(), &patch)
-        .await
-    {
-        Ok(_) => {
-            tracing::info!(namespace = %svc.namespace, name = %svc.name, "scaled from zero for a held request");
-            true
-        }
-        Err(e) => {
-            tracing::warn!(namespace = %svc.namespace, name = %svc.name, error = %e, "could not scale from zero; waiting");
-            false
-        }
+    let id = format!("{}/{}", svc.namespace, svc.name);
+    if !app.wakes.claim(&id, tokio::time::Instant::now()) {
+        return;
     }
+    app.metrics.wakes.with_label_values(&[&svc.model]).inc();
+    let ok = wake::scale_up(client, &svc.namespace, &svc.name).await;
+    app.wakes.done(&id, ok, tokio::time::Instant::now());
 }
 
 /// Decrements a gauge when dropped.
@@ -456,6 +585,8 @@ struct Tracked {
     open: Open,
     event_stream: bool,
     _gauge: GaugeGuard,
+    /// The request's place among those open: given back when the response ends.
+    _slot: OwnedSemaphorePermit,
     started: Instant,
     duration: Option<Histogram>,
     /// Set for event streams: a replica lost mid-stream ends the stream with an error event.
@@ -467,15 +598,16 @@ struct Tracked {
 struct BrokenStream {
     counter: prometheus::IntCounter,
     replica: String,
+    model: String,
 }
 
 impl BrokenStream {
     /// The last event of a stream whose replica failed, as vLLM reports errors inside a
     /// stream: OpenAI's clients raise it as an API error, where a cut connection would
     /// surface as a transport error with no reason.
-    fn event(&self, e: &hyper::Error) -> Bytes {
+    fn event(&self) -> Bytes {
         let body = json!({"error": {
-            "message": format!("replica {} failed mid-stream: {e}", self.replica),
+            "message": format!("the model `{}` failed mid-stream", self.model),
             "type": "upstream_error",
             "param": null,
             "code": StatusCode::BAD_GATEWAY.as_u16(),
@@ -526,7 +658,7 @@ impl HttpBody for Tracked {
                 let event = self.broken.as_ref().map(|b| {
                     b.counter.inc();
                     tracing::warn!(replica = %b.replica, error = %e, "replica failed mid-stream");
-                    b.event(&e)
+                    b.event()
                 });
                 Poll::Ready(event.map(|b| Ok(Frame::data(b))))
             }

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferrite_operator::autoscale::runner::pod_targets;
-use ferrite_operator::build::served_name;
+use ferrite_operator::build::{served_name, served_name_holder};
 use ferrite_operator::crd::{InferenceService, RoutingPolicy};
 use ferrite_operator::labels::{COMPONENT_LABEL, MANAGED_SELECTOR, belongs_to};
+use ferrite_operator::status::DEGRADED;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::WatchStreamExt;
@@ -38,6 +39,10 @@ pub struct Service {
     pub cold_start_timeout: Duration,
     /// `spec.replicas` as the scale subresource has it.
     pub replicas: i32,
+    /// The reason of a `Degraded=True` condition that needs a person (a crash loop, an image
+    /// that cannot be pulled): held requests are not kept waiting for a service that will not
+    /// become ready on its own.
+    pub degraded: Option<String>,
     /// Ready pods, by name.
     pub endpoints: Vec<Endpoint>,
 }
@@ -102,27 +107,44 @@ impl Registry {
         self.changes.clone()
     }
 
-    /// The service serving `model`. Two services claiming one name (in different namespaces)
-    /// resolve to the first by namespace and name, so every router replica agrees.
+    /// The service serving `model`: `namespace/name` names one InferenceService exactly
+    /// (always, whatever served names others claim); otherwise the served name's oldest
+    /// claimant holds it (creation time, then namespace and name, so every router replica
+    /// agrees), and later claimants get none of its traffic (the operator marks them
+    /// `ServedNameConflict`).
     pub fn find(&self, model: &str) -> Option<Service> {
-        let mut matches: Vec<Arc<InferenceService>> = self
-            .isvcs
-            .state()
-            .into_iter()
-            .filter(|i| i.meta().deletion_timestamp.is_none() && served_name(i) == model)
-            .collect();
-        matches.sort_by_key(|i| (i.namespace(), i.name_any()));
-        matches.first().map(|i| self.service(i))
+        let all = self.isvcs.state();
+        let live = all.iter().filter(|i| i.meta().deletion_timestamp.is_none());
+        if let Some((ns, name)) = model.split_once('/')
+            && let Some(i) = live
+                .clone()
+                .find(|i| i.namespace().as_deref() == Some(ns) && i.name_any() == name)
+        {
+            return Some(self.service(i));
+        }
+        let claimants = live.map(|i| &**i).filter(|i| served_name(i) == model);
+        served_name_holder(claimants).map(|i| self.service(i))
     }
 
-    /// Every service, sorted by model name.
+    /// Every service, sorted by model name; a service that does not hold its served name is
+    /// listed under its `namespace/name`.
     pub fn all(&self) -> Vec<Service> {
-        let mut all: Vec<Service> = self
-            .isvcs
-            .state()
+        let isvcs = self.isvcs.state();
+        let live: Vec<&Arc<InferenceService>> = isvcs
             .iter()
             .filter(|i| i.meta().deletion_timestamp.is_none())
-            .map(|i| self.service(i))
+            .collect();
+        let mut all: Vec<Service> = live
+            .iter()
+            .map(|i| {
+                let mut s = self.service(i);
+                let claimants = live.iter().map(|o| &***o);
+                let holder = served_name_holder(claimants.filter(|o| served_name(o) == s.model));
+                if holder.is_some_and(|h| !std::ptr::eq(h, &***i)) {
+                    s.model = format!("{}/{}", s.namespace, s.name);
+                }
+                s
+            })
             .collect();
         all.sort_by(|a, b| {
             (&a.model, &a.namespace, &a.name).cmp(&(&b.model, &b.namespace, &b.name))
@@ -147,11 +169,30 @@ impl Registry {
             policy: isvc.routing_policy(),
             cold_start_timeout: isvc.cold_start_timeout(),
             replicas: isvc.spec.replicas.unwrap_or(1),
+            degraded: degraded_reason(isvc),
             endpoints,
             namespace: ns,
             name,
         }
     }
+}
+
+/// `Degraded` reasons a cold start waits through: pods that no node can take yet (a node
+/// autoscaler adds one within minutes), a ReplicaSet blocked by a quota that may free, an API
+/// server failing for a moment. Every other reason (an image that cannot be pulled, a crash
+/// loop, a model that cannot be downloaded or loaded, a spec that cannot be applied) needs a
+/// person, so held requests are answered at once.
+const TRANSIENT_DEGRADED: [&str; 3] = ["Unschedulable", "ReplicaFailure", "ChildApplyFailed"];
+
+/// The reason of the service's `Degraded=True` condition, unless a cold start waits it out.
+fn degraded_reason(isvc: &InferenceService) -> Option<String> {
+    isvc.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == DEGRADED && c.status == "True")
+        .filter(|c| !TRANSIENT_DEGRADED.contains(&c.reason.as_str()))
+        .map(|c| c.reason.clone())
 }
 
 /// Runs a watch into a new store, bumping `changed` on every event; retries with backoff.

@@ -10,10 +10,6 @@
 //! first token arrives (its prefill is done) and the output go token by token; a response
 //! that is not streamed counts in full until it ends.
 
-use serde_json::Value;
-
-use crate::prefix::texts;
-
 /// Characters per token when estimating a prompt's length.
 pub const CHARS_PER_TOKEN: f64 = 4.0;
 
@@ -21,7 +17,7 @@ pub const CHARS_PER_TOKEN: f64 = 4.0;
 pub const DEFAULT_MAX_TOKENS: f64 = 256.0;
 
 /// Tokens added per chat message for its role and the template's markers.
-const PER_MESSAGE: f64 = 4.0;
+pub const PER_MESSAGE: f64 = 4.0;
 
 /// A request's estimated work, in tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -39,41 +35,18 @@ impl Work {
     }
 }
 
-/// The estimated work of an OpenAI request body.
-pub fn estimate(body: &Value) -> Work {
-    let prompt = if let Some(messages) = body.get("messages").and_then(Value::as_array) {
-        messages
-            .iter()
-            .map(|m| {
-                let chars: usize = texts(m.get("content")).map(|t| t.chars().count()).sum();
-                PER_MESSAGE + chars as f64 / CHARS_PER_TOKEN
-            })
-            .sum()
-    } else {
-        match body.get("prompt") {
-            Some(Value::String(s)) => s.chars().count() as f64 / CHARS_PER_TOKEN,
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|item| match item {
-                    Value::String(s) => s.chars().count() as f64 / CHARS_PER_TOKEN,
-                    Value::Number(_) => 1.0,
-                    Value::Array(ids) => ids.len() as f64,
-                    _ => 0.0,
-                })
-                .sum(),
-            _ => 0.0,
-        }
-    };
-    let max_tokens = ["max_tokens", "max_completion_tokens"]
-        .iter()
-        .find_map(|k| body.get(*k).and_then(Value::as_f64))
+/// The estimated tokens of a prompt text.
+pub fn text_tokens(s: &str) -> f64 {
+    s.chars().count() as f64 / CHARS_PER_TOKEN
+}
+
+/// A request's work from its prompt's estimated tokens, `max_tokens` (or
+/// `max_completion_tokens`) and `n`, as [`crate::parse`] reads them.
+pub fn estimate(prompt: f64, max_tokens: Option<f64>, n: Option<f64>) -> Work {
+    let max_tokens = max_tokens
         .filter(|m| m.is_finite() && *m >= 0.0)
         .unwrap_or(DEFAULT_MAX_TOKENS);
-    let n = body
-        .get("n")
-        .and_then(Value::as_f64)
-        .filter(|n| n.is_finite() && *n >= 1.0)
-        .unwrap_or(1.0);
+    let n = n.filter(|n| n.is_finite() && *n >= 1.0).unwrap_or(1.0);
     Work {
         prompt,
         output: max_tokens * n,
@@ -83,7 +56,13 @@ pub fn estimate(body: &Value) -> Work {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{Value, json};
+
+    fn estimate(body: &Value) -> Work {
+        crate::parse::parse(body.to_string().as_bytes(), 16)
+            .expect("parses")
+            .work
+    }
 
     #[test]
     fn a_long_prompt_weighs_more_than_a_short_one() {

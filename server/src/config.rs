@@ -29,9 +29,10 @@ pub struct ServerArgs {
     #[arg(long, env = "FERRITE_TERMINATION_MESSAGE_PATH")]
     pub termination_message_path: Option<PathBuf>,
     /// Name clients use in the `model` field (default: the repository id for `hf://`, else
-    /// the model file or folder name).
-    #[arg(long)]
-    pub served_model_name: Option<String>,
+    /// the model file or folder name). Several names, as in vLLM: each is accepted, the first
+    /// is the one responses and metrics carry (the operator adds `namespace/name`).
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
     #[arg(long, default_value = "0.0.0.0")]
     pub host: String,
     #[arg(long, default_value_t = 8000)]
@@ -87,6 +88,20 @@ pub struct ServerArgs {
     /// (default: no limit, as vLLM).
     #[arg(long)]
     pub max_queue_len: Option<usize>,
+    /// Most sequences one request may add (prompts × `n`); more is refused with 400. Bounds
+    /// the memory and engine work a single request can claim.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_request_sequences: u64,
+    /// Connections open at once; past it the listener stops accepting until one closes.
+    #[arg(long, default_value_t = ferrite_net::ListenerLimits::default().max_connections)]
+    pub max_connections: usize,
+    /// Seconds for a request's head to arrive, and the most a kept-alive connection may idle
+    /// (a client trickling its headers, slowloris, is cut off).
+    #[arg(long, default_value_t = 30.0, value_parser = parse_interval)]
+    pub header_read_timeout: f64,
+    /// Seconds for a request's whole body to arrive; slower is a 408.
+    #[arg(long, default_value_t = 60.0, value_parser = parse_interval)]
+    pub body_read_timeout: f64,
     /// Seconds to finish in-flight requests after SIGTERM before exiting anyway.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -107,6 +122,16 @@ impl ServerArgs {
     /// Whether automatic prefix caching is on.
     pub fn prefix_caching(&self) -> bool {
         !self.no_enable_prefix_caching
+    }
+
+    /// What the listener allows.
+    pub fn listener_limits(&self) -> ferrite_net::ListenerLimits {
+        ferrite_net::ListenerLimits {
+            max_connections: self.max_connections.max(1),
+            header_read_timeout: std::time::Duration::from_secs_f64(self.header_read_timeout),
+            body_read_timeout: std::time::Duration::from_secs_f64(self.body_read_timeout),
+            nodelay: true,
+        }
     }
 }
 

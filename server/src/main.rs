@@ -15,7 +15,7 @@ use ferrite_runtime::engine::scheduler::SchedulerConfig;
 use ferrite_runtime::engine::stats::StatsSink;
 use ferrite_runtime::kv::{KvCache, KvCacheConfig};
 use ferrite_runtime::model::{self, LoadOptions, SeqInput};
-use ferrite_server::api::{self, state::AppState, state::Serving};
+use ferrite_server::api::{self, state::AppState, state::RequestLimits, state::Serving};
 use ferrite_server::config::ServerArgs;
 use ferrite_server::fetch;
 use ferrite_server::metrics::http::HttpMetrics;
@@ -56,19 +56,31 @@ async fn serve(arenas: ferrite_runtime::memory::ArenaPolicy) -> Result<()> {
 }
 
 async fn run(args: ServerArgs) -> Result<()> {
+    // An empty key would compare equal to a missing header: refuse it rather than serve open.
+    anyhow::ensure!(
+        args.api_key.as_deref().is_none_or(|k| !k.trim().is_empty()),
+        "--api-key (FERRITE_API_KEY) is set but empty; unset it to serve without a key"
+    );
     if let Err(e) = ferrite_runtime::priority::init_compute_pool(args.compute_nice) {
         warn!(error = %e, "compute threads keep the default priority");
     }
     let served = args
         .served_model_name
-        .clone()
+        .first()
+        .cloned()
         .unwrap_or_else(|| fetch::default_served_name(&args.model));
+    let aliases = args.served_model_name.iter().skip(1).cloned().collect();
     let registry = metrics::process_registry()?;
     let http_metrics = HttpMetrics::new(&registry)?;
     let state = Arc::new(AppState::new(
         served.clone(),
+        aliases,
         args.api_key.clone(),
-        args.max_queue_len,
+        RequestLimits {
+            max_queue_len: args.max_queue_len,
+            max_request_sequences: usize::try_from(args.max_request_sequences)
+                .unwrap_or(usize::MAX),
+        },
         registry.clone(),
     ));
 
@@ -90,14 +102,15 @@ async fn run(args: ServerArgs) -> Result<()> {
             let _ = stop_tx.send(true);
         });
     }
-    let app = api::router(state.clone(), http_metrics);
+    let limits = args.listener_limits();
+    let app = api::router(state.clone(), http_metrics, limits.body_read_timeout);
     let mut server_stop = stop_rx.clone();
+    let drain = Duration::from_secs(args.shutdown_timeout);
     let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = server_stop.wait_for(|&s| s).await;
-            })
-            .await
+        let stop = async move {
+            let _ = server_stop.wait_for(|&s| s).await;
+        };
+        ferrite_net::serve(listener, app, limits, stop, drain).await
     });
 
     // Downloads happen behind the open port too: a long one shows as a pending startup probe.
@@ -171,6 +184,7 @@ async fn run(args: ServerArgs) -> Result<()> {
         sinks.push(Box::new(log_sink.clone()));
     }
     let tokenizer = loaded.tokenizer.clone();
+    let vocab_size = tokenizer.vocab_size().min(loaded.model.config().vocab_size);
     let chat_template = loaded.chat_template.take();
     let (handle, engine_thread) =
         engine::spawn(loaded, cache, sched, Box::new(sinks)).context("starting the engine")?;
@@ -183,6 +197,7 @@ async fn run(args: ServerArgs) -> Result<()> {
         tokenizer,
         chat_template,
         max_model_len,
+        vocab_size,
     });
     info!(
         max_num_seqs = sched.max_num_seqs,
@@ -192,7 +207,14 @@ async fn run(args: ServerArgs) -> Result<()> {
     );
 
     // Drain: the server stops accepting at the signal and returns once in-flight responses end.
-    let _ = stop_rx.wait_for(|&s| s).await;
+    // An engine that dies ends the process: a server that cannot generate must not stay up
+    // looking ready (its pod restarts, and the termination message says why).
+    tokio::select! {
+        _ = stop_rx.wait_for(|&s| s) => {}
+        _ = engine_stopped(&handle) => {
+            anyhow::bail!("the engine thread stopped unexpectedly (its log says why)");
+        }
+    }
     let limit = Duration::from_secs(args.shutdown_timeout);
     let started = Instant::now();
     match tokio::time::timeout(limit, server).await {
@@ -269,6 +291,14 @@ fn load_and_warm(args: &ServerArgs, path: &Path) -> Result<(model::LoadedModel, 
     cache.allocator_mut().free_all(&blocks)?;
     ferrite_runtime::memory::release_free_memory();
     Ok((loaded, cache))
+}
+
+/// Resolves when the engine thread has ended.
+async fn engine_stopped(handle: &engine::EngineHandle) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    while handle.is_alive() {
+        tick.tick().await;
+    }
 }
 
 async fn shutdown_signal() {

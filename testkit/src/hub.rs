@@ -98,6 +98,17 @@ impl FileHost {
         lock(&self.state.repos).insert(repo.into(), r);
     }
 
+    /// Announces `sha256` as `file`'s `x-linked-etag`, as the Hub does for a file in LFS (a
+    /// wrong one stands in for a corrupted transfer).
+    pub fn announce_sha256(&self, repo: &str, file: &str, sha256: &str) {
+        if let Some(b) = lock(&self.state.repos)
+            .get_mut(repo)
+            .and_then(|r| r.files.get_mut(file))
+        {
+            b.linked = Some(format!("\"{sha256}\""));
+        }
+    }
+
     /// Serves `body` at `/<path>` as a plain web server would.
     pub fn add_file(&self, path: &str, body: Vec<u8>) {
         lock(&self.state.plain).insert(path.trim_start_matches('/').into(), Blob::new(body));
@@ -271,6 +282,8 @@ fn route(state: &State, path: &str, auth: Option<&str>) -> Reply {
 struct Blob {
     body: Arc<Vec<u8>>,
     etag: String,
+    /// `x-linked-etag`: the sha256 the Hub announces for an LFS file.
+    linked: Option<String>,
 }
 
 impl Blob {
@@ -284,6 +297,7 @@ impl Blob {
         Blob {
             body: Arc::new(body),
             etag,
+            linked: None,
         }
     }
 }
@@ -301,6 +315,9 @@ fn file(blob: &Blob, commit: Option<&str>) -> Reply {
     ];
     if let Some(c) = commit {
         headers.push(("x-repo-commit".into(), c.into()));
+    }
+    if let Some(l) = &blob.linked {
+        headers.push(("x-linked-etag".into(), l.clone()));
     }
     Reply {
         status: 200,

@@ -32,24 +32,28 @@ pub struct ParseError {
 pub fn parse(text: &str) -> Result<Vec<Sample>, ParseError> {
     let mut samples = Vec::new();
     for (i, raw) in text.lines().enumerate() {
-        let line = raw.trim_start_matches([' ', '\t']).trim_end_matches('\r');
-        if line.trim().is_empty() {
-            continue;
-        }
-        if let Some(comment) = line.strip_prefix('#') {
-            check_comment(comment).map_err(|message| ParseError {
-                line: i + 1,
-                message,
-            })?;
-            continue;
-        }
-        let sample = Cursor::new(line).sample().map_err(|message| ParseError {
+        if let Some(sample) = parse_line(raw).map_err(|message| ParseError {
             line: i + 1,
             message,
-        })?;
-        samples.push(sample);
+        })? {
+            samples.push(sample);
+        }
     }
     Ok(samples)
+}
+
+/// One line of an exposition: its sample, or `None` for a blank line or a comment. The
+/// streaming scraper reads line by line with this, keeping only the samples it wants.
+pub fn parse_line(raw: &str) -> Result<Option<Sample>, String> {
+    let line = raw.trim_start_matches([' ', '\t']).trim_end_matches('\r');
+    if line.trim().is_empty() {
+        return Ok(None);
+    }
+    if let Some(comment) = line.strip_prefix('#') {
+        check_comment(comment)?;
+        return Ok(None);
+    }
+    Cursor::new(line).sample().map(Some)
 }
 
 /// `# HELP name text` and `# TYPE name type` must name a valid metric; other comments are free.

@@ -2,19 +2,48 @@
 //! [`PodSample`]. This is the autoscaler's only view of load: no Prometheus in between, so the
 //! signal is as fresh as the scrape.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Limited};
+use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use tokio::sync::Semaphore;
 
 use super::exposition;
 use crate::signal::{KV_USAGE, PodMetrics, PodSample, RUNNING, WAITING};
 
-/// Largest exposition read from one pod; a vLLM pod's is well under 1 MiB.
-const MAX_BODY: usize = 8 << 20;
+/// What one pod's `/metrics` may cost. The exposition is the pod's (so the tenant's image's)
+/// to write: it is read as a stream, line by line, keeping only the signals' series, and a
+/// pod past any bound is a failed scrape with the reason, never memory. A vLLM pod's
+/// exposition is well under 1 MiB and a few thousand lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScrapeLimits {
+    /// Bytes of one exposition.
+    pub max_bytes: usize,
+    /// Bytes of one line (a label value can be long, not megabytes).
+    pub max_line: usize,
+    /// Lines of one exposition.
+    pub max_lines: usize,
+    /// Series of the signals' metrics kept from one exposition.
+    pub max_series: usize,
+    /// Pods read at once by one scraper.
+    pub concurrency: usize,
+}
+
+impl Default for ScrapeLimits {
+    fn default() -> Self {
+        ScrapeLimits {
+            max_bytes: 4 << 20,
+            max_line: 64 << 10,
+            max_lines: 200_000,
+            max_series: 1024,
+            concurrency: 32,
+        }
+    }
+}
 
 /// A pod to read, as pod discovery (or a test) finds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,6 +68,8 @@ pub enum ScrapeError {
     Timeout(Duration),
     #[error("body: {0}")]
     Body(String),
+    #[error("the exposition is over the limit: {0}")]
+    TooLarge(String),
     #[error("exposition: {0}")]
     Parse(#[from] exposition::ParseError),
     #[error("no {WAITING} in the exposition")]
@@ -53,6 +84,7 @@ impl ScrapeError {
             ScrapeError::Status(_) => "status",
             ScrapeError::Timeout(_) => "timeout",
             ScrapeError::Body(_) | ScrapeError::Parse(_) => "parse",
+            ScrapeError::TooLarge(_) => "too_large",
             ScrapeError::NoQueueMetric => "missing_metric",
         }
     }
@@ -71,17 +103,29 @@ pub struct PodResult {
 pub struct Scraper {
     client: Client<HttpConnector, Empty<Bytes>>,
     timeout: Duration,
+    limits: ScrapeLimits,
+    /// Bounds the pods read at once.
+    slots: Arc<Semaphore>,
 }
 
 impl Scraper {
     pub fn new(timeout: Duration) -> Self {
+        Self::with_limits(timeout, ScrapeLimits::default())
+    }
+
+    pub fn with_limits(timeout: Duration, limits: ScrapeLimits) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(timeout));
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .build(connector);
-        Self { client, timeout }
+        Self {
+            client,
+            timeout,
+            limits,
+            slots: Arc::new(Semaphore::new(limits.concurrency.max(1))),
+        }
     }
 
     /// Scrapes every ready pod concurrently; pods that are not ready are not contacted.
@@ -110,13 +154,19 @@ impl Scraper {
         futures::future::join_all(futures).await
     }
 
-    /// Reads one pod's signals.
+    /// Reads one pod's signals (waiting for a slot among the scraper's concurrent reads;
+    /// the timeout covers the read, not the wait).
     pub async fn scrape(&self, base_url: &str) -> Result<PodMetrics, ScrapeError> {
         let url = format!("{}/metrics", base_url.trim_end_matches('/'));
         let uri: http::Uri = url.parse().map_err(|_| ScrapeError::Url(url.clone()))?;
         let request = http::Request::get(uri)
             .header(http::header::ACCEPT, "text/plain;version=0.0.4")
             .body(Empty::new())
+            .map_err(|e| ScrapeError::Http(e.to_string()))?;
+        let _slot = self
+            .slots
+            .acquire()
+            .await
             .map_err(|e| ScrapeError::Http(e.to_string()))?;
         let read = async {
             let response = self
@@ -127,49 +177,170 @@ impl Scraper {
             if !response.status().is_success() {
                 return Err(ScrapeError::Status(response.status().as_u16()));
             }
-            let body = Limited::new(response.into_body(), MAX_BODY)
-                .collect()
-                .await
-                .map_err(|e| ScrapeError::Body(e.to_string()))?
-                .to_bytes();
-            String::from_utf8(body.to_vec()).map_err(|e| ScrapeError::Body(e.to_string()))
+            read_signals(response.into_body(), &self.limits).await
         };
-        let text = tokio::time::timeout(self.timeout, read)
+        tokio::time::timeout(self.timeout, read)
             .await
-            .map_err(|_| ScrapeError::Timeout(self.timeout))??;
-        pod_metrics(&exposition::parse(&text)?)
+            .map_err(|_| ScrapeError::Timeout(self.timeout))?
+    }
+}
+
+/// Reads an exposition as it arrives, within `limits`, keeping only the signals.
+pub async fn read_signals<B>(mut body: B, limits: &ScrapeLimits) -> Result<PodMetrics, ScrapeError>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let mut lines = LineReader::new(*limits);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ScrapeError::Body(e.to_string()))?;
+        if let Ok(data) = frame.into_data() {
+            lines.feed(&data)?;
+        }
+    }
+    lines.finish()
+}
+
+/// Splits the stream into lines and folds each into the signals, holding at most one line.
+struct LineReader {
+    limits: ScrapeLimits,
+    pending: Vec<u8>,
+    bytes: usize,
+    lines: usize,
+    signals: Signals,
+}
+
+impl LineReader {
+    fn new(limits: ScrapeLimits) -> Self {
+        Self {
+            limits,
+            pending: Vec::new(),
+            bytes: 0,
+            lines: 0,
+            signals: Signals::default(),
+        }
+    }
+
+    fn feed(&mut self, mut data: &[u8]) -> Result<(), ScrapeError> {
+        self.bytes += data.len();
+        if self.bytes > self.limits.max_bytes {
+            return Err(ScrapeError::TooLarge(format!(
+                "more than {} bytes",
+                self.limits.max_bytes
+            )));
+        }
+        while let Some(end) = data.iter().position(|&b| b == b'\n') {
+            self.pending.extend_from_slice(&data[..end]);
+            self.line()?;
+            data = &data[end + 1..];
+        }
+        self.pending.extend_from_slice(data);
+        if self.pending.len() > self.limits.max_line {
+            return Err(ScrapeError::TooLarge(format!(
+                "a line of more than {} bytes",
+                self.limits.max_line
+            )));
+        }
+        Ok(())
+    }
+
+    fn line(&mut self) -> Result<(), ScrapeError> {
+        self.lines += 1;
+        if self.lines > self.limits.max_lines {
+            return Err(ScrapeError::TooLarge(format!(
+                "more than {} lines",
+                self.limits.max_lines
+            )));
+        }
+        if self.pending.len() > self.limits.max_line {
+            return Err(ScrapeError::TooLarge(format!(
+                "a line of more than {} bytes",
+                self.limits.max_line
+            )));
+        }
+        let line = std::str::from_utf8(&self.pending).map_err(|e| {
+            ScrapeError::Parse(exposition::ParseError {
+                line: self.lines,
+                message: e.to_string(),
+            })
+        })?;
+        let sample = exposition::parse_line(line).map_err(|message| {
+            ScrapeError::Parse(exposition::ParseError {
+                line: self.lines,
+                message,
+            })
+        })?;
+        self.pending.clear();
+        if let Some(sample) = sample {
+            self.signals.add(&sample);
+            if self.signals.series > self.limits.max_series {
+                return Err(ScrapeError::TooLarge(format!(
+                    "more than {} series of the signals",
+                    self.limits.max_series
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<PodMetrics, ScrapeError> {
+        if !self.pending.is_empty() {
+            self.line()?;
+        }
+        self.signals.finish()
+    }
+}
+
+/// The signals folded from samples as they come: sums and counts, never the samples.
+#[derive(Debug, Default)]
+struct Signals {
+    waiting: Option<f64>,
+    running: Option<f64>,
+    /// Per KV name (current, then old): sum and count.
+    kv: [(f64, usize); 2],
+    series: usize,
+}
+
+impl Signals {
+    fn add(&mut self, s: &exposition::Sample) {
+        let add = |acc: &mut Option<f64>, v: f64| *acc = Some(acc.unwrap_or(0.0) + v);
+        if s.name == WAITING {
+            add(&mut self.waiting, s.value);
+        } else if s.name == RUNNING {
+            add(&mut self.running, s.value);
+        } else if let Some(i) = KV_USAGE.iter().position(|n| *n == s.name) {
+            self.kv[i].0 += s.value;
+            self.kv[i].1 += 1;
+        } else {
+            return;
+        }
+        self.series += 1;
+    }
+
+    fn finish(self) -> Result<PodMetrics, ScrapeError> {
+        let waiting = self.waiting.ok_or(ScrapeError::NoQueueMetric)?;
+        let kv_usage = self
+            .kv
+            .iter()
+            .find(|(_, n)| *n > 0)
+            .map(|(sum, n)| sum / *n as f64);
+        let finite = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
+        Ok(PodMetrics {
+            waiting: finite(waiting),
+            running: finite(self.running.unwrap_or(0.0)),
+            kv_usage: kv_usage
+                .filter(|v| v.is_finite())
+                .map(|v| v.clamp(0.0, 1.0)),
+        })
     }
 }
 
 /// The signals in one exposition. Gauges are summed over their series (one per model, or
 /// per engine in data-parallel vLLM); KV usage is averaged over its series.
 pub fn pod_metrics(samples: &[exposition::Sample]) -> Result<PodMetrics, ScrapeError> {
-    let sum = |name: &str| {
-        let mut values = samples
-            .iter()
-            .filter(|s| s.name == name)
-            .map(|s| s.value)
-            .peekable();
-        values.peek().is_some().then(|| values.sum::<f64>())
-    };
-    let waiting = sum(WAITING).ok_or(ScrapeError::NoQueueMetric)?;
-    let running = sum(RUNNING).unwrap_or(0.0);
-    let kv_usage = KV_USAGE.iter().find_map(|name| {
-        let values: Vec<f64> = samples
-            .iter()
-            .filter(|s| s.name == *name)
-            .map(|s| s.value)
-            .collect();
-        (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
-    });
-    let finite = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
-    Ok(PodMetrics {
-        waiting: finite(waiting),
-        running: finite(running),
-        kv_usage: kv_usage
-            .filter(|v| v.is_finite())
-            .map(|v| v.clamp(0.0, 1.0)),
-    })
+    let mut signals = Signals::default();
+    samples.iter().for_each(|s| signals.add(s));
+    signals.finish()
 }
 
 #[cfg(test)]
@@ -203,6 +374,66 @@ mod tests {
         let none = metrics("vllm:num_requests_waiting 1\n").expect("signals");
         assert_eq!(none.kv_usage, None);
         assert_eq!(none.running, 0.0);
+    }
+
+    /// Feeds `text` in chunks of `chunk` bytes, as frames arrive.
+    fn streamed(
+        text: &[u8],
+        chunk: usize,
+        limits: ScrapeLimits,
+    ) -> Result<PodMetrics, ScrapeError> {
+        let mut r = LineReader::new(limits);
+        for c in text.chunks(chunk.max(1)) {
+            r.feed(c)?;
+        }
+        r.finish()
+    }
+
+    #[test]
+    fn streaming_reads_match_whole_ones_at_any_chunking() {
+        let text = "# HELP vllm:num_requests_waiting x\n\
+                    # TYPE vllm:num_requests_waiting gauge\n\
+                    vllm:num_requests_waiting{model_name=\"a\"} 2\n\
+                    other_metric{x=\"y\"} 7\n\
+                    vllm:num_requests_running 3\n\
+                    vllm:kv_cache_usage_perc 0.5";
+        let whole = metrics(text).expect("whole");
+        for chunk in [1, 2, 7, 64, 4096] {
+            let s = streamed(text.as_bytes(), chunk, ScrapeLimits::default()).expect("streamed");
+            assert_eq!(s, whole, "chunks of {chunk}");
+        }
+    }
+
+    #[test]
+    fn an_exposition_past_a_limit_is_a_failed_scrape() {
+        let limits = ScrapeLimits {
+            max_bytes: 1000,
+            max_line: 100,
+            max_lines: 20,
+            max_series: 5,
+            concurrency: 1,
+        };
+        let kind = |text: String| {
+            streamed(text.as_bytes(), 37, limits)
+                .err()
+                .map(|e| (e.kind(), e.to_string()))
+        };
+        let (k, why) =
+            kind(format!("x{{a=\"{}\"}} 1\n", "v".repeat(80)).repeat(12)).expect("bytes");
+        assert_eq!(k, "too_large");
+        assert!(why.contains("bytes"), "{why}");
+        let (_, why) = kind(format!("x{{a=\"{}\"}} 1\n", "v".repeat(200))).expect("line");
+        assert!(why.contains("line of more than 100"), "{why}");
+        // A line that never ends is cut at the line limit, not buffered.
+        let (_, why) = kind("x".repeat(900)).expect("endless line");
+        assert!(why.contains("line of more than 100"), "{why}");
+        let (_, why) = kind("# c\n".repeat(21)).expect("lines");
+        assert!(why.contains("lines"), "{why}");
+        let many = (0..6)
+            .map(|i| format!("vllm:num_requests_waiting{{e=\"{i}\"}} 1\n"))
+            .collect::<String>();
+        let (_, why) = kind(many).expect("series");
+        assert!(why.contains("series"), "{why}");
     }
 
     #[test]

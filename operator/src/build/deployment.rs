@@ -13,6 +13,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::ResourceExt;
 
 use super::model::{ModelMount, model_mount};
 
@@ -66,6 +67,12 @@ fn args(isvc: &InferenceService, model: &ModelMount, kv_cache_bytes: Option<u64>
         model.model_arg.clone(),
         "--served-model-name".into(),
         served_name(isvc),
+        // The router's namespace-qualified id for this service, which no other can claim.
+        format!(
+            "{}/{}",
+            isvc.namespace().unwrap_or_default(),
+            isvc.name_any()
+        ),
         "--host".into(),
         "0.0.0.0".into(),
         "--port".into(),

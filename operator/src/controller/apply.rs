@@ -166,6 +166,7 @@ where
     K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + Debug,
 {
     let name = desired.meta().name.clone().ok_or(Error::Unnamed)?;
+    refuse_foreign(api, desired.meta(), live).await?;
     let key = Slot::of::<K>(desired.meta());
     let hash = stamp(&mut desired)?;
     let before = memo.get(&key);
@@ -198,6 +199,47 @@ where
     };
     memo.set(key, after);
     Ok((Some(applied), change))
+}
+
+/// Adoption rule: a child is written only if it does not exist yet or its controller is the
+/// InferenceService writing it. An object someone else made (a Service, HPA, PDB or ConfigMap
+/// named like the InferenceService) is never applied over: a forced apply would take its
+/// fields and add the ownerRef, and garbage collection would then delete it with the
+/// InferenceService. The caches hold only managed objects, so one they do not hold is looked
+/// up once before it would be created.
+async fn refuse_foreign<K>(
+    api: &Api<K>,
+    desired: &ObjectMeta,
+    live: Option<&ObjectMeta>,
+) -> Result<(), Error>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug,
+{
+    let Some(owner) = desired
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|r| r.controller == Some(true))
+    else {
+        // Children without an owner (cross-namespace dashboards) are the operator's by label.
+        return Ok(());
+    };
+    let name = desired.name.as_deref().unwrap_or_default();
+    let foreign = match live {
+        Some(l) => !controlled_by(l, &owner.uid),
+        None => match api.get_metadata_opt(name).await {
+            Ok(Some(m)) => !controlled_by(&m.metadata, &owner.uid),
+            Ok(None) => false,
+            Err(e) => return Err(Error::kube(K::kind(&()).into_owned(), name)(e)),
+        },
+    };
+    if foreign {
+        return Err(Error::ChildConflict {
+            kind: K::kind(&()).into_owned(),
+            name: name.to_string(),
+        });
+    }
+    Ok(())
 }
 
 /// Deletes `name` if the cache holds it and `uid` controls it; returns whether it did.

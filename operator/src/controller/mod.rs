@@ -51,6 +51,12 @@ pub enum Error {
     /// A child was refused for good; status shows it as `Degraded`.
     #[error("{0}")]
     Refused(String),
+    /// An object with a child's name exists and this InferenceService does not control it.
+    #[error(
+        "{kind} {name} already exists and is not controlled by this InferenceService; \
+         the operator will not take it over (rename one of them, or delete the {kind})"
+    )]
+    ChildConflict { kind: String, name: String },
 }
 
 impl Error {
@@ -76,7 +82,7 @@ impl Error {
             Error::Serialize(_) => "serialize",
             Error::Unnamed | Error::Metadata(_) => "invalid_object",
             Error::Cache(_) => "cache",
-            Error::Refused(_) => "refused",
+            Error::Refused(_) | Error::ChildConflict { .. } => "refused",
         }
     }
 }
@@ -217,10 +223,14 @@ pub fn error_policy(isvc: Arc<InferenceService>, error: &Error, ctx: Arc<Context
 pub async fn dispatch(mut touches: mpsc::UnboundedReceiver<Touch>, ctx: Arc<Context>) {
     while let Some(t) = touches.recv().await {
         match t {
-            Touch::Applied(isvc) => ctx.triggers.reconcile(ObjectRef::from_obj(&*isvc)),
+            Touch::Applied(isvc) => {
+                ctx.triggers.reconcile(ObjectRef::from_obj(&*isvc));
+                reconcile_name_peers(&ctx, Some(&crate::build::served_name(&isvc)));
+            }
             Touch::Deleted(r) => {
                 let ns = r.namespace.clone().unwrap_or_default();
                 ctx.applied.forget_owner(&ns, &r.name);
+                reconcile_name_peers(&ctx, None);
             }
             Touch::Owner(r) => ctx.triggers.reconcile(r),
             Touch::Claim { namespace, name } => {
@@ -232,6 +242,23 @@ pub async fn dispatch(mut touches: mpsc::UnboundedReceiver<Touch>, ctx: Arc<Cont
                     }
                 }
             }
+        }
+    }
+}
+
+/// A served name's holder changes when a claimant appears, renames or goes: the other
+/// claimants of `name`, and every InferenceService now marked `ServedNameConflict`, are
+/// reconciled so their `Ready` follows.
+fn reconcile_name_peers(ctx: &Context, name: Option<&str>) {
+    for other in ctx.caches.isvcs.state() {
+        let claims = name.is_some_and(|n| crate::build::served_name(&other) == n);
+        let marked = other
+            .status
+            .as_ref()
+            .and_then(|s| crate::status::condition(s, crate::status::READY))
+            .is_some_and(|c| c.reason == crate::status::SERVED_NAME_CONFLICT);
+        if claims || marked {
+            ctx.triggers.reconcile(ObjectRef::from_obj(&*other));
         }
     }
 }

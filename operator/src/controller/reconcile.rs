@@ -310,6 +310,10 @@ fn status_step(
             .autoscaling
             .as_ref()
             .map(|_| ctx.autoscale.get(&Key::new(ns, name))),
+        served_name_conflict: status::served_name_conflict(
+            isvc,
+            ctx.caches.isvcs.state().iter().map(|i| &**i),
+        ),
     };
     status::compute(&obs, isvc.status.as_ref(), &status::now())
 }
@@ -367,6 +371,9 @@ fn next_action(ctx: &Context, applied: Applied, complete: bool) -> Result<Action
 /// the reconcile is retried with backoff. Conflicts (409), throttling (429) and transport
 /// errors are passing and only retried. The flag says whether it was refused for good.
 fn refusal(e: &Error) -> Option<(Finding, bool)> {
+    if let Error::ChildConflict { .. } = e {
+        return Some((Finding::new("ChildConflict", e.to_string()), true));
+    }
     let Error::Kube {
         kind,
         name,
@@ -584,6 +591,18 @@ fn transition_events(
                 d.message.clone(),
             ));
         }
+    }
+    if let Some(r) = status::condition(new, READY)
+        && r.status == "False"
+        && r.reason == status::SERVED_NAME_CONFLICT
+        && before(READY).is_none_or(|b| b.reason != r.reason)
+    {
+        events.push(event(
+            EventType::Warning,
+            &r.reason,
+            "Reconcile",
+            r.message.clone(),
+        ));
     }
     if let Some(r) = status::condition(new, READY)
         && r.status == "True"

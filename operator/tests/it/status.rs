@@ -152,6 +152,7 @@ fn obs<'a>(d: Option<&'a Deployment>, desired: i32) -> Observation<'a> {
         selector: Some("s".into()),
         url: Some("http://x".into()),
         autoscaling: None,
+        served_name_conflict: None,
     }
 }
 
@@ -217,4 +218,57 @@ fn conditions_for_each_situation() {
     };
     assert_eq!(t(&again, READY), t(&s, READY), "Ready stayed True");
     assert_eq!(t(&again, DEGRADED), later, "Degraded went False");
+}
+
+fn claimant(
+    ns: &str,
+    name: &str,
+    served: &str,
+    created: &str,
+) -> ferrite_operator::crd::InferenceService {
+    serde_json::from_value(
+        json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": ns, "uid": format!("{ns}-{name}"),
+                     "creationTimestamp": created},
+        "spec": {"model": {"source": "/m.gguf", "servedName": served}}}),
+    )
+    .expect("isvc")
+}
+
+/// The oldest claimant holds a served name whatever the namespaces' order; a later one is
+/// told who holds it and its own id; the holder, and a service alone with its name, are not.
+#[test]
+fn the_oldest_claimant_holds_a_served_name() {
+    let old = claimant("zzz", "llm", "shared", "2026-01-01T00:00:00Z");
+    let copy = claimant("aaa", "copy", "shared", "2026-01-02T00:00:00Z");
+    let alone = claimant("aaa", "other", "mine", "2026-01-03T00:00:00Z");
+    let all = [&old, &copy, &alone];
+    assert_eq!(
+        status::served_name_conflict(&old, all.iter().copied()),
+        None
+    );
+    assert_eq!(
+        status::served_name_conflict(&alone, all.iter().copied()),
+        None
+    );
+    let f = status::served_name_conflict(&copy, all.iter().copied()).expect("conflict");
+    assert_eq!(f.reason, status::SERVED_NAME_CONFLICT);
+    assert!(
+        f.message.contains("zzz/llm") && f.message.contains("aaa/copy"),
+        "{}",
+        f.message
+    );
+    // Created in the same second: namespace and name decide, the same way everywhere.
+    let twin = claimant("bbb", "twin", "shared", "2026-01-01T00:00:00Z");
+    let all = [&old, &twin];
+    assert!(status::served_name_conflict(&old, all.iter().copied()).is_some());
+    assert_eq!(
+        status::served_name_conflict(&twin, all.iter().copied()),
+        None
+    );
+
+    let mut o = obs(None, 1);
+    o.served_name_conflict = Some(f);
+    let s = status::compute(&o, None, &Time(Timestamp::UNIX_EPOCH));
+    assert_eq!(cond(&s, READY), pair("False", status::SERVED_NAME_CONFLICT));
 }

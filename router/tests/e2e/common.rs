@@ -7,7 +7,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use ferrite_router::Config;
+use ferrite_router::{Config, LimitConfig};
 use ferrite_testkit::kube::Cluster;
 pub use ferrite_testkit::kube::standin::{create_isvc, install_crd, isvc_api, ready_pod};
 use ferrite_testkit::process::{eventually, free_port};
@@ -63,8 +63,12 @@ pub fn config() -> Config {
     Config {
         prefix_chars: 256,
         epsilon: 0.25,
-        max_body: 1 << 20,
+        limits: LimitConfig {
+            max_body: 1 << 20,
+            ..LimitConfig::default()
+        },
         connect_timeout: Duration::from_secs(2),
+        body_read_timeout: Duration::from_secs(30),
         set_aside: Duration::from_secs(10),
     }
 }
@@ -76,15 +80,19 @@ pub async fn router(client: &kube::Client, ns: &str) -> String {
 
 /// [`router`] with `config`; `wake: false` is `--no-wake`.
 pub async fn router_with(client: &kube::Client, ns: &str, config: Config, wake: bool) -> String {
-    let app = ferrite_router::start(
-        client.clone(),
-        Some(ns),
-        config,
-        Duration::from_millis(200),
-        wake,
-    )
-    .await
-    .expect("the router starts");
+    router_in(client, Some(ns), config, wake).await
+}
+
+/// [`router_with`], watching `ns` or (`None`) the whole cluster.
+pub async fn router_in(
+    client: &kube::Client,
+    ns: Option<&str>,
+    config: Config,
+    wake: bool,
+) -> String {
+    let app = ferrite_router::start(client.clone(), ns, config, Duration::from_millis(200), wake)
+        .await
+        .expect("the router starts");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

@@ -4,5 +4,6 @@
 
 mod balance;
 mod common;
+mod hostile;
 mod routing;
 mod streams;

@@ -5,7 +5,7 @@
 //! records, which a [`StatsSink`] consumes.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -22,6 +22,23 @@ use super::stats::{IterationStats, SchedulerStats, StatsSink};
 use crate::kv::KvCache;
 use crate::model::{LlamaModel, SeqInput};
 
+/// Events one sequence may have waiting for its reader. A client that reads a stream slower
+/// than the engine writes it would otherwise make the server hold every token it has not read
+/// yet (with `n` choices and logprobs, megabytes per request); past this many the sequence
+/// fails with [`SLOW_READER`] instead.
+pub const EVENT_BACKLOG: usize = 512;
+
+/// Why a sequence whose reader fell [`EVENT_BACKLOG`] events behind was ended.
+pub const SLOW_READER: &str = "the client did not read the response fast enough";
+
+pub type EventSender = mpsc::Sender<Event>;
+pub type EventReceiver = mpsc::Receiver<Event>;
+
+/// The channel a request's events travel on, bounded at [`EVENT_BACKLOG`].
+pub fn event_channel() -> (EventSender, EventReceiver) {
+    mpsc::channel(EVENT_BACKLOG)
+}
+
 /// One sequence to generate.
 #[derive(Debug)]
 pub struct Request {
@@ -32,7 +49,7 @@ pub struct Request {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     /// Dropping the receiver aborts the request within one step.
-    pub events: mpsc::UnboundedSender<Event>,
+    pub events: EventSender,
     /// When the API received it: TTFT, queue time and e2e latency count from here.
     pub arrival: Instant,
     /// The API request this sequence is one choice of (`None`: a request of its own).
@@ -120,6 +137,17 @@ pub struct EngineHandle {
     /// Requests sent but not yet taken in by the engine: with the published waiting count this
     /// gives a queue depth that is right between steps too.
     pending: Arc<AtomicUsize>,
+    /// False once the engine thread has ended, however it ended (a panic included).
+    alive: Arc<AtomicBool>,
+}
+
+/// Clears the engine's `alive` flag when the thread ends, by return or by unwinding.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 impl std::fmt::Debug for Command {
@@ -138,6 +166,12 @@ impl EngineHandle {
             self.pending.fetch_sub(1, Ordering::SeqCst);
             EngineError::Stopped
         })
+    }
+
+    /// Whether the engine thread is still running: `/health` reports it, and the server exits
+    /// when it is not (a process that cannot generate must not look ready).
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
     }
 
     /// Requests waiting to be scheduled, including those still in the channel.
@@ -193,11 +227,22 @@ pub fn spawn(
         rx,
         accepting: true,
     };
+    let alive = Arc::new(AtomicBool::new(true));
+    let guard = AliveGuard(alive.clone());
     let join = std::thread::Builder::new()
         .name("ferrite-engine".into())
-        .spawn(move || engine.run())
+        .spawn(move || {
+            let _guard = guard;
+            engine.run()
+        })
         .map_err(|_| SchedulerError::Invalid("cannot start the engine thread"))?;
-    Ok((EngineHandle { tx, stats, pending }, join))
+    let handle = EngineHandle {
+        tx,
+        stats,
+        pending,
+        alive,
+    };
+    Ok((handle, join))
 }
 
 struct Engine {
@@ -216,7 +261,8 @@ struct Engine {
     /// This pass's records, handed to the sink at its end.
     iteration: IterationStats,
     /// This pass's events, sent after the sink has recorded them.
-    outbox: Vec<(mpsc::UnboundedSender<Event>, Event)>,
+    /// The sequence is `None` for a request refused before it became one.
+    outbox: Vec<(Option<SeqId>, EventSender, Event)>,
 }
 
 impl Engine {
@@ -244,13 +290,29 @@ impl Engine {
         }
         self.sink.record(&s, &self.iteration);
         self.iteration = IterationStats::default();
-        for (to, event) in self.outbox.drain(..) {
-            let _ = to.send(event);
+        let mut lagging = Vec::new();
+        for (id, to, event) in std::mem::take(&mut self.outbox) {
+            let last = matches!(event, Event::Finished { .. } | Event::Failed(_));
+            // The last slot is kept for the event that ends the sequence.
+            if !last && to.capacity() <= 1 {
+                lagging.extend(id);
+                continue;
+            }
+            let _ = to.try_send(event);
+        }
+        if !lagging.is_empty() {
+            for id in lagging {
+                self.fail_one(id, SLOW_READER);
+            }
+            // Their failures go out now, not after the next step.
+            for (_, to, event) in std::mem::take(&mut self.outbox) {
+                let _ = to.try_send(event);
+            }
         }
     }
 
-    fn send(&mut self, to: &mpsc::UnboundedSender<Event>, event: Event) {
-        self.outbox.push((to.clone(), event));
+    fn send(&mut self, id: Option<SeqId>, to: &EventSender, event: Event) {
+        self.outbox.push((id, to.clone(), event));
     }
 
     fn run(mut self) {
@@ -289,7 +351,23 @@ impl Engine {
                 self.pending.fetch_sub(1, Ordering::SeqCst);
                 if !self.accepting {
                     let failed = Event::Failed("the server is shutting down".into());
-                    self.send(&req.events, failed);
+                    self.send(None, &req.events, failed);
+                    return;
+                }
+                let vocab = self.model.config().vocab_size;
+                if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+                    // Refused alone: in a batch it would fail every sequence's forward.
+                    let msg =
+                        format!("token id {bad} is not below the model's vocabulary size {vocab}");
+                    self.send(None, &req.events, Event::Failed(msg));
+                    return;
+                }
+                if req.prompt.is_empty() {
+                    self.send(
+                        None,
+                        &req.events,
+                        Event::Failed("the prompt is empty".into()),
+                    );
                     return;
                 }
                 let id = self.next_id;
@@ -339,17 +417,21 @@ impl Engine {
                 text,
                 &mut self.iteration,
             );
-            self.send(&d.req.events, event);
+            self.send(Some(id), &d.req.events, event);
         }
     }
 
     fn fail_all(&mut self, msg: &str) {
         let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
         for id in ids {
-            let _ = self.scheduler.finish(id, &mut self.cache);
-            if let Some(d) = self.seqs.remove(&id) {
-                self.send(&d.req.events, Event::Failed(msg.to_string()));
-            }
+            self.fail_one(id, msg);
+        }
+    }
+
+    fn fail_one(&mut self, id: SeqId, msg: &str) {
+        let _ = self.scheduler.finish(id, &mut self.cache);
+        if let Some(d) = self.seqs.remove(&id) {
+            self.send(Some(id), &d.req.events, Event::Failed(msg.to_string()));
         }
     }
 
@@ -443,16 +525,23 @@ impl Engine {
             let sampled = sample(row, &d.req.sampling, prompt, output, &mut d.rng);
             let token = sampled.token;
             d.tokens.push(token);
-            let out = self.output.token(
+            let out = match self.output.token(
                 &mut d.output,
                 &d.req,
                 &d.tokens,
                 d.prompt_len,
                 sampled,
                 &mut self.iteration,
-            )?;
+            ) {
+                Ok(out) => out,
+                Err(e) => {
+                    // Only this sequence's text is broken; the batch goes on.
+                    self.fail_one(s.id, &format!("detokenizing failed: {e}"));
+                    continue;
+                }
+            };
             let events = d.req.events.clone();
-            self.send(&events, out.event);
+            self.send(Some(s.id), &events, out.event);
             match out.finish {
                 Some((reason, tail)) => self.finish(s.id, reason, tail),
                 None => self.scheduler.append_token(s.id, token)?,

@@ -18,8 +18,6 @@ use crate::model::{ModelError, Tokenizer};
 pub(crate) struct RequestOutput {
     decoder: IncrementalDecoder,
     stop: StopChecker,
-    /// Output text decoded so far (what the stop checker scans).
-    text: String,
     /// Whether the prompt's tokens were counted (once per request, however often a preemption
     /// recomputes it).
     prompt_counted: bool,
@@ -36,7 +34,6 @@ impl RequestOutput {
         Self {
             decoder: IncrementalDecoder::default(),
             stop: StopChecker::new(req.stop.clone()),
-            text: String::new(),
             prompt_counted: false,
             cached_tokens: 0,
             arrival: req.arrival,
@@ -181,8 +178,7 @@ impl OutputProcessor {
             finish = Some(FinishReason::Stop);
         } else {
             let delta = out.decoder.next(&self.tokenizer, &tokens[prompt_len..])?;
-            out.text.push_str(&delta);
-            match out.stop.update(&out.text) {
+            match out.stop.push(&delta) {
                 StopUpdate::Delta(t) => text = t,
                 StopUpdate::Stopped(t) => {
                     text = t;

@@ -7,13 +7,14 @@ use crate::common;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use ferrite_runtime::engine::core::{EngineHandle, Event, FinishReason, Request, spawn};
+use ferrite_runtime::engine::core::{
+    EngineHandle, Event, EventReceiver, FinishReason, Request, SLOW_READER, event_channel, spawn,
+};
 use ferrite_runtime::engine::sampler::SamplingParams;
 use ferrite_runtime::engine::scheduler::SchedulerConfig;
 use ferrite_runtime::engine::stats::NoStats;
 use ferrite_runtime::kv::{KvCache, KvCacheConfig};
 use ferrite_runtime::model::{self, LoadOptions, Tokenizer, WeightMode};
-use tokio::sync::mpsc;
 
 struct Output {
     tokens: Vec<u32>,
@@ -37,9 +38,10 @@ fn engine_with(
     max_num_seqs: usize,
     prefix_caching: bool,
 ) -> (EngineHandle, Tokenizer) {
+    let max_model_len = 256;
     let opts = LoadOptions {
         weight_mode: WeightMode::Packed,
-        max_model_len: Some(256),
+        max_model_len: Some(max_model_len),
         ..Default::default()
     };
     let m = model::load(&common::default_model(), &opts).expect("load");
@@ -49,7 +51,7 @@ fn engine_with(
     let cfg = SchedulerConfig {
         max_num_seqs,
         max_num_batched_tokens: 256,
-        max_model_len: 256,
+        max_model_len,
         block_size: 16,
         chunked_prefill: true,
         watermark_blocks: 1,
@@ -72,7 +74,7 @@ fn submit(
     sampling: SamplingParams,
     max_tokens: usize,
     stop: Vec<String>,
-) -> mpsc::UnboundedReceiver<Event> {
+) -> EventReceiver {
     submit_with(h, prompt, sampling, max_tokens, stop, false)
 }
 
@@ -83,8 +85,8 @@ fn submit_with(
     max_tokens: usize,
     stop: Vec<String>,
     ignore_eos: bool,
-) -> mpsc::UnboundedReceiver<Event> {
-    let (tx, rx) = mpsc::unbounded_channel();
+) -> EventReceiver {
+    let (tx, rx) = event_channel();
     h.submit(Request {
         prompt,
         sampling,
@@ -100,7 +102,7 @@ fn submit_with(
     rx
 }
 
-fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> Output {
+fn collect(mut rx: EventReceiver) -> Output {
     let mut out = Output {
         tokens: vec![],
         text: String::new(),
@@ -382,5 +384,110 @@ fn dropped_receivers_abort_and_free_their_blocks() {
     assert!(h.stats().blocks_used > 0);
     drop(rxs);
     wait_idle(&h);
+    h.shutdown();
+}
+
+fn question(tok: &Tokenizer, q: &str) -> Vec<u32> {
+    tok.encode(
+        &format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"),
+        false,
+    )
+    .expect("enc")
+}
+
+/// Every event of a request, until the engine lets go of it.
+fn drain(mut rx: EventReceiver) -> Vec<Event> {
+    let mut out = Vec::new();
+    while let Some(ev) = rx.blocking_recv() {
+        out.push(ev);
+    }
+    out
+}
+
+#[test]
+fn a_bad_prompt_fails_alone_and_the_batch_goes_on() {
+    let (h, tok) = engine(64, 0, 8);
+    let p = question(&tok, "What is the capital of France?");
+    let mut bad = p.clone();
+    bad.push(1_000_000); // beyond any vocabulary
+    let good = submit(&h, p.clone(), greedy(), 32, vec![]);
+    let refused = submit(&h, bad, greedy(), 32, vec![]);
+    let out = collect(good);
+    assert_eq!(out.text, "The capital of France is Paris.");
+    match drain(refused).as_slice() {
+        [Event::Failed(msg)] => assert!(msg.contains("vocabulary"), "{msg}"),
+        other => panic!("expected one failure, got {other:?}"),
+    }
+    let empty = submit(&h, vec![], greedy(), 4, vec![]);
+    assert!(matches!(drain(empty).as_slice(), [Event::Failed(_)]));
+    h.shutdown();
+}
+
+#[test]
+fn a_reader_that_falls_behind_is_ended_not_buffered() {
+    // The engine's rule holds for a channel of any size: a small one keeps the test short
+    // (the server's, from `event_channel`, holds EVENT_BACKLOG).
+    let (h, tok) = engine(64, 0, 8);
+    let p = question(&tok, "Write a long story about the sea.");
+    let (tx, unread) = tokio::sync::mpsc::channel(16);
+    h.submit(Request {
+        prompt: p.clone(),
+        sampling: greedy(),
+        max_tokens: 100,
+        stop: vec![],
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        events: tx,
+        arrival: Instant::now(),
+        group: None,
+    })
+    .expect("submit");
+    // A reader that keeps up is not affected.
+    let read = collect(submit_with(&h, p, greedy(), 40, vec![], true));
+    assert_eq!(read.completion_tokens, 40);
+    wait_idle(&h);
+    let events = drain(unread);
+    assert!(events.len() <= 16, "{} events held", events.len());
+    match events.last() {
+        Some(Event::Failed(msg)) => assert_eq!(msg, SLOW_READER),
+        other => panic!("expected the slow-reader failure last, got {other:?}"),
+    }
+    h.shutdown();
+}
+
+#[test]
+fn bytes_that_never_form_a_character_are_released_in_bounded_windows() {
+    // A lone UTF-8 lead byte, forced for every token: the text never becomes valid, so a
+    // decoder that waits for a whole character would hold (and re-decode) the whole output.
+    let (h, tok) = engine(64, 0, 8);
+    let lead = tok.token_to_id("ð").expect("the byte 0xF0 is a token");
+    let s = SamplingParams {
+        temperature: 0.0,
+        logit_bias: vec![(lead, 100.0)],
+        ..Default::default()
+    };
+    let rx = submit_with(&h, question(&tok, "Say hi."), s, 64, vec![], true);
+    let mut with_text = 0;
+    let mut text = String::new();
+    let mut rx = rx;
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Token { text: t, token, .. } => {
+                assert_eq!(token, lead);
+                with_text += usize::from(!t.is_empty());
+                text.push_str(&t);
+            }
+            Event::Finished { text: t, .. } => {
+                text.push_str(&t);
+                break;
+            }
+            Event::Failed(e) => panic!("{e}"),
+        }
+    }
+    assert!(with_text >= 64 / 8 - 1, "{with_text} tokens released text");
+    assert!(
+        text.chars().all(|c| c == '\u{FFFD}') && !text.is_empty(),
+        "{text:?}"
+    );
     h.shutdown();
 }

@@ -92,7 +92,7 @@ const FORMS: &str = "expected an absolute path, pvc://<claim>/<path>, \
 impl Source {
     pub fn parse(s: &str) -> Result<Self, SourceError> {
         let bad = |why| SourceError {
-            given: s.to_string(),
+            given: redacted(s),
             why,
         };
         if s.chars().any(char::is_whitespace) {
@@ -105,8 +105,10 @@ impl Source {
             if claim.is_empty() || path.is_empty() {
                 return Err(bad("expected pvc://<claim>/<path>"));
             }
-            if escapes(path) {
-                return Err(bad("the path must stay inside the claim"));
+            if !plain_path(path.trim_end_matches('/')) {
+                return Err(bad(
+                    "the path must stay inside the claim (no empty, . or .. segments)",
+                ));
             }
             return Ok(Self::Pvc {
                 claim: claim.into(),
@@ -129,14 +131,26 @@ impl Source {
                 if authority.is_empty() || key.is_empty() || key == "/" {
                     return Err(bad("expected <scheme>://<bucket or host>/<key>"));
                 }
+                if authority.contains('@') {
+                    return Err(bad(
+                        "credentials do not go in the URL (they would show in logs and status); \
+                         put them in the Secret named by spec.model.secretRef",
+                    ));
+                }
+                if !plain_authority(authority) {
+                    return Err(bad(
+                        "the bucket or host has letters, digits, '-', '_', '.', ':' and [] only",
+                    ));
+                }
                 if matches!(scheme, Scheme::Http | Scheme::Https) && key.ends_with('/') {
                     return Err(bad(
                         "an http(s) source names one file; a folder needs s3:// or gs://",
                     ));
                 }
-                if escapes(key) || key.contains(['?', '#']) {
+                if !plain_path(key.trim_end_matches('/')) || key.contains(['?', '#']) {
                     return Err(bad(
-                        "the key must be a plain path (no .., query or fragment)",
+                        "the key must be a plain path (no empty, . or .. segments, query or \
+                         fragment)",
                     ));
                 }
                 return Ok(Self::Object(ObjectSource {
@@ -164,8 +178,38 @@ impl Source {
     }
 }
 
-fn escapes(path: &str) -> bool {
-    path.split('/').any(|p| p == "..")
+/// `s` with any `user:password@` of a URL replaced, so an error that quotes a source (in a
+/// log line, a pod's termination message, an InferenceService's status) never carries them.
+pub fn redacted(s: &str) -> String {
+    if let Some((scheme, rest)) = s.split_once("://") {
+        let authority_end = rest.find('/').unwrap_or(rest.len());
+        if let Some(at) = rest[..authority_end].rfind('@') {
+            return format!("{scheme}://<redacted>@{}", &rest[at + 1..]);
+        }
+    }
+    s.to_string()
+}
+
+/// A relative path that stays where it is joined: segments separated by `/`, none empty
+/// (so no leading `/`, which would replace the folder it is joined to), `.` or `..`, and no
+/// backslash or control character. Model sources and the names a store or the Hub lists are
+/// checked with it before they become paths in the download cache.
+pub fn plain_path(path: &str) -> bool {
+    !path.is_empty()
+        && path.split('/').all(|seg| {
+            !seg.is_empty()
+                && seg != "."
+                && seg != ".."
+                && !seg.chars().any(|c| c == '\\' || c.is_control())
+        })
+}
+
+/// A bucket, or a host with an optional port: it is also a folder of the download cache.
+fn plain_authority(a: &str) -> bool {
+    a != "."
+        && a != ".."
+        && a.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':' | '[' | ']'))
 }
 
 /// `org/name[@revision][/file]`.
@@ -197,9 +241,9 @@ fn hf(rest: &str) -> Result<HfSource, &'static str> {
         return Err("a revision is a branch, tag or commit of letters, digits, -, _ and .");
     }
     if let Some(f) = file
-        && escapes(f)
+        && !plain_path(f)
     {
-        return Err("the file must stay inside the repository");
+        return Err("the file must stay inside the repository (no empty, . or .. segments)");
     }
     Ok(HfSource {
         repo: format!("{org}/{name}"),
@@ -280,10 +324,42 @@ mod tests {
             "gs://b/../x",
             "ftp://host/x",
             "",
+            // Paths that would leave the download cache when joined to it.
+            "s3://bucket//etc/passwd",
+            "s3://bucket/a//b",
+            "s3://bucket/./a",
+            "s3://../key",
+            "gs://./key",
+            "hf://org/repo//etc/x",
+            "hf://org/repo/a/./b",
+            "pvc://c//abs",
+            "https://host/a\\..\\b",
         ] {
             let e = Source::parse(bad).expect_err(bad);
             assert_eq!(e.given, bad);
             assert!(!e.why.is_empty());
+        }
+    }
+
+    #[test]
+    fn credentials_in_a_url_are_refused_and_not_repeated() {
+        let e = Source::parse("https://user:secret@host/m.gguf").expect_err("credentials");
+        assert!(e.why.contains("secretRef"), "{}", e.why);
+        assert!(!e.to_string().contains("secret@"), "{e}");
+        assert_eq!(e.given, "https://<redacted>@host/m.gguf");
+        let e = Source::parse("s3://key:secret@bucket/m.gguf").expect_err("credentials");
+        assert!(!e.to_string().contains("key:secret"), "{e}");
+    }
+
+    #[test]
+    fn plain_paths_stay_where_they_are_joined() {
+        for ok in ["a", "a/b.gguf", "models--x/blobs/ab12", "a.b/c-d_e"] {
+            assert!(plain_path(ok), "{ok}");
+        }
+        for bad in [
+            "", "/a", "a/", "a//b", "..", "a/../b", "./a", "a\\b", "a\u{0}b",
+        ] {
+            assert!(!plain_path(bad), "{bad:?}");
         }
     }
 }

@@ -21,7 +21,7 @@ use super::state::{AppState, Serving};
 
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
-    JsonBody(req): JsonBody<ChatCompletionRequest>,
+    JsonBody(mut req): JsonBody<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrival = std::time::Instant::now();
     let serving = state.serving()?;
@@ -49,26 +49,28 @@ pub async fn chat_completions(
         ));
     }
     let want = want_logprobs.then(|| top.unwrap_or(0));
-    let prompt = chat_prompt(
-        serving,
-        &req.messages,
-        req.add_generation_prompt.unwrap_or(true),
-    )?;
-    let vocab = serving.tokenizer.vocab_size();
+    let n = generate::choices_per_prompt(&req.sampling)?;
+    let seqs = generate::request_sequences(&state, 1, n)?;
+    let messages = std::mem::take(&mut req.messages);
+    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+    let prompt = state
+        .blocking(move |s| chat_prompt(s, &messages, add_generation_prompt))
+        .await?;
+    let vocab = serving.vocab_size;
     let requested = req.max_completion_tokens.or(req.max_tokens);
     let max_tokens =
         generate::max_tokens_for(prompt.len(), requested, None, serving.max_model_len)?;
     let (stop, stop_token_ids) = generate::stops(&req.sampling, vocab)?;
     let g = Generation {
         sampling: generate::sampling_params(&req.sampling, want, vocab)?,
-        n: generate::choices_per_prompt(&req.sampling)?,
+        n,
         max_tokens: vec![max_tokens],
         stop,
         stop_token_ids,
         ignore_eos: req.sampling.ignore_eos.unwrap_or(false),
         prompts: vec![prompt],
     };
-    generate::admit(&state, serving)?;
+    generate::admit(&state, serving, seqs)?;
     let receivers = generate::submit(serving, &g, arrival)?;
     let head = Head::new("chatcmpl", &state.served_model_name);
 

@@ -38,8 +38,13 @@ pub async fn completions(
             "echo together with logprobs (prompt logprobs) is not supported",
         ));
     }
-    let vocab = serving.tokenizer.vocab_size();
-    let prompts = tokenize_prompts(&serving.tokenizer, req.prompt, vocab)?;
+    let vocab = serving.vocab_size;
+    let n = generate::choices_per_prompt(&req.sampling)?;
+    let seqs = generate::request_sequences(&state, req.prompt.count(), n)?;
+    let prompt = req.prompt;
+    let prompts = state
+        .blocking(move |s| tokenize_prompts(&s.tokenizer, prompt, vocab))
+        .await?;
     let max_tokens = prompts
         .iter()
         .map(|p| {
@@ -54,14 +59,14 @@ pub async fn completions(
     let (stop, stop_token_ids) = generate::stops(&req.sampling, vocab)?;
     let g = Generation {
         sampling: generate::sampling_params(&req.sampling, want_logprobs, vocab)?,
-        n: generate::choices_per_prompt(&req.sampling)?,
+        n,
         max_tokens,
         stop,
         stop_token_ids,
         ignore_eos: req.sampling.ignore_eos.unwrap_or(false),
         prompts,
     };
-    generate::admit(&state, serving)?;
+    generate::admit(&state, serving, seqs)?;
     let echoes: Vec<String> = if echo {
         g.prompts
             .iter()

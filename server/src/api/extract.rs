@@ -1,12 +1,21 @@
 //! A JSON body extractor whose every failure is an OpenAI-style 400 (axum's own `Json` answers
 //! in plain text and with 415/422), so a malformed body gets the same error shape as any other.
 
-use axum::body::Bytes;
+use std::time::Duration;
+
 use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
+use ferrite_net::BodyError;
 use serde::de::DeserializeOwned;
 
 use super::error::ApiError;
+
+/// Largest request body: axum's default, and the router's default `--max-body`.
+pub const MAX_BODY: usize = 2 << 20;
+
+/// How long a body may take to arrive (`--body-read-timeout`), as a request extension.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyTimeout(pub Duration);
 
 #[derive(Debug)]
 pub struct JsonBody<T>(pub T);
@@ -18,14 +27,33 @@ where
 {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
-            let mut err = ApiError::bad_request(format!("could not read the request body: {e}"));
-            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                err.status = StatusCode::PAYLOAD_TOO_LARGE;
-            }
-            err
-        })?;
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        let timeout = req.extensions().get::<BodyTimeout>().map_or(
+            ferrite_net::ListenerLimits::default().body_read_timeout,
+            |t| t.0,
+        );
+        let bytes = ferrite_net::read_body(req.into_body(), MAX_BODY, timeout)
+            .await
+            .map_err(|e| {
+                let (status, why) = match e {
+                    BodyError::TooLarge => (
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        format!("the request body is larger than {MAX_BODY} bytes"),
+                    ),
+                    BodyError::TimedOut => (
+                        StatusCode::REQUEST_TIMEOUT,
+                        format!("the request body did not arrive within {timeout:?}"),
+                    ),
+                    BodyError::Broken => (
+                        StatusCode::BAD_REQUEST,
+                        "the connection failed while the body was read".to_string(),
+                    ),
+                };
+                let mut err =
+                    ApiError::bad_request(format!("could not read the request body: {why}"));
+                err.status = status;
+                err
+            })?;
         parse(&bytes).map(JsonBody)
     }
 }
@@ -33,7 +61,7 @@ where
 /// Parses a body, naming the offending field when there is one.
 pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let value = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if inner.is_syntax() || inner.is_eof() || path.is_empty() || path == "." || path == "?" {
@@ -41,7 +69,12 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         } else {
             ApiError::invalid_param(&path, format!("invalid value for `{path}`: {inner}"))
         }
-    })
+    })?;
+    // Bytes after the JSON value: refused, as the router refuses them (two parsers that read
+    // one body differently are how request smuggling starts).
+    de.end()
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+    Ok(value)
 }
 
 #[cfg(test)]
@@ -63,7 +96,11 @@ mod tests {
         let e = parse::<CompletionRequest>(br#"{"max_tokens": 3}"#).expect_err("no prompt");
         assert!(e.message.contains("prompt"), "{}", e.message);
 
-        let ok = parse::<CompletionRequest>(br#"{"prompt": [1, 2, 3], "temperature": 0}"#)
+        let e = parse::<CompletionRequest>(br#"{"prompt": "hi"} {"prompt": "again"}"#)
+            .expect_err("trailing");
+        assert!(e.message.contains("trailing"), "{}", e.message);
+
+        let ok = parse::<CompletionRequest>(br#"{"prompt": [1, 2, 3], "temperature": 0} "#)
             .expect("valid");
         assert!(matches!(ok.prompt, crate::api::protocol::Prompt::Tokens(ref t) if t.len() == 3));
     }

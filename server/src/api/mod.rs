@@ -12,25 +12,28 @@ pub mod state;
 pub mod tokenize;
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use axum::Router;
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Router};
 
 use crate::metrics::http::HttpMetrics;
 use error::ApiError;
 use state::AppState;
 
-/// All routes. `/v1/*` sits behind the API key when one is set; probes, `/version`,
-/// `/metrics` and the tokenizer endpoints stay open, as in vLLM.
-pub fn router(state: Arc<AppState>, http: HttpMetrics) -> Router {
+/// All routes. `/v1/*` and the tokenizer endpoints (which spend CPU on the client's text) sit
+/// behind the API key when one is set; probes, `/version` and `/metrics` stay open.
+pub fn router(state: Arc<AppState>, http: HttpMetrics, body_read_timeout: Duration) -> Router {
     let v1 = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
@@ -40,9 +43,8 @@ pub fn router(state: Arc<AppState>, http: HttpMetrics) -> Router {
         .route("/health", get(health))
         .route("/version", get(version))
         .route("/metrics", get(metrics))
-        .route("/tokenize", post(tokenize::tokenize))
-        .route("/detokenize", post(tokenize::detokenize))
         .fallback(not_found)
+        .layer(Extension(extract::BodyTimeout(body_read_timeout)))
         .layer(middleware::from_fn_with_state(
             http,
             crate::metrics::http::record,
@@ -56,6 +58,8 @@ async fn health(State(s): State<Arc<AppState>>) -> impl IntoResponse {
         (StatusCode::OK, "")
     } else if s.is_draining() {
         (StatusCode::SERVICE_UNAVAILABLE, "shutting down")
+    } else if s.loaded().is_some() {
+        (StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "loading")
     }

@@ -16,6 +16,17 @@ pub enum Prompt {
     TokenLists(Vec<Vec<u32>>),
 }
 
+impl Prompt {
+    /// How many prompts this is (without tokenizing anything).
+    pub fn count(&self) -> usize {
+        match self {
+            Prompt::Text(_) | Prompt::Tokens(_) => 1,
+            Prompt::Texts(v) => v.len(),
+            Prompt::TokenLists(v) => v.len(),
+        }
+    }
+}
+
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]

@@ -1,8 +1,8 @@
 //! What every handler shares: the served name, auth and admission settings, and — once the
 //! model is loaded — the engine handle with the tokenizer and chat template.
 
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use super::error::ApiError;
 use ferrite_runtime::engine::core::EngineHandle;
@@ -12,16 +12,27 @@ use prometheus::Registry;
 #[derive(Debug)]
 pub struct AppState {
     pub served_model_name: String,
+    /// Other names accepted in `model` (responses carry the first name).
+    pub aliases: Vec<String>,
     /// Unix seconds, for `created` fields.
     pub created: u64,
     /// Bearer token required on `/v1/*` (vLLM's `--api-key`).
     pub api_key: Option<String>,
     /// Requests waiting for the engine beyond this are refused with 503.
     pub max_queue_len: Option<usize>,
+    /// Most sequences (prompts × `n`) one request may add.
+    pub max_request_sequences: usize,
     /// Everything `/metrics` exposes.
     pub registry: Registry,
     serving: OnceLock<Serving>,
     draining: AtomicBool,
+}
+
+/// What one request, and the queue, may hold.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLimits {
+    pub max_queue_len: Option<usize>,
+    pub max_request_sequences: usize,
 }
 
 /// The loaded model as the HTTP side sees it.
@@ -31,23 +42,29 @@ pub struct Serving {
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
     pub max_model_len: usize,
+    /// Token ids below this are valid in prompts: both the tokenizer and the model's
+    /// embedding know them.
+    pub vocab_size: usize,
 }
 
 impl AppState {
     pub fn new(
         served_model_name: String,
+        aliases: Vec<String>,
         api_key: Option<String>,
-        max_queue_len: Option<usize>,
+        limits: RequestLimits,
         registry: Registry,
     ) -> Self {
         Self {
             served_model_name,
+            aliases,
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             api_key,
-            max_queue_len,
+            max_queue_len: limits.max_queue_len,
+            max_request_sequences: limits.max_request_sequences,
             registry,
             serving: OnceLock::new(),
             draining: AtomicBool::new(false),
@@ -68,12 +85,26 @@ impl AppState {
             .ok_or_else(|| ApiError::unavailable("the model is still loading", 5))
     }
 
+    /// Runs CPU work on the loaded model (tokenizing, rendering a chat template) on the blocking
+    /// pool: a long prompt must not hold an async worker that probes, scrapes and token
+    /// streams share.
+    pub async fn blocking<T, F>(self: &Arc<Self>, f: F) -> Result<T, ApiError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Serving) -> Result<T, ApiError> + Send + 'static,
+    {
+        let state = self.clone();
+        tokio::task::spawn_blocking(move || f(state.serving()?))
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))?
+    }
+
     pub fn loaded(&self) -> Option<&Serving> {
         self.serving.get()
     }
 
     pub fn is_ready(&self) -> bool {
-        self.serving.get().is_some() && !self.is_draining()
+        self.serving.get().is_some_and(|s| s.engine.is_alive()) && !self.is_draining()
     }
 
     /// Set on SIGTERM: readiness fails so that load balancers stop sending new work.
@@ -88,13 +119,15 @@ impl AppState {
     /// 400 unless `model` is absent or names the served model.
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
-            Some(m) if m != self.served_model_name => Err(ApiError::invalid_param(
-                "model",
-                format!(
-                    "The model `{m}` does not exist. This server serves `{}`.",
-                    self.served_model_name
-                ),
-            )),
+            Some(m) if m != self.served_model_name && !self.aliases.iter().any(|a| a == m) => {
+                Err(ApiError::invalid_param(
+                    "model",
+                    format!(
+                        "The model `{m}` does not exist. This server serves `{}`.",
+                        self.served_model_name
+                    ),
+                ))
+            }
             _ => Ok(()),
         }
     }

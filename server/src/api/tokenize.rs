@@ -11,14 +11,21 @@ use super::error::ApiError;
 use super::extract::JsonBody;
 use super::protocol::{DetokenizeRequest, TokenizeRequest};
 use super::response::{Detokenized, Tokenized};
-use super::state::AppState;
+use super::state::{AppState, Serving};
 
 pub async fn tokenize(
     State(state): State<Arc<AppState>>,
     JsonBody(req): JsonBody<TokenizeRequest>,
 ) -> Result<Json<Tokenized>, ApiError> {
-    let serving = state.serving()?;
+    state.serving()?;
     state.check_model(req.model.as_deref())?;
+    state
+        .blocking(move |serving| tokenized(serving, &req))
+        .await
+        .map(Json)
+}
+
+fn tokenized(serving: &Serving, req: &TokenizeRequest) -> Result<Tokenized, ApiError> {
     let tokens = match (&req.prompt, &req.messages) {
         (Some(p), None) => serving
             .tokenizer
@@ -37,12 +44,12 @@ pub async fn tokenize(
             .map(|&t| token_text(&serving.tokenizer, t))
             .collect()
     });
-    Ok(Json(Tokenized {
+    Ok(Tokenized {
         count: tokens.len(),
         max_model_len: serving.max_model_len,
         tokens,
         token_strs,
-    }))
+    })
 }
 
 pub async fn detokenize(
@@ -67,9 +74,13 @@ pub async fn detokenize(
                 })
         })
         .collect::<Result<Vec<u32>, _>>()?;
-    let text = serving
-        .tokenizer
-        .decode(&ids, false)
-        .map_err(|e| ApiError::invalid_param("tokens", e.to_string()))?;
+    let text = state
+        .blocking(move |serving| {
+            serving
+                .tokenizer
+                .decode(&ids, false)
+                .map_err(|e| ApiError::invalid_param("tokens", e.to_string()))
+        })
+        .await?;
     Ok(Json(Detokenized { prompt: text }))
 }

@@ -9,8 +9,8 @@ use hf_hub::api::sync::{ApiBuilder, ApiError, ApiRepo};
 use hf_hub::{Cache, Repo, RepoType};
 use tracing::info;
 
-use super::FetchError;
 use super::progress::LogProgress;
+use super::{FetchError, lock};
 
 /// Files a model folder needs; the rest of a repository (other formats, images, ONNX and
 /// PyTorch copies) is left on the Hub, as vLLM's downloader does.
@@ -33,19 +33,36 @@ pub fn fetch(label: &str, src: &HfSource, cache: &Path) -> Result<PathBuf, Fetch
         .ok()
         .filter(|t| !t.trim().is_empty())
         .or_else(|| hub_cache.token());
+    let endpoint = std::env::var("HF_ENDPOINT").ok();
+    if token.is_some()
+        && let Some(e) = &endpoint
+        && !token_may_go_to(e)
+    {
+        return Err(FetchError::Refused {
+            model: label.to_string(),
+            detail: format!(
+                "HF_ENDPOINT {e} is plain http: the token would cross the network in clear; \
+                 use https"
+            ),
+        });
+    }
+    let has_token = token.is_some();
     let mut builder = ApiBuilder::from_cache(hub_cache.clone())
         .with_token(token)
         .with_progress(false)
         .with_retries(3);
-    if let Ok(endpoint) = std::env::var("HF_ENDPOINT") {
+    if let Some(endpoint) = endpoint {
         builder = builder.with_endpoint(endpoint.trim_end_matches('/').to_string());
     }
+    tracing::debug!(has_token, "Hub client ready");
     let api = builder.build().map_err(|e| error(label, None, &e))?;
     let api_repo = api.repo(repo.clone());
+    let repo_dir = cache.join(repo.folder_name());
     let cached = hub_cache.repo(repo);
+    let get = |file: &str| get(&api_repo, &cached, &repo_dir, file, label);
 
     if let Some(file) = &src.file {
-        return get(&api_repo, &cached, file).map_err(|e| error(label, Some(file), &e));
+        return get(file);
     }
     // A whole model folder: the file list of the revision, then each wanted file.
     let listing = api_repo.info().map_err(|e| error(label, None, &e))?;
@@ -55,6 +72,13 @@ pub fn fetch(label: &str, src: &HfSource, cache: &Path) -> Result<PathBuf, Fetch
         .map(|s| s.rfilename.as_str())
         .filter(|n| wanted(n))
         .collect();
+    // The listing names cache paths: nothing may point outside the repository's folder.
+    if let Some(bad) = names.iter().find(|n| !ferrite_source::plain_path(n)) {
+        return Err(FetchError::Refused {
+            model: label.to_string(),
+            detail: format!("the repository lists {bad:?}, which is not a plain relative path"),
+        });
+    }
     if !names.iter().any(|n| n.ends_with(".safetensors")) {
         let ggufs: Vec<&str> = listing
             .siblings
@@ -79,7 +103,7 @@ pub fn fetch(label: &str, src: &HfSource, cache: &Path) -> Result<PathBuf, Fetch
     }
     let mut folder = None;
     for name in names {
-        let path = get(&api_repo, &cached, name).map_err(|e| error(label, Some(name), &e))?;
+        let path = get(name)?;
         // The snapshot folder is the downloaded path less the file's own components.
         let depth = name.split('/').count();
         folder = path.ancestors().nth(depth).map(Path::to_path_buf);
@@ -90,14 +114,128 @@ pub fn fetch(label: &str, src: &HfSource, cache: &Path) -> Result<PathBuf, Fetch
     })
 }
 
-/// The cached file when this revision's copy is complete, else a (resumed) download.
-fn get(api: &ApiRepo, cached: &hf_hub::CacheRepo, file: &str) -> Result<PathBuf, ApiError> {
+/// Whether a token may be sent to `endpoint`: over https, or plain http to this machine only
+/// (a stand-in Hub in tests, a proxy in the pod).
+fn token_may_go_to(endpoint: &str) -> bool {
+    let Some(rest) = endpoint.strip_prefix("http://") else {
+        return true;
+    };
+    let host = rest.split(['/', '?']).next().unwrap_or_default();
+    let host = match host.rsplit_once(':') {
+        Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => host,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The cached file when this revision's copy is complete, else a download: one replica at a
+/// time per file (the others wait, then find it complete), a part file that cannot be resumed
+/// discarded, and the Hub's sha256 of an LFS file checked against what arrived.
+fn get(
+    api: &ApiRepo,
+    cached: &hf_hub::CacheRepo,
+    repo_dir: &Path,
+    file: &str,
+    label: &str,
+) -> Result<PathBuf, FetchError> {
     if let Some(path) = cached.get(file) {
         info!(file, path = %path.display(), "model file already downloaded");
         return Ok(path);
     }
+    let lock_path = repo_dir
+        .join(".ferrite-locks")
+        .join(format!("{}.lock", file.replace('/', "%2F")));
+    let _lock = lock::acquire(&lock_path).map_err(|e| FetchError::Io {
+        model: label.to_string(),
+        path: lock_path.clone(),
+        error: e,
+    })?;
+    if let Some(path) = cached.get(file) {
+        info!(file, path = %path.display(), "model file downloaded by another replica");
+        return Ok(path);
+    }
     info!(url = api.url(file), "downloading");
-    api.download_with_progress(file, LogProgress::default())
+    let path = match api.download_with_progress(file, LogProgress::default()) {
+        Err(ApiError::InvalidResume) => {
+            // A part file longer than the file (hf-hub cannot resume it): drop the parts no
+            // download holds, and start over.
+            discard_idle_parts(&repo_dir.join("blobs"));
+            api.download_with_progress(file, LogProgress::default())
+        }
+        other => other,
+    }
+    .map_err(|e| error(label, Some(file), &e))?;
+    verify_lfs_sha256(&path).map_err(|detail| FetchError::Transfer {
+        model: label.to_string(),
+        detail: format!("file {file}: {detail}"),
+    })?;
+    Ok(path)
+}
+
+/// Removes the `.part` files of `blobs` whose download lock no one holds.
+fn discard_idle_parts(blobs: &Path) {
+    let parts = std::fs::read_dir(blobs)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "part"));
+    for part in parts {
+        if let Ok(Some(_held)) = lock::try_acquire(&part.with_extension("lock")) {
+            tracing::warn!(part = %part.display(), "discarding a part file that cannot be resumed");
+            let _ = std::fs::remove_file(&part);
+        }
+    }
+}
+
+/// The Hub names an LFS file's blob by its sha256 (its `x-linked-etag`); a blob named so must
+/// hash to its name. A mismatch removes the blob and its snapshot link, so the next start
+/// downloads it again instead of loading corrupt weights.
+fn verify_lfs_sha256(path: &Path) -> Result<(), String> {
+    let blob = std::fs::canonicalize(path).map_err(|e| e.to_string())?;
+    let name = blob
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let is_sha256 = name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit());
+    if !is_sha256 {
+        return Ok(());
+    }
+    let got = sha256_file(&blob).map_err(|e| format!("reading {}: {e}", blob.display()))?;
+    if got.eq_ignore_ascii_case(&name) {
+        info!(file = %path.display(), "sha256 matches the Hub's");
+        return Ok(());
+    }
+    let _ = std::fs::remove_file(&blob);
+    let _ = std::fs::remove_file(path);
+    Err(format!(
+        "the download does not match the Hub's sha256 ({name}; got {got}); it was removed"
+    ))
+}
+
+/// The lowercase hex sha256 of a file, read in 1 MiB pieces.
+pub fn sha256_file(path: &Path) -> std::io::Result<String> {
+    use sha2::Digest;
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut hasher = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 /// The Hub's answer in words a user can act on: which token, which file, which revision.
@@ -143,6 +281,25 @@ fn error(label: &str, file: Option<&str>, e: &ApiError) -> FetchError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_goes_over_https_or_to_this_machine_only() {
+        for ok in [
+            "https://huggingface.co",
+            "http://127.0.0.1:8080",
+            "http://localhost:9000/",
+            "http://[::1]:80",
+        ] {
+            assert!(token_may_go_to(ok), "{ok}");
+        }
+        for bad in [
+            "http://hub.internal",
+            "http://10.0.0.5:8080",
+            "http://127.0.0.1.evil.io",
+        ] {
+            assert!(!token_may_go_to(bad), "{bad}");
+        }
+    }
 
     #[test]
     fn a_model_folder_takes_weights_configs_and_tokenizers_only() {

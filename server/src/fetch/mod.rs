@@ -7,6 +7,7 @@
 //! the files are complete.
 
 mod hub;
+mod lock;
 mod object;
 mod progress;
 

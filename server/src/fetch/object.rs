@@ -16,8 +16,8 @@ use object_store::{ClientOptions, GetOptions, GetRange, ObjectMeta, ObjectStore}
 use tokio::io::AsyncWriteExt;
 use tracing::{info, warn};
 
-use super::FetchError;
 use super::progress::LogProgress;
+use super::{FetchError, lock};
 
 /// Tries per file; each retry resumes from the bytes already written.
 const ATTEMPTS: usize = 3;
@@ -32,7 +32,7 @@ pub async fn fetch(label: &str, src: &ObjectSource, cache: &Path) -> Result<Path
     if !src.is_folder() {
         let key = StorePath::from(src.key.as_str());
         let dest = root.join(&src.key);
-        file(&*store, &key, &dest, label).await?;
+        file(&*store, &key, &dest, &root, label).await?;
         return Ok(dest);
     }
     let prefix = StorePath::from(src.key.trim_end_matches('/'));
@@ -47,10 +47,24 @@ pub async fn fetch(label: &str, src: &ObjectSource, cache: &Path) -> Result<Path
             detail: "no objects under this prefix".into(),
         });
     }
+    // The store's listing names cache paths too: a hostile or broken store must not write
+    // outside the cache (a key with `..`, an empty segment or a leading `/`).
+    if let Some(bad) = objects
+        .iter()
+        .find(|m| !ferrite_source::plain_path(m.location.as_ref()))
+    {
+        return Err(FetchError::Refused {
+            model: label.to_string(),
+            detail: format!(
+                "the store listed {:?}, which is not a plain relative path",
+                bad.location.as_ref()
+            ),
+        });
+    }
     let dest_dir = root.join(src.key.trim_end_matches('/'));
     for meta in objects {
         let dest = root.join(meta.location.as_ref());
-        file(&*store, &meta.location, &dest, label).await?;
+        file(&*store, &meta.location, &dest, &root, label).await?;
     }
     Ok(dest_dir)
 }
@@ -86,10 +100,13 @@ fn tag(meta: &ObjectMeta) -> String {
     }
 }
 
+/// Downloads `key` to `dest`; `root` is the bucket's or host's folder, whose `.ferrite-locks`
+/// holds the download locks (beside the files they would show in the model folder).
 async fn file(
     store: &dyn ObjectStore,
     key: &StorePath,
     dest: &Path,
+    root: &Path,
     label: &str,
 ) -> Result<(), FetchError> {
     let meta = store.head(key).await.map_err(|e| error(label, &e))?;
@@ -98,14 +115,27 @@ async fn file(
         path: path.to_path_buf(),
         error,
     };
-    if let Ok(m) = tokio::fs::metadata(dest).await
-        && m.len() == meta.size
-    {
+    let complete = async || {
+        tokio::fs::metadata(dest)
+            .await
+            .is_ok_and(|m| m.len() == meta.size)
+    };
+    if complete().await {
         info!(file = %dest.display(), "model file already downloaded");
         return Ok(());
     }
     let part = dest.with_extension(extension(dest, "part"));
     let tag_file = dest.with_extension(extension(dest, "part.tag"));
+    let lock_file = root
+        .join(".ferrite-locks")
+        .join(format!("{}.lock", key.as_ref().replace('/', "%2F")));
+    let _lock = lock::acquire_async(lock_file.clone())
+        .await
+        .map_err(|e| io(&lock_file, e))?;
+    if complete().await {
+        info!(file = %dest.display(), "model file downloaded by another replica");
+        return Ok(());
+    }
     if let Some(parent) = dest.parent() {
         tokio::fs::create_dir_all(parent)
             .await
@@ -127,8 +157,16 @@ async fn file(
     );
     let mut last = None;
     for attempt in 0..ATTEMPTS {
-        let have = tokio::fs::metadata(&part).await.map_or(0, |m| m.len());
-        if have >= meta.size {
+        let mut have = tokio::fs::metadata(&part).await.map_or(0, |m| m.len());
+        if have > meta.size {
+            // Longer than the object: not a part of it. Start over rather than fail forever.
+            warn!(file = %key, have, size = meta.size, "discarding an oversized part file");
+            tokio::fs::remove_file(&part)
+                .await
+                .map_err(|e| io(&part, e))?;
+            have = 0;
+        }
+        if have == meta.size {
             break;
         }
         if have > 0 {

@@ -4,6 +4,7 @@
 
 mod common;
 
+mod hostile;
 mod metrics_counts;
 mod model_sources;
 mod openai_client;

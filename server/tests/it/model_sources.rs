@@ -451,3 +451,128 @@ fn an_s3_folder_downloads_with_credentials_from_the_environment() {
     one.complete("model");
     assert!(one.log().contains("already downloaded"), "{}", one.log());
 }
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Two replicas started at once on one cache (as pods sharing a ReadWriteMany claim): one
+/// downloads while the other waits on its lock and then finds the file whole, so the Hub sends
+/// the model about once and both serve. (hf-hub's own lock gives up after five seconds, so the
+/// second pod used to fail and crash-loop until the first was done.) The file arrives checked
+/// against the sha256 the Hub announces for it.
+#[test]
+fn two_replicas_on_one_cache_download_once() {
+    let bytes = model_bytes();
+    let size = bytes.len() as u64;
+    let hub = FileHost::start();
+    hub.add_repo(
+        "acme/smol",
+        COMMIT,
+        &["main"],
+        &[("smol.gguf", bytes.clone())],
+    );
+    hub.announce_sha256("acme/smol", "smol.gguf", &sha256_hex(&bytes));
+    // About 10 s for the model: long enough that the second replica arrives mid-download.
+    hub.throttle(10 << 20);
+    let dir = TempDir::new("hub-shared");
+    let source = "hf://acme/smol/smol.gguf";
+    let url = hub.url();
+    let env = [("HF_ENDPOINT", url.as_str())];
+    let mut first = launch(source, dir.path(), &env);
+    eventually_blocking(Duration::from_secs(60), "the download to start", || {
+        (hub.sent() > 0).then_some(())
+    });
+    let mut second = launch(source, dir.path(), &env);
+    first.ready();
+    second.ready();
+    second.complete("acme/smol");
+    assert!(
+        hub.sent() < size + size / 10,
+        "{} bytes sent for a {size}-byte model",
+        hub.sent()
+    );
+    let logs = [first.log(), second.log()];
+    assert!(
+        logs.iter().any(|l| l.contains("sha256 matches")),
+        "{logs:?}"
+    );
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("downloaded by another replica")),
+        "{logs:?}"
+    );
+}
+
+/// Bytes that do not hash to the sha256 the Hub announced (a corrupted transfer or cache)
+/// stop the server with the reason, and the bad blob is removed so the next start fetches it
+/// again rather than loading it.
+#[test]
+fn a_download_that_does_not_match_the_hubs_sha256_is_removed() {
+    let hub = FileHost::start();
+    hub.add_repo(
+        "acme/smol",
+        COMMIT,
+        &["main"],
+        &[("smol.gguf", model_bytes())],
+    );
+    let wrong = "0".repeat(64);
+    hub.announce_sha256("acme/smol", "smol.gguf", &wrong);
+    let dir = TempDir::new("hub-sha");
+    let url = hub.url();
+    let mut server = launch(
+        "hf://acme/smol/smol.gguf",
+        dir.path(),
+        &[("HF_ENDPOINT", &url)],
+    );
+    let message = server.failed();
+    assert!(message.starts_with("ModelDownloadFailed: "), "{message}");
+    assert!(message.contains("sha256"), "{message}");
+    let blobs = files_under(&dir.path().join("hub/models--acme--smol/blobs"));
+    assert!(!blobs.iter().any(|b| b == &wrong), "{blobs:?}");
+}
+
+/// A token is never sent over plain HTTP to another machine.
+#[test]
+fn a_token_is_not_sent_over_plain_http() {
+    let dir = TempDir::new("hub-plain");
+    let mut server = launch(
+        "hf://acme/smol/smol.gguf",
+        dir.path(),
+        &[
+            ("HF_ENDPOINT", "http://hub.example.internal"),
+            ("HF_TOKEN", TOKEN),
+        ],
+    );
+    let message = server.failed();
+    assert!(message.contains("plain http"), "{message}");
+}
+
+/// Two replicas on one cache fetching one http(s) object: one download, both serve.
+#[test]
+fn two_replicas_share_one_object_download() {
+    let bytes = model_bytes();
+    let size = bytes.len() as u64;
+    let web = FileHost::start();
+    web.add_file("models/smol.gguf", bytes);
+    web.throttle(10 << 20);
+    let dir = TempDir::new("http-shared");
+    let source = format!("{}/models/smol.gguf", web.url());
+    let mut first = launch(&source, dir.path(), &[]);
+    eventually_blocking(Duration::from_secs(60), "the download to start", || {
+        (web.sent() > 0).then_some(())
+    });
+    let mut second = launch(&source, dir.path(), &[]);
+    first.ready();
+    second.ready();
+    second.complete("smol");
+    assert!(
+        web.sent() < size + size / 10,
+        "{} bytes sent for a {size}-byte model",
+        web.sent()
+    );
+}

@@ -8,6 +8,8 @@ import pytest
 
 from conftest import API_KEY, MODEL
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -68,7 +70,8 @@ def test_streaming_completion_ends_with_done(server):
 
 
 def _count(server, text):
-    return httpx.post(f"{server.base}/tokenize", json={"prompt": text}).json()["count"]
+    return httpx.post(f"{server.base}/tokenize", json={"prompt": text},
+                      headers=AUTH).json()["count"]
 
 
 def test_n_choices_differ_and_each_replays_with_seed(client, server):
@@ -117,7 +120,7 @@ def test_stop_token_ids_and_ignore_eos(client, server):
     first = client.completions.create(model=MODEL, prompt="The capital of France is",
                                       max_tokens=1, temperature=0, logprobs=0)
     first_id_text = first.choices[0].logprobs.tokens[0]
-    toks = httpx.post(f"{server.base}/tokenize",
+    toks = httpx.post(f"{server.base}/tokenize", headers=AUTH,
                       json={"prompt": first_id_text, "add_special_tokens": False}).json()["tokens"]
     r = client.completions.create(model=MODEL, prompt="The capital of France is",
                                   max_tokens=10, temperature=0,
@@ -146,10 +149,14 @@ def test_logprobs(client):
 def test_models_tokenize_detokenize(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    t = httpx.post(f"{server.base}/tokenize", json={"prompt": "Hello world"}).json()
+    t = httpx.post(f"{server.base}/tokenize", json={"prompt": "Hello world"},
+                   headers=AUTH).json()
     assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] == 512
-    d = httpx.post(f"{server.base}/detokenize", json={"tokens": t["tokens"]}).json()
+    d = httpx.post(f"{server.base}/detokenize", json={"tokens": t["tokens"]},
+                   headers=AUTH).json()
     assert d["prompt"] == "Hello world"
+    # The tokenizer endpoints spend CPU on the client's text: they need the key too.
+    assert httpx.post(f"{server.base}/tokenize", json={"prompt": "Hi"}).status_code == 401
 
 
 def _error(excinfo, status, param=None):

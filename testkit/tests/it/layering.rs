@@ -167,6 +167,17 @@ fn production_crates_depend_only_downward_and_never_on_test_support() {
         ),
         // The router shares the operator's CRD types and scraper; it serves no model.
         ("ferrite-router", &["ferrite-server", "ferrite-runtime"][..]),
+        // Listener hardening is a leaf the server and the router serve through.
+        (
+            "ferrite-net",
+            &[
+                "ferrite-server",
+                "ferrite-operator",
+                "ferrite-router",
+                "ferrite-runtime",
+                "ferrite-source",
+            ][..],
+        ),
         // The model source grammar is a leaf both the server and the operator read.
         (
             "ferrite-source",
