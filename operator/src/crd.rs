@@ -151,6 +151,33 @@ pub struct InferenceServiceSpec {
     /// scales from zero. Absent: the defaults.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing: Option<RoutingSpec>,
+    /// Who may call the model. Absent: anyone who can reach its pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<AuthSpec>,
+}
+
+/// The model's API key, as ferrite-server's and vLLM's `--api-key`: requests need
+/// `Authorization: Bearer <key>` (probes and `/metrics` stay open). The key reaches the server
+/// from the Secret as an environment variable, never in its arguments (which `kubectl get pod`
+/// and `ps` show).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AuthSpec {
+    /// A key of a Secret in the InferenceService's namespace holding the API key. Pods wait
+    /// for it to exist.
+    pub api_key_secret_ref: SecretKeyRef,
+}
+
+/// One key of a Secret in the InferenceService's namespace.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct SecretKeyRef {
+    /// The Secret's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// The key in the Secret (default `api-key`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub key: Option<String>,
 }
 
 /// Seconds ferrite-router holds a request while no replica is ready, by default.

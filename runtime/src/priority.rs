@@ -57,9 +57,7 @@ mod tests {
         .expect("thread");
         assert_eq!(after, (before + COMPUTE_NICE).min(19));
         // SAFETY: as above.
-        assert_eq!(
-            unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) },
-            main_before
-        );
+        let main_after = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+        assert_eq!(main_after, main_before);
     }
 }

@@ -6,9 +6,9 @@ use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, HTTPGetAction,
-    PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile,
-    SecurityContext, Volume, VolumeMount,
+    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    HTTPGetAction, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
+    SeccompProfile, SecretKeySelector, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -242,6 +242,27 @@ fn empty_dir(name: &str, memory: bool) -> Volume {
     }
 }
 
+/// The API key from `spec.auth`, as the variable each runtime reads for `--api-key`.
+fn api_key_env(isvc: &InferenceService) -> Option<EnvVar> {
+    let secret = &isvc.spec.auth.as_ref()?.api_key_secret_ref;
+    let name = match isvc.spec.runtime.kind {
+        RuntimeKind::Ferrite => "FERRITE_API_KEY",
+        RuntimeKind::Vllm => "VLLM_API_KEY",
+    };
+    Some(EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.name.clone(),
+                key: secret.key.clone().unwrap_or_else(|| "api-key".into()),
+                optional: Some(false),
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    })
+}
+
 fn volume_mount(name: &str, path: &str) -> VolumeMount {
     VolumeMount {
         name: name.into(),
@@ -265,6 +286,7 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
         value: Some("/tmp".into()),
         ..EnvVar::default()
     }];
+    env.extend(api_key_env(isvc));
     if kind == RuntimeKind::Vllm {
         // Shared memory for vLLM's worker processes and NCCL.
         volumes.push(empty_dir("dshm", true));

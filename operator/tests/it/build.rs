@@ -847,3 +847,47 @@ fn rollouts_default_to_no_spare_gpu_and_follow_the_spec() {
     .expect_err("a quoted number");
     assert!(e.to_string().contains("not a number in quotes"), "{e}");
 }
+
+/// `spec.auth`: the server gets its API key from the Secret as the variable its runtime reads
+/// for `--api-key`, never in its arguments (which `kubectl get pod` shows); the pod also
+/// answers to its `namespace/name`, the router's unambiguous id for it.
+#[test]
+fn an_api_key_comes_from_its_secret_never_the_arguments() {
+    for (kind, var, key) in [
+        ("ferrite", "FERRITE_API_KEY", None),
+        ("vllm", "VLLM_API_KEY", Some("token")),
+    ] {
+        let mut secret = json!({"name": "chat-keys"});
+        if let Some(k) = key {
+            secret["key"] = json!(k);
+        }
+        let d = built(
+            json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"kind": kind},
+                   "auth": {"apiKeySecretRef": secret}}),
+            NO_MONITOR_CRD,
+        );
+        let c = server(&d);
+        let env = c.env.as_ref().expect("env");
+        let from = env
+            .iter()
+            .find(|e| e.name == var)
+            .and_then(|e| e.value_from.as_ref()?.secret_key_ref.as_ref())
+            .unwrap_or_else(|| panic!("{kind}: no {var} from a Secret: {env:?}"));
+        assert_eq!(from.name, "chat-keys");
+        assert_eq!(from.key, key.unwrap_or("api-key"));
+        let a = args(&d);
+        assert!(!a.iter().any(|x| x.contains("api-key")), "{kind}: {a:?}");
+        let names = a
+            .iter()
+            .position(|x| x == "--served-model-name")
+            .expect("names");
+        assert_eq!(a[names + 1], "chat");
+        assert_eq!(a[names + 2], "ml/chat");
+    }
+    let none = built(
+        json!({"model": {"source": "/models/smol.gguf"}}),
+        NO_MONITOR_CRD,
+    );
+    let env = server(&none).env.clone().unwrap_or_default();
+    assert!(!env.iter().any(|e| e.name.ends_with("API_KEY")), "{env:?}");
+}

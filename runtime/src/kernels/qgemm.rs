@@ -448,6 +448,7 @@ type Tile = [[f32; NR * PMAX]; MR];
 struct SendPtr(*mut f32);
 // SAFETY: tasks write disjoint elements (see `QWeights::matmul`).
 unsafe impl Sync for SendPtr {}
+// SAFETY: as for Sync: the pointee outlives the scoped tasks, each writing its own elements.
 unsafe impl Send for SendPtr {}
 
 /// Fewest activation rows a thread quantizes (fewer run on the calling thread).
