@@ -16,6 +16,55 @@ use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor
 use crate::prefix::KeyBuilder;
 use crate::work::{self, Work};
 
+/// Visitor methods for JSON values a visitor has no use for: each gives `$value`. (A value of
+/// an unexpected type is skipped, not refused: the replica's own validation answers for it.)
+macro_rules! skip_scalars {
+    ($value:expr) => {
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+    };
+}
+
+macro_rules! skip_str {
+    ($value:expr) => {
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+    };
+}
+
+/// A list skipped element by element (serde_json skips without recursing).
+macro_rules! skip_seq {
+    ($de:lifetime, $value:expr) => {
+        fn visit_seq<A: SeqAccess<$de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok($value)
+        }
+    };
+}
+
+macro_rules! skip_map {
+    ($de:lifetime, $value:expr) => {
+        fn visit_map<A: MapAccess<$de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok($value)
+        }
+    };
+}
+
 /// What the router reads from a request body.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Parsed {
@@ -190,23 +239,15 @@ impl<'de> Visitor<'de> for NumberVisitor {
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> {
         Ok(Some(v))
     }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(None)
-    }
     fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
         Ok(None)
     }
     fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
         Ok(None)
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(None)
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(None)
-    }
+    skip_str!(None);
+    skip_seq!('de, None);
+    skip_map!('de, None);
 }
 
 /// `prompt`: a string, a list of strings, a list of token ids, or a list of such lists. The
@@ -261,25 +302,8 @@ impl<'de> Visitor<'de> for PromptSeed<'_> {
         }
         Ok(())
     }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(())
-    }
+    skip_scalars!(());
+    skip_map!('de, ());
 }
 
 /// Most characters or token ids kept from one prompt item for the key; the key itself is
@@ -334,10 +358,7 @@ impl<'de> de::Deserialize<'de> for PromptItem {
                 }
                 Ok(PromptItem::Ids { count, head })
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<PromptItem, A::Error> {
-                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                Ok(PromptItem::Other)
-            }
+            skip_map!('de, PromptItem::Other);
         }
         d.deserialize_any(V)
     }
@@ -388,13 +409,8 @@ impl<'de> Visitor<'de> for MessagesSeed<'_> {
     fn visit_unit<E: de::Error>(self) -> Result<(), E> {
         Ok(())
     }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(())
-    }
+    skip_str!(());
+    skip_map!('de, ());
 }
 
 /// One message, reduced: its role and text heads (each at most the key's length) and how many
@@ -446,28 +462,9 @@ impl<'de> Visitor<'de> for MessageSeed {
         }
         Ok(m)
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Message, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(Message::default())
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Message, E> {
-        Ok(Message::default())
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Message, E> {
-        Ok(Message::default())
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Message, E> {
-        Ok(Message::default())
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Message, E> {
-        Ok(Message::default())
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Message, E> {
-        Ok(Message::default())
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<Message, E> {
-        Ok(Message::default())
-    }
+    skip_scalars!(Message::default());
+    skip_str!(Message::default());
+    skip_seq!('de, Message::default());
 }
 
 /// A string's head and length; `None` for any other value.
@@ -496,29 +493,9 @@ impl<'de> Visitor<'de> for TextSeed {
             chars: s.chars().count(),
         }))
     }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(None)
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(None)
-    }
+    skip_scalars!(None);
+    skip_seq!('de, None);
+    skip_map!('de, None);
 }
 
 /// A message's `content`: a string, or a list of parts whose `text` fields count.
@@ -552,25 +529,8 @@ impl<'de> Visitor<'de> for ContentSeed<'_> {
         }
         Ok(())
     }
-    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(())
-    }
+    skip_scalars!(());
+    skip_map!('de, ());
 }
 
 /// One content part: its `text` when it has one.
@@ -599,28 +559,9 @@ impl<'de> Visitor<'de> for PartSeed {
         }
         Ok(text)
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(None)
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
+    skip_scalars!(None);
+    skip_str!(None);
+    skip_seq!('de, None);
 }
 
 #[cfg(test)]

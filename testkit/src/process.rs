@@ -156,6 +156,20 @@ impl Drop for TempDir {
     }
 }
 
+/// Resident memory of process `pid` from `/proc/<pid>/status`: (peak, current) in KiB, zeros
+/// where it cannot be read. Tests of memory bounds read it for the process under test.
+pub fn memory_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}
+
 /// A short string unique within this process and unlikely to repeat across processes.
 pub fn unique() -> String {
     use std::sync::atomic::{AtomicU32, Ordering};

@@ -11,15 +11,7 @@ use ferrite_operator::autoscale::scrape::Scraper;
 
 /// Peak and current resident memory of this process, in KiB.
 fn memory_kib() -> (u64, u64) {
-    let status = std::fs::read_to_string("/proc/self/status").expect("proc status");
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap_or(0)
-    };
-    (field("VmHWM:"), field("VmRSS:"))
+    ferrite_testkit::process::memory_kib(std::process::id())
 }
 
 /// Serves one `/metrics` answer per connection: `head`, then `line` repeated `repeat` times

@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::common::*;
 use bytes::Bytes;
 use ferrite_router::LimitConfig;
-use ferrite_testkit::process::{eventually, free_port};
+use ferrite_testkit::process::{eventually, free_port, memory_kib};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -288,19 +288,6 @@ async fn a_served_name_cannot_be_captured_from_another_namespace() {
         ids.contains(&"shared") && ids.contains(&copy_id.as_str()),
         "{listed}"
     );
-}
-
-/// Resident memory of process `pid`: (peak, current), KiB.
-fn memory_kib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap_or(0)
-    };
-    (field("VmHWM:"), field("VmRSS:"))
 }
 
 /// Raises this process's open-file limit to its hard limit; returns the soft limit now.
