@@ -29,8 +29,6 @@ pub struct ListenerLimits {
     pub max_connections: usize,
     /// Time for a request's head to arrive, and the most a kept-alive connection may idle.
     pub header_read_timeout: Duration,
-    /// Time for a request's whole body to arrive ([`read_body`]).
-    pub body_read_timeout: Duration,
     /// Whether to set TCP_NODELAY (small stream events must not wait for an ACK).
     pub nodelay: bool,
 }
@@ -40,11 +38,13 @@ impl Default for ListenerLimits {
         ListenerLimits {
             max_connections: 4096,
             header_read_timeout: Duration::from_secs(30),
-            body_read_timeout: Duration::from_secs(60),
             nodelay: true,
         }
     }
 }
+
+/// Time for a request's whole body to arrive by default ([`read_body`]).
+pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Serves `app` on `listener` within `limits` until `shutdown` completes; then open
 /// connections finish their requests (streams included) and close, for at most `drain`.
@@ -146,19 +146,22 @@ pub enum BodyError {
 }
 
 /// Reads a whole body of at most `limit` bytes within `timeout`: a client that sends a body a
-/// byte at a time does not hold its request (and its memory) open forever.
+/// byte at a time does not hold its request (and its memory) open forever. A body whose
+/// announced length (`Content-Length`) is over the limit is refused before any of it is read.
 pub async fn read_body(
     body: axum::body::Body,
     limit: usize,
     timeout: Duration,
 ) -> Result<Bytes, BodyError> {
+    if http_body::Body::size_hint(&body).lower() > limit as u64 {
+        return Err(BodyError::TooLarge);
+    }
     match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
         Err(_) => Err(BodyError::TimedOut),
         Ok(Ok(b)) => Ok(b),
         Ok(Err(e)) => {
             let too_large = std::error::Error::source(&e)
-                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
-                || e.to_string().contains("length limit");
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
             Err(if too_large {
                 BodyError::TooLarge
             } else {
@@ -220,7 +223,6 @@ mod tests {
         ListenerLimits {
             max_connections,
             header_read_timeout: Duration::from_millis(400),
-            body_read_timeout: Duration::from_millis(400),
             nodelay: true,
         }
     }
@@ -291,7 +293,19 @@ mod tests {
         assert_eq!(r.err(), Some(BodyError::TimedOut));
         drop(tx);
 
+        // Announced over the limit: refused before reading.
         let body = axum::body::Body::from(vec![b'x'; 2048]);
+        let r = read_body(body, 1024, Duration::from_secs(1)).await;
+        assert_eq!(r.err(), Some(BodyError::TooLarge));
+        // Unannounced (chunked): refused once the limit is passed while reading.
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+        for _ in 0..3 {
+            tx.send(Ok(Bytes::from(vec![b'x'; 512])))
+                .await
+                .expect("send");
+        }
+        drop(tx);
+        let body = axum::body::Body::from_stream(tokio_stream_from(rx));
         let r = read_body(body, 1024, Duration::from_secs(1)).await;
         assert_eq!(r.err(), Some(BodyError::TooLarge));
         let body = axum::body::Body::from(vec![b'x'; 1024]);

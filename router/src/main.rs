@@ -113,7 +113,6 @@ async fn main() -> anyhow::Result<()> {
     let limits = ferrite_net::ListenerLimits {
         max_connections: args.max_connections.max(1),
         header_read_timeout: Duration::from_secs(args.header_read_timeout_seconds.max(1)),
-        body_read_timeout: Duration::from_secs(args.body_read_timeout_seconds.max(1)),
         // No Nagle delay on the client side either: the upstream side already sets it, and a
         // stream's small events must not wait for an ACK.
         nodelay: true,

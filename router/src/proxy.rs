@@ -179,7 +179,7 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
 /// replica, again on another only if the first provably did not take the request.
 pub async fn forward(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
     let (parts, body) = req.into_parts();
-    let mut admission = match app.limits.admit(content_length(&parts.headers)) {
+    let admission = match app.limits.admit(content_length(&parts.headers)) {
         Ok(a) => a,
         Err(r) => return refused(&app, r),
     };
@@ -203,9 +203,9 @@ pub async fn forward(State(app): State<Arc<App>>, req: axum::extract::Request) -
         Ok(svc) => svc,
         Err(response) => return response,
     };
-    let response = attempt(&app, &svc, &parsed, &parts, body, admission.open).await;
-    admission.body = None;
-    response
+    // The body's reservation (`admission.body`) is given back when this returns, with the
+    // response head: the body is no longer needed once a replica answered.
+    attempt(&app, &svc, &parsed, &parts, body, admission.open).await
 }
 
 /// The body's announced length, if it has one.
@@ -288,7 +288,7 @@ async fn resolve(app: &App, model: &str) -> Result<Service, Response> {
         outcome("degraded");
         return Err(degraded(&svc.model, reason));
     }
-    let _slot = match app.limits.hold(&format!("{}/{}", svc.namespace, svc.name)) {
+    let _slot = match app.limits.hold(&svc.id()) {
         Ok(slot) => slot,
         Err(r) => {
             outcome("hold_full");
@@ -528,7 +528,7 @@ async fn hold(app: &App, svc: Service) -> Held {
     let started = Instant::now();
     let histogram = app.metrics.cold_start.with_label_values(&[&svc.model]);
     let mut changes = app.registry.changes();
-    let id = format!("{}/{}", svc.namespace, svc.name);
+    let id = svc.id();
     let outcome = loop {
         if let Some(s) = app.registry.find(&id) {
             if !s.endpoints.is_empty() {
@@ -558,7 +558,7 @@ async fn wake(app: &App, svc: &Service) {
     let Some(client) = &app.kube else {
         return;
     };
-    let id = format!("{}/{}", svc.namespace, svc.name);
+    let id = svc.id();
     if !app.wakes.claim(&id, tokio::time::Instant::now()) {
         return;
     }

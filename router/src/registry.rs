@@ -3,6 +3,7 @@
 //! Every change bumps a counter that held requests wait on, so a request waiting for a cold
 //! service moves the moment its first pod turns Ready.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use ferrite_operator::autoscale::runner::pod_targets;
 use ferrite_operator::build::{served_name, served_name_holder};
 use ferrite_operator::crd::{InferenceService, RoutingPolicy};
 use ferrite_operator::labels::{COMPONENT_LABEL, MANAGED_SELECTOR, belongs_to};
-use ferrite_operator::status::DEGRADED;
+use ferrite_operator::status;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::WatchStreamExt;
@@ -45,6 +46,14 @@ pub struct Service {
     pub degraded: Option<String>,
     /// Ready pods, by name.
     pub endpoints: Vec<Endpoint>,
+}
+
+impl Service {
+    /// `namespace/name`: the id that always names this service, whatever served names others
+    /// claim.
+    pub fn id(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
 }
 
 /// The watch caches, shared by every request.
@@ -130,18 +139,25 @@ impl Registry {
     /// listed under its `namespace/name`.
     pub fn all(&self) -> Vec<Service> {
         let isvcs = self.isvcs.state();
-        let live: Vec<&Arc<InferenceService>> = isvcs
+        let live: Vec<&InferenceService> = isvcs
             .iter()
+            .map(|i| &**i)
             .filter(|i| i.meta().deletion_timestamp.is_none())
             .collect();
+        // Each served name's holder, in one pass.
+        let mut holders: HashMap<String, &InferenceService> = HashMap::new();
+        for &i in &live {
+            holders
+                .entry(served_name(i))
+                .and_modify(|h| *h = served_name_holder([*h, i]).unwrap_or(i))
+                .or_insert(i);
+        }
         let mut all: Vec<Service> = live
             .iter()
-            .map(|i| {
+            .map(|&i| {
                 let mut s = self.service(i);
-                let claimants = live.iter().map(|o| &***o);
-                let holder = served_name_holder(claimants.filter(|o| served_name(o) == s.model));
-                if holder.is_some_and(|h| !std::ptr::eq(h, &***i)) {
-                    s.model = format!("{}/{}", s.namespace, s.name);
+                if holders.get(&s.model).is_some_and(|h| !std::ptr::eq(*h, i)) {
+                    s.model = s.id();
                 }
                 s
             })
@@ -186,12 +202,8 @@ const TRANSIENT_DEGRADED: [&str; 3] = ["Unschedulable", "ReplicaFailure", "Child
 
 /// The reason of the service's `Degraded=True` condition, unless a cold start waits it out.
 fn degraded_reason(isvc: &InferenceService) -> Option<String> {
-    isvc.status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == DEGRADED && c.status == "True")
-        .filter(|c| !TRANSIENT_DEGRADED.contains(&c.reason.as_str()))
+    status::condition(isvc.status.as_ref()?, status::DEGRADED)
+        .filter(|c| c.status == "True" && !TRANSIENT_DEGRADED.contains(&c.reason.as_str()))
         .map(|c| c.reason.clone())
 }
 

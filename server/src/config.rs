@@ -129,7 +129,6 @@ impl ServerArgs {
         ferrite_net::ListenerLimits {
             max_connections: self.max_connections.max(1),
             header_read_timeout: std::time::Duration::from_secs_f64(self.header_read_timeout),
-            body_read_timeout: std::time::Duration::from_secs_f64(self.body_read_timeout),
             nodelay: true,
         }
     }

@@ -103,7 +103,8 @@ async fn run(args: ServerArgs) -> Result<()> {
         });
     }
     let limits = args.listener_limits();
-    let app = api::router(state.clone(), http_metrics, limits.body_read_timeout);
+    let body_read_timeout = Duration::from_secs_f64(args.body_read_timeout);
+    let app = api::router(state.clone(), http_metrics, body_read_timeout);
     let mut server_stop = stop_rx.clone();
     let drain = Duration::from_secs(args.shutdown_timeout);
     let server = tokio::spawn(async move {

@@ -110,10 +110,7 @@ pub struct Scraper {
 
 impl Scraper {
     pub fn new(timeout: Duration) -> Self {
-        Self::with_limits(timeout, ScrapeLimits::default())
-    }
-
-    pub fn with_limits(timeout: Duration, limits: ScrapeLimits) -> Self {
+        let limits = ScrapeLimits::default();
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(timeout));
         connector.set_nodelay(true);
@@ -186,7 +183,7 @@ impl Scraper {
 }
 
 /// Reads an exposition as it arrives, within `limits`, keeping only the signals.
-pub async fn read_signals<B>(mut body: B, limits: &ScrapeLimits) -> Result<PodMetrics, ScrapeError>
+async fn read_signals<B>(mut body: B, limits: &ScrapeLimits) -> Result<PodMetrics, ScrapeError>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
@@ -335,17 +332,18 @@ impl Signals {
     }
 }
 
-/// The signals in one exposition. Gauges are summed over their series (one per model, or
-/// per engine in data-parallel vLLM); KV usage is averaged over its series.
-pub fn pod_metrics(samples: &[exposition::Sample]) -> Result<PodMetrics, ScrapeError> {
-    let mut signals = Signals::default();
-    samples.iter().for_each(|s| signals.add(s));
-    signals.finish()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The signals of a whole exposition parsed at once (the streamed reader folds the same
+    /// samples line by line). Gauges are summed over their series (one per model, or per
+    /// engine in data-parallel vLLM); KV usage is averaged over its series.
+    fn pod_metrics(samples: &[exposition::Sample]) -> Result<PodMetrics, ScrapeError> {
+        let mut signals = Signals::default();
+        samples.iter().for_each(|s| signals.add(s));
+        signals.finish()
+    }
 
     fn metrics(text: &str) -> Result<PodMetrics, ScrapeError> {
         pod_metrics(&exposition::parse(text).expect("parses"))

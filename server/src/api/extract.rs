@@ -28,22 +28,10 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
-        let announced = req
-            .headers()
-            .get(axum::http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-        if announced.is_some_and(|n| n > MAX_BODY as u64) {
-            // Refused from the head: nothing of the body is read or kept.
-            let mut err = ApiError::bad_request(format!(
-                "could not read the request body: the request body is larger than {MAX_BODY} bytes"
-            ));
-            err.status = StatusCode::PAYLOAD_TOO_LARGE;
-            return Err(err);
-        }
-        let timeout = req.extensions().get::<BodyTimeout>().map_or(
-            ferrite_net::ListenerLimits::default().body_read_timeout,
-            |t| t.0,
-        );
+        let timeout = req
+            .extensions()
+            .get::<BodyTimeout>()
+            .map_or(ferrite_net::DEFAULT_BODY_READ_TIMEOUT, |t| t.0);
         let bytes = ferrite_net::read_body(req.into_body(), MAX_BODY, timeout)
             .await
             .map_err(|e| {

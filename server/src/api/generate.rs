@@ -228,7 +228,7 @@ pub fn stops(f: &SamplingFields, vocab: usize) -> Result<(Vec<String>, Vec<u32>)
 /// millions of sequences. Runs before anything is tokenized.
 pub fn request_sequences(state: &AppState, prompts: usize, n: usize) -> Result<usize, ApiError> {
     let seqs = prompts.saturating_mul(n);
-    let limit = state.max_request_sequences;
+    let limit = state.limits.max_request_sequences;
     if seqs > limit {
         let param = if prompts > limit { "prompt" } else { "n" };
         return Err(out_of_range(
@@ -246,7 +246,7 @@ pub fn request_sequences(state: &AppState, prompts: usize, n: usize) -> Result<u
 /// adding all of them must stay within it, so overload is a fast 503 rather than unbounded
 /// latency (a request that could never fit is a 400).
 pub fn admit(state: &AppState, serving: &Serving, seqs: usize) -> Result<(), ApiError> {
-    let Some(limit) = state.max_queue_len else {
+    let Some(limit) = state.limits.max_queue_len else {
         return Ok(());
     };
     if seqs > limit {

@@ -18,10 +18,8 @@ pub struct AppState {
     pub created: u64,
     /// Bearer token required on `/v1/*` (vLLM's `--api-key`).
     pub api_key: Option<String>,
-    /// Requests waiting for the engine beyond this are refused with 503.
-    pub max_queue_len: Option<usize>,
-    /// Most sequences (prompts × `n`) one request may add.
-    pub max_request_sequences: usize,
+    /// What one request, and the queue, may hold.
+    pub limits: RequestLimits,
     /// Everything `/metrics` exposes.
     pub registry: Registry,
     serving: OnceLock<Serving>,
@@ -31,7 +29,9 @@ pub struct AppState {
 /// What one request, and the queue, may hold.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestLimits {
+    /// Requests waiting for the engine beyond this are refused with 503.
     pub max_queue_len: Option<usize>,
+    /// Most sequences (prompts × `n`) one request may add.
     pub max_request_sequences: usize,
 }
 
@@ -63,8 +63,7 @@ impl AppState {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             api_key,
-            max_queue_len: limits.max_queue_len,
-            max_request_sequences: limits.max_request_sequences,
+            limits,
             registry,
             serving: OnceLock::new(),
             draining: AtomicBool::new(false),

@@ -46,7 +46,6 @@ pub fn fetch(label: &str, src: &HfSource, cache: &Path) -> Result<PathBuf, Fetch
             ),
         });
     }
-    let has_token = token.is_some();
     let mut builder = ApiBuilder::from_cache(hub_cache.clone())
         .with_token(token)
         .with_progress(false)
@@ -54,7 +53,6 @@ pub fn fetch(label: &str, src: &HfSource, cache: &Path) -> Result<PathBuf, Fetch
     if let Some(endpoint) = endpoint {
         builder = builder.with_endpoint(endpoint.trim_end_matches('/').to_string());
     }
-    tracing::debug!(has_token, "Hub client ready");
     let api = builder.build().map_err(|e| error(label, None, &e))?;
     let api_repo = api.repo(repo.clone());
     let repo_dir = cache.join(repo.folder_name());
@@ -146,9 +144,7 @@ fn get(
         info!(file, path = %path.display(), "model file already downloaded");
         return Ok(path);
     }
-    let lock_path = repo_dir
-        .join(".ferrite-locks")
-        .join(format!("{}.lock", file.replace('/', "%2F")));
+    let lock_path = lock::path_in(repo_dir, file);
     let _lock = lock::acquire(&lock_path).map_err(|e| FetchError::Io {
         model: label.to_string(),
         path: lock_path.clone(),
@@ -217,20 +213,11 @@ fn verify_lfs_sha256(path: &Path) -> Result<(), String> {
     ))
 }
 
-/// The lowercase hex sha256 of a file, read in 1 MiB pieces.
-pub fn sha256_file(path: &Path) -> std::io::Result<String> {
+/// The lowercase hex sha256 of a file, streamed through the hasher.
+fn sha256_file(path: &Path) -> std::io::Result<String> {
     use sha2::Digest;
-    use std::io::Read;
-    let mut f = std::fs::File::open(path)?;
     let mut hasher = sha2::Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
+    std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
     Ok(hasher
         .finalize()
         .iter()

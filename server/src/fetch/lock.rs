@@ -13,6 +13,13 @@ pub struct FileLock {
     _file: File,
 }
 
+/// The lock file for `name` (a key or file path) of the cache folder `dir`: in its
+/// `.ferrite-locks`, apart from the files it guards, which a model folder would otherwise list.
+pub fn path_in(dir: &Path, name: &str) -> PathBuf {
+    dir.join(".ferrite-locks")
+        .join(format!("{}.lock", name.replace('/', "%2F")))
+}
+
 /// Waits for the lock on `path` (blocking: call it from a blocking thread).
 pub fn acquire(path: &Path) -> io::Result<FileLock> {
     if let Some(parent) = path.parent() {

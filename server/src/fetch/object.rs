@@ -31,9 +31,7 @@ pub async fn fetch(label: &str, src: &ObjectSource, cache: &Path) -> Result<Path
         .join(&src.authority);
     if !src.is_folder() {
         let key = StorePath::from(src.key.as_str());
-        let dest = root.join(&src.key);
-        file(&*store, &key, &dest, &root, label).await?;
-        return Ok(dest);
+        return file(&*store, &key, &root, label).await;
     }
     let prefix = StorePath::from(src.key.trim_end_matches('/'));
     let mut listing = store.list(Some(&prefix));
@@ -63,8 +61,7 @@ pub async fn fetch(label: &str, src: &ObjectSource, cache: &Path) -> Result<Path
     }
     let dest_dir = root.join(src.key.trim_end_matches('/'));
     for meta in objects {
-        let dest = root.join(meta.location.as_ref());
-        file(&*store, &meta.location, &dest, &root, label).await?;
+        file(&*store, &meta.location, &root, label).await?;
     }
     Ok(dest_dir)
 }
@@ -100,15 +97,15 @@ fn tag(meta: &ObjectMeta) -> String {
     }
 }
 
-/// Downloads `key` to `dest`; `root` is the bucket's or host's folder, whose `.ferrite-locks`
-/// holds the download locks (beside the files they would show in the model folder).
+/// Downloads `key` into `root` (the bucket's or host's folder, which also holds the download
+/// locks) and returns where it is.
 async fn file(
     store: &dyn ObjectStore,
     key: &StorePath,
-    dest: &Path,
     root: &Path,
     label: &str,
-) -> Result<(), FetchError> {
+) -> Result<PathBuf, FetchError> {
+    let dest = &root.join(key.as_ref());
     let meta = store.head(key).await.map_err(|e| error(label, &e))?;
     let io = |path: &Path, error: std::io::Error| FetchError::Io {
         model: label.to_string(),
@@ -122,19 +119,17 @@ async fn file(
     };
     if complete().await {
         info!(file = %dest.display(), "model file already downloaded");
-        return Ok(());
+        return Ok(dest.clone());
     }
     let part = dest.with_extension(extension(dest, "part"));
     let tag_file = dest.with_extension(extension(dest, "part.tag"));
-    let lock_file = root
-        .join(".ferrite-locks")
-        .join(format!("{}.lock", key.as_ref().replace('/', "%2F")));
+    let lock_file = lock::path_in(root, key.as_ref());
     let _lock = lock::acquire_async(lock_file.clone())
         .await
         .map_err(|e| io(&lock_file, e))?;
     if complete().await {
         info!(file = %dest.display(), "model file downloaded by another replica");
-        return Ok(());
+        return Ok(dest.clone());
     }
     if let Some(parent) = dest.parent() {
         tokio::fs::create_dir_all(parent)
@@ -200,7 +195,7 @@ async fn file(
         .await
         .map_err(|e| io(dest, e))?;
     let _ = tokio::fs::remove_file(&tag_file).await;
-    Ok(())
+    Ok(dest.clone())
 }
 
 /// `name.ext` → `ext.<suffix>` (so `a.gguf` gets `a.gguf.part`).
