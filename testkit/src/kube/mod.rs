@@ -265,33 +265,47 @@ pub async fn client_from(kubeconfig: &Path) -> kube::Client {
     kube::Client::try_from(config).expect("client")
 }
 
-/// Waits until the apiserver answers `/readyz` with 200.
-async fn wait_ready(kubeconfig: &Path, apiserver: Option<&mut Guard>, dir: &Path) {
+/// Waits until the apiserver answers `/readyz` with 200; `Err` with its log's tail when it
+/// exits first or is not ready within 90 s.
+async fn wait_ready(
+    kubeconfig: &Path,
+    apiserver: Option<&mut Guard>,
+    dir: &Path,
+) -> Result<(), String> {
     let client = client_from(kubeconfig).await;
     let deadline = Instant::now() + Duration::from_secs(90);
     let mut apiserver = apiserver;
+    let log = || tail(&dir.join("kube-apiserver.log"), 30);
     loop {
         let req = http::Request::get("/readyz")
             .body(Vec::new())
             .expect("request");
         if client.request_text(req).await.is_ok() {
-            return;
+            return Ok(());
         }
         if let Some(a) = apiserver.as_deref_mut()
             && let Some(status) = a.exited()
         {
-            panic!(
+            return Err(format!(
                 "kube-apiserver exited ({status}) before it was ready:\n{}",
-                tail(&dir.join("kube-apiserver.log"), 30)
-            );
+                log()
+            ));
         }
-        assert!(
-            Instant::now() < deadline,
-            "kube-apiserver not ready within 90 s:\n{}",
-            tail(&dir.join("kube-apiserver.log"), 30)
-        );
+        if Instant::now() >= deadline {
+            return Err(format!("kube-apiserver not ready within 90 s:\n{}", log()));
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Whether etcd or the apiserver found a port taken under it: ports come from
+/// [`free_port`], which another process may bind between our probe and their start.
+fn lost_port_race(dir: &Path) -> bool {
+    ["kube-apiserver.log", "etcd.log"].iter().any(|f| {
+        std::fs::read_to_string(dir.join(f))
+            .unwrap_or_default()
+            .contains("address already in use")
+    })
 }
 
 /// The last `n` lines of a file.
@@ -310,35 +324,58 @@ impl Cluster {
 
     pub async fn start_with(opts: Options) -> Option<Cluster> {
         let bins = binaries_or_skip()?;
+        const ATTEMPTS: u32 = 3;
+        for attempt in 1..=ATTEMPTS {
+            match Self::try_start(&bins, &opts).await {
+                Ok(cluster) => return Some(cluster),
+                Err((cluster, why)) if attempt < ATTEMPTS && lost_port_race(&cluster.dir) => {
+                    eprintln!(
+                        "ferrite-testkit: a private cluster lost a port race (attempt {attempt}); \
+                         retrying on new ports\n{why}"
+                    );
+                }
+                Err((_cluster, why)) => panic!("{why}"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
+    }
+
+    /// One start on fresh ports and a fresh directory; on failure, the cluster (to be
+    /// dropped, which stops what did start) and why.
+    async fn try_start(bins: &Binaries, opts: &Options) -> Result<Cluster, (Cluster, String)> {
         let dir = target_dir()
             .join("ferrite-kube/clusters")
             .join(format!("c-{}", unique()));
         let _pki = Pki::create(&dir.join("pki"));
         let api_port = free_port();
         write_kubeconfigs(&dir, api_port);
-        let plan = plan(&bins, &dir, api_port, &opts);
-        let mut processes = Processes {
-            etcd: Some(spawn("etcd", &plan.etcd, &dir)),
-            apiserver: Some(spawn("kube-apiserver", &plan.apiserver, &dir)),
-            controller_manager: None,
-            apiserver_cmd: plan.apiserver,
-            owned_dir: true,
-        };
-        wait_ready(
-            &dir.join("admin.kubeconfig"),
-            processes.apiserver.as_mut(),
-            &dir,
-        )
-        .await;
-        if let Some(cm) = &plan.controller_manager {
-            processes.controller_manager = Some(spawn("kube-controller-manager", cm, &dir));
-        }
-        Some(Cluster {
+        let plan = plan(bins, &dir, api_port, opts);
+        let mut cluster = Cluster {
+            processes: Processes {
+                etcd: Some(spawn("etcd", &plan.etcd, &dir)),
+                apiserver: Some(spawn("kube-apiserver", &plan.apiserver, &dir)),
+                controller_manager: None,
+                apiserver_cmd: plan.apiserver,
+                owned_dir: true,
+            },
             dir,
             api_port,
-            processes,
             _user: None,
-        })
+        };
+        let ready = wait_ready(
+            &cluster.admin_kubeconfig(),
+            cluster.processes.apiserver.as_mut(),
+            &cluster.dir,
+        )
+        .await;
+        if let Err(why) = ready {
+            return Err((cluster, why));
+        }
+        if let Some(cm) = &plan.controller_manager {
+            cluster.processes.controller_manager =
+                Some(spawn("kube-controller-manager", cm, &cluster.dir));
+        }
+        Ok(cluster)
     }
 
     /// The cluster shared by every test process of this run (started by whichever comes
@@ -474,12 +511,15 @@ impl Cluster {
         );
         let guard = spawn("kube-apiserver", &self.processes.apiserver_cmd, &self.dir);
         self.processes.apiserver = Some(guard);
-        wait_ready(
+        if let Err(why) = wait_ready(
             &self.admin_kubeconfig(),
             self.processes.apiserver.as_mut(),
             &self.dir,
         )
-        .await;
+        .await
+        {
+            panic!("{why}");
+        }
     }
 
     /// The audit log's events (JSON objects), when started with [`Options::audit`].

@@ -147,8 +147,7 @@ async fn start(bins: &Binaries, dir: &Path) -> u16 {
 /// Whether etcd or the apiserver gave up at start (a port taken under it).
 fn start_failed(dir: &Path) -> bool {
     let log = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap_or_default();
-    log("kube-apiserver.log").contains("\"command failed\"")
-        || log("etcd.log").contains("address already in use")
+    log("kube-apiserver.log").contains("\"command failed\"") || super::lost_port_race(dir)
 }
 
 async fn try_start(bins: &Binaries, dir: &Path) -> Option<u16> {
@@ -190,7 +189,7 @@ async fn try_start(bins: &Binaries, dir: &Path) -> Option<u16> {
         }
     };
     tokio::select! {
-        () = ready => {}
+        r = ready => if let Err(why) = r { panic!("{why}") },
         () = failed => return None,
     }
     std::fs::write(
