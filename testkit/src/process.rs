@@ -8,12 +8,38 @@ use std::sync::mpsc;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// A port that was free a moment ago on 127.0.0.1.
+/// A port that was free a moment ago on 127.0.0.1, from below the kernel's ephemeral range:
+/// a port from `bind(:0)` is one any outgoing connection (the tests make thousands) may take
+/// before the process it was meant for binds it, which lost CI runs to "address already in
+/// use". Below that range only another test's pick can collide, and each process starts its
+/// walk at a different place.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOW: u32 = 10_000;
+    let high = ephemeral_start().max(LOW + 1_000);
+    let span = high - LOW;
+    let seed = std::process::id().wrapping_mul(7_919)
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+    for _ in 0..span {
+        let port = LOW + (seed.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) % span);
+        let port = u16::try_from(port).expect("below the ephemeral range");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port below {high}")
+}
+
+/// The first port the kernel hands to outgoing connections (32768 when unreadable).
+fn ephemeral_start() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
+        .min(65_535)
 }
 
 type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);

@@ -2,3 +2,4 @@
 
 mod cluster;
 mod layering;
+mod ports;
