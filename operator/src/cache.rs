@@ -16,6 +16,7 @@ use futures::{Stream, StreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -55,6 +56,8 @@ pub struct Caches {
     pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
     /// Started once the ServiceMonitor CRD is found (it may be installed after the operator).
     monitors: Arc<OnceLock<Store<PartialObjectMeta<ServiceMonitor>>>>,
+    /// Started on first use: only an operator that makes NetworkPolicies watches them.
+    network_policies: Arc<OnceLock<Store<PartialObjectMeta<NetworkPolicy>>>>,
     /// How to start the ServiceMonitor watch; absent in tests that fill the stores by hand.
     starter: Option<Starter>,
 }
@@ -97,6 +100,7 @@ pub struct Writers {
     pub config_maps: Writer<PartialObjectMeta<ConfigMap>>,
     pub claims: Writer<PartialObjectMeta<PersistentVolumeClaim>>,
     pub monitors: Writer<PartialObjectMeta<ServiceMonitor>>,
+    pub network_policies: Writer<PartialObjectMeta<NetworkPolicy>>,
 }
 
 #[cfg(feature = "test-support")]
@@ -119,6 +123,7 @@ impl Writers {
         done(&mut self.config_maps);
         done(&mut self.claims);
         done(&mut self.monitors);
+        done(&mut self.network_policies);
     }
 }
 
@@ -329,6 +334,7 @@ impl Caches {
             config_maps: metadata_store::<ConfigMap>(&starter, "ConfigMap", managed),
             claims,
             monitors: Arc::new(OnceLock::new()),
+            network_policies: Arc::new(OnceLock::new()),
             starter: Some(starter),
         };
         let feeds = Feeds {
@@ -352,6 +358,9 @@ impl Caches {
         let (monitors, w_monitors) = reflector::store();
         let cell = OnceLock::new();
         let _ = cell.set(monitors);
+        let (network_policies, w_network_policies) = reflector::store();
+        let policies = OnceLock::new();
+        let _ = policies.set(network_policies);
         let caches = Caches {
             isvcs,
             deployments,
@@ -362,6 +371,7 @@ impl Caches {
             config_maps,
             claims,
             monitors: Arc::new(cell),
+            network_policies: Arc::new(policies),
             starter: None,
         };
         let writers = Writers {
@@ -374,6 +384,7 @@ impl Caches {
             config_maps: w_config_maps,
             claims: w_claims,
             monitors: w_monitors,
+            network_policies: w_network_policies,
         };
         (caches, writers)
     }
@@ -396,12 +407,40 @@ impl Caches {
         &self,
         wait: Duration,
     ) -> Option<Store<PartialObjectMeta<ServiceMonitor>>> {
-        let store = self
-            .monitors
+        self.lazy(&self.monitors, "ServiceMonitor", wait).await
+    }
+
+    /// The NetworkPolicy cache, started on first use, as [`Caches::monitors`].
+    pub async fn network_policies(
+        &self,
+        wait: Duration,
+    ) -> Option<Store<PartialObjectMeta<NetworkPolicy>>> {
+        self.lazy(&self.network_policies, "NetworkPolicy", wait)
+            .await
+    }
+
+    /// A metadata cache of the operator's children of kind `K`, started the first time it is
+    /// asked for; `None` until it has its first listing, if that takes longer than `wait`.
+    async fn lazy<K>(
+        &self,
+        cell: &OnceLock<Store<PartialObjectMeta<K>>>,
+        kind: &'static str,
+        wait: Duration,
+    ) -> Option<Store<PartialObjectMeta<K>>>
+    where
+        K: Resource<DynamicType = ()>
+            + Clone
+            + DeserializeOwned
+            + std::fmt::Debug
+            + Send
+            + Sync
+            + 'static,
+    {
+        let store = cell
             .get_or_init(|| match &self.starter {
-                Some(s) => metadata_store::<ServiceMonitor>(
+                Some(s) => metadata_store::<K>(
                     s,
-                    "ServiceMonitor",
+                    kind,
                     watcher::Config::default().labels(MANAGED_SELECTOR),
                 ),
                 None => reflector::store().0,

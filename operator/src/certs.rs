@@ -1,7 +1,9 @@
-//! X.509 versions. rustls, and so the operator's Kubernetes client and the External Metrics
-//! API's TLS, accepts only v3 certificates, and `openssl x509 -req` without an extension file
-//! makes v1 ones. Checking at start-up turns an obscure handshake error (`invalid private key
-//! ... UnsupportedCertVersion`) into a message naming the certificate and the cause.
+//! X.509 versions and subject names, read from the DER directly. rustls, and so the
+//! operator's Kubernetes client and the External Metrics API's TLS, accepts only v3
+//! certificates, and `openssl x509 -req` without an extension file makes v1 ones. Checking at
+//! start-up turns an obscure handshake error (`invalid private key ... UnsupportedCertVersion`)
+//! into a message naming the certificate and the cause. The subject's common name is what the
+//! External Metrics API checks against the allowed names of the aggregator's certificate.
 
 use std::path::Path;
 
@@ -37,6 +39,64 @@ fn der_length(der: &[u8], at: usize) -> Option<(usize, usize)> {
         len = (len << 8) | usize::from(*der.get(at + 1 + i)?);
     }
     Some((len, at + 1 + n))
+}
+
+/// One DER element at `at`: (tag, content start, content end), the end within `der`.
+fn tlv(der: &[u8], at: usize) -> Option<(u8, usize, usize)> {
+    let tag = *der.get(at)?;
+    let (len, start) = der_length(der, at + 1)?;
+    let end = start.checked_add(len).filter(|&e| e <= der.len())?;
+    Some((tag, start, end))
+}
+
+/// The elements inside `start..end`, in order.
+fn children(der: &[u8], start: usize, end: usize) -> impl Iterator<Item = (u8, usize, usize)> + '_ {
+    let mut at = start;
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let e = tlv(der, at).filter(|e| e.2 <= end)?;
+        at = e.2;
+        Some(e)
+    })
+}
+
+/// The subject's common name (the first CN) of a DER certificate, which Kubernetes reads as
+/// the user of a client certificate. Only text string types; anything else is `None`.
+pub fn subject_common_name(der: &[u8]) -> Option<String> {
+    const CN: [u8; 3] = [0x55, 0x04, 0x03];
+    let (0x30, cert, _) = tlv(der, 0)? else {
+        return None;
+    };
+    let (0x30, tbs, tbs_end) = tlv(der, cert)? else {
+        return None;
+    };
+    // [0] version?, serialNumber, signature, issuer, validity, subject.
+    let fields: Vec<_> = children(der, tbs, tbs_end)
+        .skip_while(|e| e.0 == 0xa0)
+        .take(5)
+        .collect();
+    let &(0x30, subject, subject_end) = fields.get(4)? else {
+        return None;
+    };
+    for (_, rdn, rdn_end) in children(der, subject, subject_end) {
+        for (_, atv, atv_end) in children(der, rdn, rdn_end) {
+            let mut parts = children(der, atv, atv_end);
+            let (0x06, oid, oid_end) = parts.next()? else {
+                continue;
+            };
+            if der.get(oid..oid_end)? != CN {
+                continue;
+            }
+            // UTF8String, PrintableString, IA5String.
+            let (0x0c | 0x13 | 0x16, value, value_end) = parts.next()? else {
+                return None;
+            };
+            return String::from_utf8(der.get(value..value_end)?.to_vec()).ok();
+        }
+    }
+    None
 }
 
 /// The X.509 version (1, 2 or 3) of a DER certificate: the optional `[0] EXPLICIT` version at
@@ -168,6 +228,40 @@ mod tests {
         let c = rcgen::generate_simple_self_signed(vec!["x".into()]).expect("cert");
         assert_eq!(x509_version(c.cert.der()), Some(3));
         assert!(check_pem(c.cert.pem().as_bytes(), "test").is_ok());
+    }
+
+    #[test]
+    fn the_subjects_common_name_is_read_and_garbage_is_none() {
+        let mut params = rcgen::CertificateParams::new(vec!["x".into()]).expect("params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::OrganizationName, "system:masters");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "front-proxy-client");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let der = params.self_signed(&key).expect("cert").der().to_vec();
+        assert_eq!(
+            subject_common_name(&der).as_deref(),
+            Some("front-proxy-client")
+        );
+        let mut only_o = rcgen::CertificateParams::new(vec!["x".into()]).expect("params");
+        only_o.distinguished_name = rcgen::DistinguishedName::new();
+        only_o
+            .distinguished_name
+            .push(rcgen::DnType::OrganizationName, "system:masters");
+        let no_cn = only_o.self_signed(&key).expect("cert");
+        assert_eq!(subject_common_name(no_cn.der()), None);
+        // Every truncation and every single-byte change is an answer, never a panic.
+        for cut in 0..der.len() {
+            let _ = subject_common_name(&der[..cut]);
+        }
+        for i in 0..der.len() {
+            let mut bad = der.clone();
+            bad[i] ^= 0xff;
+            let _ = subject_common_name(&bad);
+        }
+        assert_eq!(subject_common_name(&[]), None);
     }
 
     #[test]

@@ -29,6 +29,9 @@ pub struct OperatorConfig {
     /// Labels on every ServiceMonitor the operator makes, under each spec's own (e.g.
     /// kube-prometheus-stack's `release`).
     pub monitor_labels: BTreeMap<String, String>,
+    /// With `Some`, each InferenceService gets a NetworkPolicy admitting only these peers to
+    /// its pods (see `build::network_policy`).
+    pub network_policy_peers: Option<Vec<k8s_openapi::api::networking::v1::NetworkPolicyPeer>>,
 }
 
 /// One resource profile (see `build::profile`), as the chart's `resourceProfiles.<name>` values give it.
@@ -74,6 +77,7 @@ impl Default for OperatorConfig {
             dashboards: Vec::new(),
             resource_profiles: BTreeMap::new(),
             monitor_labels: BTreeMap::new(),
+            network_policy_peers: None,
         }
     }
 }

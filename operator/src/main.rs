@@ -1,6 +1,7 @@
 //! ferrite-operator: serves its own /metrics, /healthz and /readyz, wins the leader Lease,
 //! then reconciles InferenceServices until SIGTERM, and hands the Lease back on the way out.
 
+use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use ferrite_operator::config::{OperatorConfig, load_dashboards, load_resource_pr
 use ferrite_operator::controller::{self, Context, Timing};
 use ferrite_operator::external_metrics::keeper::Keeper;
 use ferrite_operator::external_metrics::{
-    CertSource, ServerTls, TlsSettings, serve_tls, service_names,
+    CertSource, ClientAuth, RequestHeader, ServerTls, TlsSettings, serve_tls, service_names,
 };
 use ferrite_operator::leader::{LeaderElector, LeaseSettings, Role};
 use ferrite_operator::telemetry::{self, Health, Metrics};
@@ -39,6 +40,11 @@ struct Args {
     /// the InferenceService's own: kube-prometheus-stack's `release`.
     #[arg(long = "monitor-label", value_parser = key_value)]
     monitor_labels: Vec<(String, String)>,
+    /// Give every InferenceService a NetworkPolicy admitting only these peers to its pods'
+    /// port: a JSON list of NetworkPolicyPeer objects (namespaceSelector/podSelector/ipBlock),
+    /// as the chart renders for the router, the operator and Prometheus.
+    #[arg(long, env = "FERRITE_NETWORK_POLICY_PEERS", value_parser = network_policy_peers)]
+    network_policy_peers: Option<Peers>,
     /// ferrite-server image for CPU pods.
     #[arg(long, env = "FERRITE_SERVER_IMAGE")]
     ferrite_image: Option<String>,
@@ -83,10 +89,19 @@ struct Args {
     /// PEM private key matching --tls-cert-file.
     #[arg(long, env = "FERRITE_TLS_KEY_FILE", requires = "tls_cert_file")]
     tls_key_file: Option<PathBuf>,
-    /// CA of the API server's front proxy (requestheader-client-ca-file): when set, metric
-    /// requests must present a client certificate it signed.
+    /// CA of the API server's front proxy (requestheader-client-ca-file), instead of reading
+    /// it (and the allowed names) from kube-system/extension-apiserver-authentication, which is
+    /// the default and is watched. Metric requests must present a client certificate it signed.
     #[arg(long, env = "FERRITE_CLIENT_CA_FILE")]
     client_ca_file: Option<PathBuf>,
+    /// With --client-ca-file: the common names its client certificates may have
+    /// (requestheader-allowed-names); none allows any name the CA signed.
+    #[arg(long, value_delimiter = ',', requires = "client_ca_file")]
+    requestheader_allowed_names: Vec<String>,
+    /// Serve metrics to any client that reaches the port, without a client certificate.
+    /// Insecure: anyone who can reach the operator reads every namespace's signals.
+    #[arg(long, conflicts_with = "client_ca_file")]
+    external_metrics_insecure_any_client: bool,
     /// Keep the External Metrics API's serving certificate in this Secret (in the operator's
     /// namespace): the operator issues a self-signed one, sets the APIService's caBundle, and
     /// renews both before expiry. Instead of --tls-cert-file.
@@ -118,6 +133,7 @@ fn config(args: &Args) -> anyhow::Result<OperatorConfig> {
         c.dashboards = load_dashboards(dir)?;
     }
     c.monitor_labels = args.monitor_labels.iter().cloned().collect();
+    c.network_policy_peers = args.network_policy_peers.clone().map(|p| p.0);
     if let Some(path) = &args.resource_profiles {
         c.resource_profiles = load_resource_profiles(path)?;
         tracing::info!(
@@ -126,6 +142,25 @@ fn config(args: &Args) -> anyhow::Result<OperatorConfig> {
         );
     }
     Ok(c)
+}
+
+/// One flag's list of peers (a newtype: clap reads a bare `Vec` as a repeated flag).
+#[derive(Debug, Clone)]
+struct Peers(Vec<NetworkPolicyPeer>);
+
+/// A JSON list of NetworkPolicyPeers, each naming at least one selector or block (an empty
+/// peer would admit everyone).
+fn network_policy_peers(s: &str) -> Result<Peers, String> {
+    let peers: Vec<NetworkPolicyPeer> = serde_json::from_str(s)
+        .map_err(|e| format!("not a JSON list of NetworkPolicyPeers: {e}"))?;
+    if let Some(i) = peers.iter().position(|p| {
+        p.namespace_selector.is_none() && p.pod_selector.is_none() && p.ip_block.is_none()
+    }) {
+        return Err(format!(
+            "peer {i} selects nothing, which would admit every client"
+        ));
+    }
+    Ok(Peers(peers))
 }
 
 /// `KEY=VALUE`, with a non-empty key.
@@ -300,6 +335,7 @@ async fn external_metrics(
         .parse()
         .with_context(|| format!("--external-metrics-addr {:?}", args.external_metrics_addr))?;
     let names = service_names(&args.service_name, &args.lease_namespace);
+    let clients = client_auth(args, client, &stop)?;
     let tls = match &args.tls_secret {
         Some(secret) => {
             let keeper = Keeper {
@@ -314,11 +350,7 @@ async fn external_metrics(
                 .ensure(std::time::SystemTime::now())
                 .await
                 .context("issuing the External Metrics API's certificate")?;
-            let tls = ServerTls::from_pem(
-                &material.cert_pem,
-                &material.key_pem,
-                args.client_ca_file.as_deref(),
-            )?;
+            let tls = ServerTls::from_pem(&material.cert_pem, &material.key_pem, clients)?;
             tokio::spawn(keeper.run(tls.clone(), material, stopped(stop.clone())));
             tls
         }
@@ -327,7 +359,7 @@ async fn external_metrics(
                 args.tls_cert_file.clone(),
                 args.tls_key_file.clone(),
                 names,
-                args.client_ca_file.clone(),
+                clients,
             )?;
             let tls = ServerTls::new(&settings)?;
             if let CertSource::Files { cert, key } = settings.cert {
@@ -352,6 +384,36 @@ async fn external_metrics(
             tracing::error!(error = %e, "External Metrics API server failed");
         }
     })))
+}
+
+/// Who may read the External Metrics API: the request-header CA from --client-ca-file, or the
+/// one kube-apiserver publishes (watched from here on), or, explicitly, anyone.
+fn client_auth(
+    args: &Args,
+    client: &kube::Client,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<Arc<ClientAuth>> {
+    if args.external_metrics_insecure_any_client {
+        tracing::warn!(
+            "--external-metrics-insecure-any-client: any client that reaches the External \
+             Metrics API reads every namespace's signals"
+        );
+        return Ok(ClientAuth::any_client());
+    }
+    if let Some(path) = &args.client_ca_file {
+        ferrite_operator::certs::check_file(path, "the client CA")?;
+        let ca_pem = std::fs::read_to_string(path)
+            .with_context(|| format!("--client-ca-file {}", path.display()))?;
+        let config = RequestHeader {
+            ca_pem,
+            allowed_names: args.requestheader_allowed_names.clone(),
+        };
+        return ClientAuth::request_header(Some(config))
+            .with_context(|| format!("--client-ca-file {}", path.display()));
+    }
+    let clients = ClientAuth::request_header(None)?;
+    tokio::spawn(clients.clone().watch(client.clone(), stopped(stop.clone())));
+    Ok(clients)
 }
 
 fn hostname() -> String {

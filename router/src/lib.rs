@@ -13,6 +13,7 @@ pub mod prefix;
 pub mod proxy;
 pub mod recent;
 pub mod registry;
+pub mod ring;
 pub mod wake;
 pub mod work;
 
@@ -66,16 +67,16 @@ pub async fn start(
     Ok(app)
 }
 
-/// Every minute: per-pod series of pods that are gone are removed, and wake records of
-/// services not woken for an hour forgotten.
+/// Every minute: per-pod series of pods that are gone are removed, the rings of services
+/// that are gone dropped, and wake records of services not woken for an hour forgotten.
 async fn housekeeping(app: std::sync::Weak<App>) {
     let mut tick = tokio::time::interval(Duration::from_secs(60));
     loop {
         tick.tick().await;
         let Some(app) = app.upgrade() else { return };
-        let live = app
-            .registry
-            .all()
+        let services = app.registry.all();
+        let ids = services.iter().map(|s| s.id()).collect();
+        let live = services
             .into_iter()
             .flat_map(|s| {
                 let model = s.model;
@@ -85,6 +86,7 @@ async fn housekeeping(app: std::sync::Weak<App>) {
             })
             .collect();
         app.metrics.forget_pods(&live);
+        app.rings.retain(&ids);
         app.wakes
             .forget_older_than(tokio::time::Instant::now(), Duration::from_secs(3600));
     }

@@ -5,7 +5,7 @@
 //!
 //! - [`Policy::PrefixAffinity`] (the default): consistent hashing with bounded loads
 //!   (Mirrokni, Thorup and Zadimoghaddam, 2018), counted in requests the size of the new one.
-//!   The request's prefix key hashes onto a ring of [`VNODES`] points per replica; the first
+//!   The request's prefix key hashes onto the service's [`Ring`]; the first
 //!   replica clockwise that would then hold at most `ceil((1 + ε) · (m + 1) / n)` takes it,
 //!   where each replica's load is its work over the request's, rounded ([`units`]), and `m`
 //!   their sum. With requests of one size this is the paper exactly; a short request is kept
@@ -19,10 +19,7 @@
 //! - [`Policy::LeastLoad`]: the replica with the least work, ties broken by name.
 //! - [`Policy::RoundRobin`]: in turn.
 
-use ferrite_operator::hash::fnv1a;
-
-/// Points per replica on the hash ring: enough that 3 replicas split keys within a few percent.
-pub const VNODES: usize = 160;
+pub use crate::ring::Ring;
 
 /// The policies are the CRD's (`spec.routing.policy`).
 pub use ferrite_operator::crd::RoutingPolicy as Policy;
@@ -78,11 +75,13 @@ pub struct Request<'a> {
     pub known: bool,
 }
 
-/// Picks a replica, or `None` when there is none. `epsilon` is the load bound's slack (0.25:
-/// a replica may take a quarter more than the average) for a known prefix; a new one gets
-/// none, so it lands on the first replica along its ring at or below the average.
+/// Picks a replica, or `None` when there is none. `ring` holds the service's replicas (those
+/// offered may be fewer: one already tried sits out). `epsilon` is the load bound's slack
+/// (0.25: a replica may take a quarter more than the average) for a known prefix; a new one
+/// gets none, so it lands on the first replica along its ring at or below the average.
 pub fn pick(
     policy: Policy,
+    ring: &Ring,
     replicas: &[Replica],
     request: Request<'_>,
     epsilon: f64,
@@ -98,7 +97,7 @@ pub fn pick(
         (Policy::RoundRobin, _) => Some(decision((request.turn % replicas.len() as u64) as usize)),
         (Policy::PrefixAffinity, Some(key)) if !key.is_empty() => {
             let epsilon = if request.known { epsilon } else { 0.0 };
-            Some(bounded_ring(replicas, key, request.work, epsilon))
+            Some(bounded_ring(ring, replicas, key, request.work, epsilon))
         }
         // Without a key there is nothing to be affine to: the least loaded replica.
         (Policy::LeastLoad | Policy::PrefixAffinity, _) => Some(decision(least_loaded(replicas))),
@@ -114,28 +113,6 @@ fn least_loaded(replicas: &[Replica]) -> usize {
         }
     }
     best
-}
-
-/// Position of a string on the ring: FNV-1a (stable across builds and router replicas, which
-/// must agree) through a finalizer that spreads FNV's weak low bits.
-pub fn point(bytes: &[u8]) -> u64 {
-    let mut z = fnv1a(bytes);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// The ring's points, sorted: `(position, replica index)`.
-fn ring(replicas: &[Replica]) -> Vec<(u64, usize)> {
-    let mut points: Vec<(u64, usize)> = replicas
-        .iter()
-        .enumerate()
-        .flat_map(|(i, r)| {
-            (0..VNODES).map(move |v| (point(format!("{}#{v}", r.name).as_bytes()), i))
-        })
-        .collect();
-    points.sort_unstable();
-    points
 }
 
 /// Each replica's load in requests the size of this one (`work`), rounded to the nearest
@@ -168,20 +145,14 @@ pub fn bound(units: &[f64], epsilon: f64) -> f64 {
         .max(1.0)
 }
 
-fn bounded_ring(replicas: &[Replica], key: &str, work: f64, epsilon: f64) -> Decision {
+fn bounded_ring(ring: &Ring, replicas: &[Replica], key: &str, work: f64, epsilon: f64) -> Decision {
     let units = units(replicas, work);
     let bound = bound(&units, epsilon);
-    let points = ring(replicas);
-    let h = point(key.as_bytes());
-    let start = points.partition_point(|&(p, _)| p < h);
     let mut owner = None;
-    let mut seen = vec![false; replicas.len()];
-    for k in 0..points.len() {
-        let (_, i) = points[(start + k) % points.len()];
-        if seen[i] {
-            continue;
-        }
-        seen[i] = true;
+    let offered = ring
+        .walk(key)
+        .filter_map(|name| replicas.iter().position(|r| r.name == name));
+    for i in offered {
         let first = *owner.get_or_insert(i);
         if units[i] + 1.0 <= bound {
             let affinity = if i == first {
@@ -192,8 +163,8 @@ fn bounded_ring(replicas: &[Replica], key: &str, work: f64, epsilon: f64) -> Dec
             return Decision { index: i, affinity };
         }
     }
-    // Unreachable (the least loaded replica fits the bound), kept for NaN loads: the least
-    // loaded replica.
+    // Unreachable while every replica is on the ring (the least loaded one fits the bound),
+    // kept for NaN loads: the least loaded replica.
     Decision {
         index: least_loaded(replicas),
         affinity: Affinity::Overflowed,
@@ -226,6 +197,12 @@ mod tests {
         }
     }
 
+    /// [`pick`] on the ring of exactly these replicas.
+    fn pick(policy: Policy, rs: &[Replica], request: Request<'_>, eps: f64) -> Option<Decision> {
+        let names: Vec<&str> = rs.iter().map(|r| r.name.as_str()).collect();
+        super::pick(policy, &Ring::new(&names), rs, request, eps)
+    }
+
     fn affine(rs: &[Replica], key: &str) -> Decision {
         pick(Policy::PrefixAffinity, rs, req(Some(key), 0), 0.25).expect("a replica")
     }
@@ -255,6 +232,31 @@ mod tests {
         // 160 points per replica keep the split within ~15% of a third.
         for n in per {
             assert!((850..=1150).contains(&n), "{per:?}");
+        }
+    }
+
+    /// A replica left out for this attempt (tried already) is passed over on the full
+    /// ring: the others keep their keys, and its keys go where they would without it.
+    #[test]
+    fn a_replica_sitting_out_is_passed_over_on_the_services_ring() {
+        let three = replicas(&[0.0, 0.0, 0.0]);
+        let ring = Ring::new(&["pod-0", "pod-1", "pod-2"]);
+        let two: Vec<Replica> = three
+            .iter()
+            .filter(|r| r.name != "pod-1")
+            .cloned()
+            .collect();
+        for t in 0..300 {
+            let key = format!("conversation {t}");
+            let d = super::pick(
+                Policy::PrefixAffinity,
+                &ring,
+                &two,
+                req(Some(&key), 0),
+                0.25,
+            )
+            .expect("replica");
+            assert_eq!(two[d.index].name, two[affine(&two, &key).index].name);
         }
     }
 

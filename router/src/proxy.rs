@@ -33,6 +33,7 @@ use crate::parse::{self, Parsed};
 use crate::policy::{self, Replica, Request};
 use crate::recent::RecentKeys;
 use crate::registry::{Registry, Service};
+use crate::ring::Rings;
 use crate::wake::{self, Wakes};
 
 /// The router's settings.
@@ -70,6 +71,8 @@ pub struct App {
     turn: AtomicU64,
     /// Prefix keys routed lately.
     recent: RecentKeys,
+    /// Each service's hash ring, rebuilt when its replicas change.
+    pub rings: Rings,
 }
 
 impl std::fmt::Debug for App {
@@ -106,6 +109,7 @@ impl App {
             client,
             turn: AtomicU64::new(0),
             recent: RecentKeys::default(),
+            rings: Rings::default(),
         }
     }
 }
@@ -348,6 +352,8 @@ async fn attempt(
         .uri
         .path_and_query()
         .map_or(parts.uri.path(), |p| p.as_str());
+    let names: Vec<&str> = svc.endpoints.iter().map(|e| e.name.as_str()).collect();
+    let ring = app.rings.get(&svc.id(), &names);
     let mut tried: Option<String> = None;
     for attempt in 0..2 {
         let candidates = candidates(&svc.endpoints, tried.as_deref(), |e| {
@@ -366,7 +372,8 @@ async fn attempt(
             turn: app.turn.fetch_add(1, Ordering::Relaxed),
             known,
         };
-        let Some(d) = policy::pick(svc.policy, &replicas, request, app.config.epsilon) else {
+        let Some(d) = policy::pick(svc.policy, &ring, &replicas, request, app.config.epsilon)
+        else {
             break;
         };
         let ep = candidates[d.index];

@@ -25,7 +25,7 @@ struct Inner {
 impl RecentKeys {
     /// Whether `key` was routed before (and is still remembered); remembers it now.
     pub fn seen(&self, key: &str) -> bool {
-        let h = crate::policy::point(key.as_bytes());
+        let h = crate::ring::point(key.as_bytes());
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.tick += 1;
         let tick = inner.tick;

@@ -152,3 +152,30 @@ Call with (list LABELS $).
 {{- toYaml $all }}
 {{- end }}
 {{- end }}
+
+{{- /*
+The peers admitted to every model pod: the operator's pods, the router's (when installed), and
+networkPolicy.prometheus and extraPeers, as a YAML list of NetworkPolicyPeers.
+*/}}
+{{- define "ferrite-operator.networkPolicyPeers" -}}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ .Release.Namespace }}
+  podSelector:
+    matchLabels:
+      {{- include "ferrite-operator.selectorLabels" . | nindent 6 }}
+{{- if .Values.router.enabled }}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ .Release.Namespace }}
+  podSelector:
+    matchLabels:
+      {{- include "ferrite-operator.router.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- with .Values.networkPolicy.prometheus }}
+{{ toYaml . }}
+{{- end }}
+{{- with .Values.networkPolicy.extraPeers }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}

@@ -8,6 +8,7 @@ pub mod deployment;
 pub mod hpa;
 pub mod model;
 pub mod monitor;
+pub mod network_policy;
 pub mod profile;
 pub mod quantity;
 pub mod service;
@@ -51,6 +52,8 @@ pub struct Desired {
     pub dashboards: Vec<ConfigMap>,
     /// Only with `autoscaling.mode: HPA`.
     pub hpa: Option<HorizontalPodAutoscaler>,
+    /// Only when the operator runs with `--network-policy-peers`.
+    pub network_policy: Option<k8s_openapi::api::networking::v1::NetworkPolicy>,
     /// The label selector of the pods, for status.selector (the scale subresource).
     pub selector: String,
     /// In-cluster base URL of the API.
@@ -367,10 +370,15 @@ pub fn desired(
         Vec::new()
     };
     let hpa = hpa::hpa(isvc, owner);
+    let network_policy = config
+        .network_policy_peers
+        .as_deref()
+        .map(|peers| network_policy::network_policy(owner, isvc.port(), peers));
     let selector = selector(&owner.name);
     let url = url(isvc);
     Ok(Desired {
         hpa,
+        network_policy,
         deployment,
         service,
         pdb,

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PartialObjectMeta, Patch};
 use kube::runtime::controller::Action;
@@ -137,6 +138,8 @@ struct Cluster {
     caps: ClusterCapabilities,
     /// The ServiceMonitor cache, when the CRD is installed.
     monitors: Option<Store<PartialObjectMeta<ServiceMonitor>>>,
+    /// The NetworkPolicy cache, when the operator makes them.
+    network_policies: Option<Store<PartialObjectMeta<NetworkPolicy>>>,
 }
 
 /// Dereference: the optional APIs the cluster serves, and their caches.
@@ -155,11 +158,21 @@ async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
         ),
         false => None,
     };
+    let network_policies = match ctx.config.network_policy_peers {
+        Some(_) => Some(
+            ctx.caches
+                .network_policies(MONITOR_CACHE_WAIT)
+                .await
+                .ok_or(Error::Cache("NetworkPolicy"))?,
+        ),
+        None => None,
+    };
     Ok(Cluster {
         caps: ClusterCapabilities {
             service_monitor_crd,
         },
         monitors,
+        network_policies,
     })
 }
 
@@ -229,6 +242,7 @@ async fn apply_step(
         name: &id.name,
         uid: &id.uid,
         monitors: cluster.monitors.as_ref(),
+        network_policies: cluster.network_policies.as_ref(),
     };
     match children.apply_all(desired, events).await {
         Ok(deployment) => Ok(Applied {
@@ -441,6 +455,8 @@ struct Children<'a> {
     uid: &'a str,
     /// The ServiceMonitor cache, when the CRD is installed.
     monitors: Option<&'a Store<PartialObjectMeta<ServiceMonitor>>>,
+    /// The NetworkPolicy cache, when the operator makes them.
+    network_policies: Option<&'a Store<PartialObjectMeta<NetworkPolicy>>>,
 }
 
 impl Children<'_> {
@@ -486,6 +502,11 @@ impl Children<'_> {
                 events,
             )
             .await?;
+        }
+        // Only an operator that makes NetworkPolicies watches, applies or prunes them.
+        if let Some(store) = self.network_policies {
+            self.converge(desired.network_policy, cached_meta(store, ns, name), events)
+                .await?;
         }
 
         // Dashboards vary in number: apply the wanted, delete the rest of ours.

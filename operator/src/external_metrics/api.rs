@@ -19,8 +19,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
 use k8s_openapi::jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
+use super::authn::Verdict;
 use super::selector::{Selector, is_dns1123_label};
-use super::tls::ClientCert;
 use crate::autoscale::store::{SignalStore, Snapshot};
 use crate::labels::INSTANCE_LABEL;
 use crate::signal::{Signal, quantity};
@@ -112,18 +112,20 @@ pub fn router(store: Arc<SignalStore>) -> Router {
         .with_state(store)
 }
 
-/// With a client CA, `/apis` is for clients that presented a certificate signed by it (the
-/// aggregator); the health endpoints stay open for the kubelet. The TLS layer says what the
-/// connection presented; without it (plain HTTP in tests) nothing is required.
+/// `/apis` is for the clients the TLS layer's [`Verdict`] allows (the aggregator); the health
+/// endpoints stay open for the kubelet. Without a verdict (plain HTTP in tests) nothing is
+/// required.
 async fn require_client_cert(req: Request, next: Next) -> Response {
-    let cert = req.extensions().get::<ClientCert>().copied();
-    if cert.is_some_and(|c| c.required && !c.presented) && req.uri().path().starts_with("/apis") {
-        return status(
-            StatusCode::UNAUTHORIZED,
-            "Unauthorized",
-            "a client certificate signed by the client CA is required".to_string(),
-            None,
-        );
+    if req.uri().path().starts_with("/apis") {
+        match req.extensions().get::<Verdict>() {
+            Some(Verdict::Unauthenticated(why)) => {
+                return status(StatusCode::UNAUTHORIZED, "Unauthorized", why.clone(), None);
+            }
+            Some(Verdict::Forbidden(why)) => {
+                return status(StatusCode::FORBIDDEN, "Forbidden", why.clone(), None);
+            }
+            Some(Verdict::Allowed) | None => {}
+        }
     }
     next.run(req).await
 }

@@ -26,13 +26,15 @@
 //!
 //! The aggregator only talks HTTPS, so [`serve_tls`] serves over rustls: from PEM files (e.g. a
 //! cert-manager Secret) or a self-signed certificate made at start (its PEM goes in the
-//! APIService's `caBundle`). With a client CA (the cluster's `requestheader-client-ca-file`),
-//! `/apis` needs a client certificate signed by it, so only the aggregator can read metrics;
-//! the health endpoints stay open for the kubelet.
+//! APIService's `caBundle`). `/apis` needs what an aggregated API server needs (see `authn`):
+//! a client certificate signed by the cluster's request-header CA with an allowed common name,
+//! both read from `kube-system/extension-apiserver-authentication` and watched; the health
+//! endpoints stay open for the kubelet.
 //!
 //! Errors are Kubernetes `Status` objects, as kube-apiserver would send them.
 
 pub mod api;
+pub mod authn;
 pub mod keeper;
 pub mod selector;
 pub mod tls;
@@ -43,6 +45,7 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 
 pub use api::{ExternalMetricValue, ExternalMetricValueList, GROUP_VERSION, query, router};
+pub use authn::{ClientAuth, RequestHeader, TrustError, Verdict};
 pub use tls::{CertSource, ServerTls, TlsError, TlsSettings, service_names};
 
 use crate::autoscale::store::SignalStore;

@@ -1,9 +1,10 @@
 //! HTTPS for the External Metrics API: the serving certificate (PEM files, e.g. a cert-manager
 //! Secret, reloaded when they change; one the operator keeps in a Secret of its own, see
-//! `keeper`; or self-signed at start), an optional client CA, and a hyper server over rustls.
-//! The certificate is swapped under running connections, never by a restart. It knows nothing
-//! of the API it serves: each request carries a [`ClientCert`] extension saying whether a client
-//! certificate is required and was presented, and the API decides.
+//! `keeper`; or self-signed at start), client certificates checked against the request-header
+//! CA of [`ClientAuth`], and a hyper server over rustls. The certificate is swapped under
+//! running connections, never by a restart. It knows nothing of the API it serves: each request
+//! carries the [`Verdict`] of [`ClientAuth`] for its connection's certificate, and the API
+//! applies it to the paths that need it.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -22,9 +23,13 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::crypto::CryptoProvider;
-use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
 use tokio_rustls::rustls::sign::CertifiedKey;
-use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
+use tokio_rustls::rustls::{self, ServerConfig};
+
+use super::authn::ClientAuth;
+pub use super::authn::Verdict;
+use crate::certs::subject_common_name;
 use tower::ServiceExt;
 
 /// A slow or silent client cannot hold a connection task forever.
@@ -32,15 +37,6 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long open connections get to finish after shutdown starts.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
-
-/// What the connection a request came on presented, as a request extension.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ClientCert {
-    /// A client CA is configured.
-    pub required: bool,
-    /// The client presented a certificate (the verifier already checked it against the CA).
-    pub presented: bool,
-}
 
 /// Where the serving certificate comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,13 +50,11 @@ pub enum CertSource {
 }
 
 /// How [`serve_tls`] does TLS.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct TlsSettings {
     pub cert: CertSource,
-    /// PEM CA bundle; when set, `/apis` requires a client certificate signed by it (the
-    /// aggregator presents its proxy-client certificate, signed by the cluster's
-    /// requestheader client CA).
-    pub client_ca: Option<PathBuf>,
+    /// Which clients may read `/apis`.
+    pub clients: Arc<ClientAuth>,
 }
 
 impl TlsSettings {
@@ -70,14 +64,14 @@ impl TlsSettings {
         cert_file: Option<PathBuf>,
         key_file: Option<PathBuf>,
         names: Vec<String>,
-        client_ca: Option<PathBuf>,
+        clients: Arc<ClientAuth>,
     ) -> Result<Self, TlsError> {
         let cert = match (cert_file, key_file) {
             (Some(cert), Some(key)) => CertSource::Files { cert, key },
             (None, None) => CertSource::SelfSigned { names },
             _ => return Err(TlsError::Incomplete),
         };
-        Ok(Self { cert, client_ca })
+        Ok(Self { cert, clients })
     }
 }
 
@@ -103,12 +97,6 @@ pub enum TlsError {
     NoNames,
     #[error("generating the self-signed certificate: {0}")]
     Generate(#[from] rcgen::Error),
-    #[error("client CA {path}: {source}")]
-    ClientCa {
-        path: PathBuf,
-        #[source]
-        source: rustls::server::VerifierBuilderError,
-    },
     #[error("TLS configuration: {0}")]
     Rustls(#[from] rustls::Error),
     #[error(transparent)]
@@ -132,7 +120,7 @@ pub struct ServerTls {
     config: Arc<ServerConfig>,
     current: Arc<Current>,
     provider: Arc<CryptoProvider>,
-    client_auth: bool,
+    clients: Arc<ClientAuth>,
 }
 
 /// A certificate chain and its key, parsed from PEM and checked (X.509 v3).
@@ -184,25 +172,25 @@ impl ServerTls {
             }
             CertSource::SelfSigned { names } => self_signed(names)?,
         };
-        Self::build(cert_pem, chain, key, settings.client_ca.as_deref())
+        Self::build(cert_pem, chain, key, settings.clients.clone())
     }
 
     /// From PEM text held in memory (the operator's own Secret).
     pub fn from_pem(
         cert_pem: &str,
         key_pem: &str,
-        client_ca: Option<&Path>,
+        clients: Arc<ClientAuth>,
     ) -> Result<Self, TlsError> {
         let memory = Path::new("<in memory>");
         let (chain, key) = parse_pair(cert_pem, key_pem, memory, memory)?;
-        Self::build(cert_pem.to_string(), chain, key, client_ca)
+        Self::build(cert_pem.to_string(), chain, key, clients)
     }
 
     fn build(
         cert_pem: String,
         chain: Vec<CertificateDer<'static>>,
         key: PrivateKeyDer<'static>,
-        client_ca: Option<&Path>,
+        clients: Arc<ClientAuth>,
     ) -> Result<Self, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let current = Arc::new(Current(RwLock::new((
@@ -211,37 +199,10 @@ impl ServerTls {
         ))));
         let builder = ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()?;
-        let builder = match client_ca {
-            Some(path) => {
-                let mut roots = RootCertStore::empty();
-                let pem = read_to_string(path)?;
-                crate::certs::check_pem(
-                    pem.as_bytes(),
-                    &format!("the client CA {}", path.display()),
-                )?;
-                for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
-                    let cert = cert.map_err(|source| TlsError::Pem {
-                        path: path.to_path_buf(),
-                        source,
-                    })?;
-                    roots.add(cert)?;
-                }
-                if roots.is_empty() {
-                    return Err(TlsError::NoCertificate(path.to_path_buf()));
-                }
-                // Unauthenticated clients may connect (the kubelet probes /healthz); the
-                // request layer then keeps them off /apis.
-                let verifier =
-                    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-                        .allow_unauthenticated()
-                        .build()
-                        .map_err(|source| TlsError::ClientCa {
-                            path: path.to_path_buf(),
-                            source,
-                        })?;
-                builder.with_client_cert_verifier(verifier)
-            }
-            None => builder.with_no_client_auth(),
+        let builder = if clients.verifies_clients() {
+            builder.with_client_cert_verifier(clients.verifier())
+        } else {
+            builder.with_no_client_auth()
         };
         let mut config = builder.with_cert_resolver(current.clone());
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -249,7 +210,7 @@ impl ServerTls {
             config: Arc::new(config),
             current,
             provider,
-            client_auth: client_ca.is_some(),
+            clients,
         })
     }
 
@@ -363,7 +324,7 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut shutdown = pin!(shutdown);
     let mut connections = JoinSet::new();
-    tracing::info!(addr = ?listener.local_addr().ok(), client_auth = tls.client_auth, "serving the External Metrics API");
+    tracing::info!(addr = ?listener.local_addr().ok(), verifies_clients = tls.clients.verifies_clients(), "serving the External Metrics API");
     loop {
         tokio::select! {
             () = &mut shutdown => break,
@@ -374,7 +335,7 @@ pub async fn serve(
                         stream,
                         peer,
                         app.clone(),
-                        tls.client_auth,
+                        tls.clients.clone(),
                         stop_rx.clone(),
                     ));
                 }
@@ -403,7 +364,7 @@ async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     app: Router,
-    client_auth: bool,
+    clients: Arc<ClientAuth>,
     mut stop: watch::Receiver<bool>,
 ) {
     let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
@@ -420,17 +381,14 @@ async fn connection(
             return;
         }
     };
-    // The verifier already checked any certificate presented against the client CA.
-    let cert = ClientCert {
-        required: client_auth,
-        presented: tls
-            .get_ref()
-            .1
-            .peer_certificates()
-            .is_some_and(|c| !c.is_empty()),
-    };
+    // The verifier already checked any certificate presented against the client CA; the
+    // allowed names are checked per request, so a change applies to open connections too.
+    let leaf = tls.get_ref().1.peer_certificates().and_then(|c| c.first());
+    let presented = leaf.is_some();
+    let common_name = leaf.and_then(|c| subject_common_name(c));
     let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
-        req.extensions_mut().insert(cert);
+        let verdict = clients.verdict(presented, common_name.as_deref());
+        req.extensions_mut().insert(verdict);
         app.clone().oneshot(req)
     });
     let conn = hyper::server::conn::http1::Builder::new()
@@ -458,13 +416,14 @@ mod tests {
     #[test]
     fn external_tls_settings_from_flags() {
         let names = service_names("op", "sys");
-        let s = TlsSettings::from_flags(None, None, names.clone(), None).expect("self-signed");
+        let any = ClientAuth::any_client;
+        let s = TlsSettings::from_flags(None, None, names.clone(), any()).expect("self-signed");
         assert_eq!(s.cert, CertSource::SelfSigned { names });
         let files = TlsSettings::from_flags(
             Some("tls.crt".into()),
             Some("tls.key".into()),
             Vec::new(),
-            Some("ca.crt".into()),
+            any(),
         )
         .expect("files");
         assert_eq!(
@@ -474,9 +433,8 @@ mod tests {
                 key: "tls.key".into()
             }
         );
-        assert_eq!(files.client_ca, Some(PathBuf::from("ca.crt")));
         assert!(matches!(
-            TlsSettings::from_flags(Some("tls.crt".into()), None, Vec::new(), None),
+            TlsSettings::from_flags(Some("tls.crt".into()), None, Vec::new(), any()),
             Err(TlsError::Incomplete)
         ));
     }

@@ -891,3 +891,54 @@ fn an_api_key_comes_from_its_secret_never_the_arguments() {
     let env = server(&none).env.clone().unwrap_or_default();
     assert!(!env.iter().any(|e| e.name.ends_with("API_KEY")), "{env:?}");
 }
+
+#[test]
+fn a_network_policy_admits_only_the_configured_peers_to_the_pods_port() {
+    let spec = json!({"model": {"source": "/m.gguf"}, "runtime": {"port": 9000}});
+    assert!(
+        built(spec.clone(), NO_MONITOR_CRD).network_policy.is_none(),
+        "only when the operator is configured to make them"
+    );
+    let router: k8s_openapi::api::networking::v1::NetworkPolicyPeer =
+        serde_json::from_value(json!({
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ferrite-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "ferrite-router"}}}))
+        .expect("peer");
+    let with = |peers| OperatorConfig {
+        network_policy_peers: Some(peers),
+        ..config()
+    };
+    let d = build(
+        &isvc(spec.clone()),
+        &with(vec![router.clone()]),
+        NO_MONITOR_CRD,
+    )
+    .expect("builds");
+    let policy = d.network_policy.expect("a NetworkPolicy");
+    assert_eq!(policy.metadata.name.as_deref(), Some("chat"));
+    assert_eq!(policy.metadata.namespace.as_deref(), Some("ml"));
+    assert_eq!(
+        policy.metadata.owner_references.expect("owned")[0].uid,
+        "1234-abcd"
+    );
+    let spec_ = policy.spec.expect("spec");
+    assert_eq!(
+        spec_.pod_selector.and_then(|s| s.match_labels),
+        d.deployment.spec.and_then(|s| s.selector.match_labels),
+        "the InferenceService's pods"
+    );
+    let rule = &spec_.ingress.expect("ingress")[0];
+    assert_eq!(rule.from.as_deref(), Some(&[router][..]));
+    assert_eq!(
+        rule.ports.as_ref().expect("ports")[0].port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(9000))
+    );
+    // No peers: no rule at all (an empty `from` would admit everyone), so nothing connects.
+    let closed = build(&isvc(spec), &with(Vec::new()), NO_MONITOR_CRD)
+        .expect("builds")
+        .network_policy
+        .expect("a NetworkPolicy");
+    let closed = closed.spec.expect("spec");
+    assert_eq!(closed.ingress, Some(Vec::new()));
+    assert_eq!(closed.policy_types, Some(vec!["Ingress".to_string()]));
+}

@@ -420,6 +420,17 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                     "cert-manager fills caBundle"
                 );
                 assert!(has_arg("--client-ca-file"), "{args:?}");
+                assert!(
+                    has_arg("--requestheader-allowed-names=front-proxy-client,aggregator"),
+                    "{args:?}"
+                );
+                // A fixed CA: nothing read from kube-system.
+                assert!(
+                    find(docs, "RoleBinding")
+                        .iter()
+                        .all(|b| b["metadata"]["namespace"] != "kube-system"),
+                    "no auth-reader binding with a fixed CA"
+                );
             }
         }
         "external-metrics" => {
@@ -466,6 +477,47 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 .find(|b| b["subjects"][0]["name"] == "horizontal-pod-autoscaler")
                 .expect("the HPA controller may read external metrics");
             assert_eq!(reader["subjects"][0]["namespace"], "kube-system");
+            // Clients are checked against the request-header CA the operator reads from
+            // kube-system, under the bootstrap policy's reader Role.
+            let auth = find(docs, "RoleBinding")
+                .into_iter()
+                .find(|b| b["roleRef"]["name"] == "extension-apiserver-authentication-reader")
+                .expect("the operator may read extension-apiserver-authentication");
+            assert_eq!(auth["metadata"]["namespace"], "kube-system");
+            assert_eq!(auth["subjects"][0]["namespace"], NAMESPACE);
+            assert!(
+                !has_arg("--client-ca-file") && !has_arg("--external-metrics-insecure-any-client"),
+                "{args:?}"
+            );
+        }
+        "network-policy" => {
+            let flag = args
+                .iter()
+                .find_map(|a| a.strip_prefix("--network-policy-peers="))
+                .expect("--network-policy-peers");
+            let peers: Vec<k8s_openapi::api::networking::v1::NetworkPolicyPeer> =
+                serde_json::from_str(flag).expect("the operator's NetworkPolicyPeer list");
+            let peers = serde_json::to_value(&peers).expect("json");
+            let app =
+                |i: usize| peers[i]["podSelector"]["matchLabels"]["app.kubernetes.io/name"].clone();
+            assert_eq!(peers.as_array().map(Vec::len), Some(4), "{peers}");
+            assert_eq!(app(0), "ferrite-operator");
+            assert_eq!(app(1), "ferrite-router");
+            assert_eq!(app(2), "prometheus");
+            assert_eq!(
+                peers[3]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+                "gateway"
+            );
+            let role = find(docs, "ClusterRole")
+                .into_iter()
+                .find(|r| r["metadata"]["name"] == "ferrite-ferrite-operator")
+                .expect("the operator's ClusterRole");
+            assert!(
+                role["rules"]
+                    .as_array()
+                    .is_some_and(|r| r.iter().any(|r| r["resources"][0] == "networkpolicies")),
+                "{role}"
+            );
         }
         "resource-profiles" => {
             let flag = "--resource-profiles=/etc/ferrite/profiles/profiles.yaml";

@@ -260,8 +260,8 @@ async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
     .await;
     // Both replicas serve the one certificate in the shared Secret, which the bundle trusts.
     let agents = [
-        external_client(&client, &release, release.external_port, None).await,
-        external_client(&client, &release, b_port, None).await,
+        external_client(&cluster, &release, release.external_port, None).await,
+        external_client(&cluster, &release, b_port, None).await,
     ];
     let items = |i: usize| {
         let (agent, base) = agents[i].clone();

@@ -333,7 +333,8 @@ async fn api_service_available(client: &kube::Client) -> Option<()> {
 }
 
 /// HPA mode end to end: the chart registers the APIService (Available through the
-/// aggregator, whose front-proxy client certificate the operator checks), the operator makes
+/// aggregator, whose front-proxy client certificate the operator checks against the CA and
+/// allowed names kube-apiserver publishes), the operator makes
 /// the HPA, and kube-controller-manager's HPA controller reads the queue through
 /// external.metrics.k8s.io and scales the InferenceService through its scale subresource.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -342,11 +343,11 @@ async fn a_real_hpa_scales_on_the_external_metrics_api() {
         return;
     };
     let client = cluster.client().await;
-    let front_proxy_ca =
-        std::fs::read_to_string(cluster.pki_file("front-proxy-ca.crt")).expect("front-proxy CA");
+    // The chart's defaults: the operator takes the front-proxy CA and allowed names from
+    // kube-system/extension-apiserver-authentication, as kube-apiserver wrote them.
     let release = install(
         &cluster,
-        &json!({"externalMetrics": {"enabled": true, "requestheaderClientCA": front_proxy_ca}}),
+        &json!({"externalMetrics": {"enabled": true}}),
         "hpa",
     )
     .await;

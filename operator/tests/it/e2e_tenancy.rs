@@ -135,3 +135,112 @@ async fn colliding_tenants_are_refused_not_taken_over() {
     })
     .await;
 }
+
+/// With the chart's `networkPolicy.enabled`, every InferenceService gets a NetworkPolicy that
+/// the real API server accepts: its pods, ingress on the model's port from the operator, the
+/// router and Prometheus only, owned by the InferenceService and put back when deleted. (No
+/// CNI runs here, so enforcement itself is the CNI's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_pods_admit_only_the_router_the_operator_and_prometheus() {
+    use k8s_openapi::api::networking::v1::NetworkPolicy;
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let release = install(
+        &cluster,
+        &json!({"networkPolicy": {"enabled": true}}),
+        "netpol",
+    )
+    .await;
+    let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let ns = cluster.namespace("netpol").await;
+    Applier::new(client.clone())
+        .await
+        .apply(&common::e2e::isvc(
+            &ns,
+            "chat",
+            json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"port": 8123}}),
+        ))
+        .await;
+    let policies: Api<NetworkPolicy> = Api::namespaced(client.clone(), &ns);
+    let deadline = std::time::Instant::now() + WAIT;
+    let policy = loop {
+        if let Some(p) = policies.get_opt("chat").await.expect("read") {
+            break p;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no NetworkPolicy within {WAIT:?}: {:?}\n{}",
+            condition(&client, &ns, "chat", "Degraded").await,
+            op.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let owner = &policy.metadata.owner_references.clone().expect("owned")[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.name.as_str()),
+        ("InferenceService", "chat")
+    );
+    let spec = policy.spec.clone().expect("spec");
+    let selected = spec
+        .pod_selector
+        .and_then(|s| s.match_labels)
+        .expect("pods");
+    assert_eq!(
+        selected["ferrite.dev/inferenceservice"], "chat",
+        "{selected:?}"
+    );
+    assert_eq!(spec.policy_types, Some(vec!["Ingress".to_string()]));
+    let rules = spec.ingress.expect("ingress");
+    assert_eq!(rules.len(), 1, "{rules:?}");
+    let port = &rules[0].ports.as_ref().expect("ports")[0];
+    assert_eq!(
+        port.port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(8123))
+    );
+    let from = serde_json::to_value(rules[0].from.as_ref().expect("peers")).expect("json");
+    let pods = |i: usize| from[i]["podSelector"]["matchLabels"]["app.kubernetes.io/name"].clone();
+    assert_eq!(from.as_array().map(Vec::len), Some(3), "{from}");
+    assert_eq!(pods(0), "ferrite-operator", "{from}");
+    assert_eq!(pods(1), "ferrite-router", "{from}");
+    assert_eq!(pods(2), "prometheus", "{from}");
+    for i in 0..2 {
+        assert_eq!(
+            from[i]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+            common::chart::NAMESPACE,
+            "{from}"
+        );
+    }
+
+    // Deleted by hand: put back.
+    let uid = policy.metadata.uid.clone();
+    policies
+        .delete("chat", &DeleteParams::default())
+        .await
+        .expect("delete");
+    eventually(WAIT, "the NetworkPolicy back", async || {
+        let p = policies.get_opt("chat").await.ok()??;
+        (p.metadata.uid != uid).then_some(())
+    })
+    .await;
+    assert!(!op.log().contains("ERROR"), "{}", op.log());
+}
+
+/// A peer that selects nothing would admit every client: refused at start, as is a list that
+/// is not one.
+#[test]
+fn a_peer_that_selects_nothing_is_refused_at_start() {
+    for (peers, why) in [
+        (r#"[{"podSelector": {}}, {}]"#, "peer 1 selects nothing"),
+        ("router", "not a JSON list of NetworkPolicyPeers"),
+    ] {
+        let out = std::process::Command::new(common::e2e::operator_binary())
+            .arg(format!("--network-policy-peers={peers}"))
+            .output()
+            .expect("the operator runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(why), "{stderr}");
+    }
+}

@@ -258,11 +258,12 @@ async fn v1_certificates_at_the_external_metrics_api_are_named() {
 /// The operator's own certificate (nothing rendered by the chart): at start it issues one into
 /// the Secret, under the chart's RBAC, owned by the APIService, and sets the APIService's
 /// caBundle; a client that trusts only that bundle reaches the API by the Service's name, as
-/// the aggregator does, and any other name is refused (so the check is real). A restarted
-/// operator serves the same certificate.
+/// the aggregator does, and any other name is refused (so the check is real). Clients are
+/// held to the cluster's request-header CA and allowed names. A restarted operator serves the
+/// same certificate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operator_issues_its_certificate_and_the_bundle_that_trusts_it() {
-    use common::e2e::{Operator, external_client, install, live_ca_bundle};
+    use common::e2e::{Operator, external_client, external_client_as, install, live_ca_bundle};
     use k8s_openapi::api::core::v1::Secret;
     let Some(cluster) = Cluster::start().await else {
         return;
@@ -293,7 +294,7 @@ async fn the_operator_issues_its_certificate_and_the_bundle_that_trusts_it() {
         (owner.kind.as_str(), owner.name.as_str()),
         ("APIService", "v1beta1.external.metrics.k8s.io")
     );
-    let (agent, base) = external_client(&client, &release, release.external_port, None).await;
+    let (agent, base) = external_client(&cluster, &release, release.external_port, None).await;
     let url = format!("{base}/apis/external.metrics.k8s.io/v1beta1");
     let body: serde_json::Value = eventually(
         Duration::from_secs(30),
@@ -307,8 +308,42 @@ async fn the_operator_issues_its_certificate_and_the_bundle_that_trusts_it() {
         "{}",
         op.log()
     );
+    // Who may read metrics comes from kube-system/extension-apiserver-authentication (read
+    // under the chart's RoleBinding): the front-proxy CA's certificate for an allowed name
+    // (above) gets in; no certificate is 401; the same CA's certificate for another name is
+    // 403, as kube-apiserver's request-header authenticator refuses it.
+    let metric =
+        "/apis/external.metrics.k8s.io/v1beta1/namespaces/default/ferrite_requests_waiting";
+    let status_of = |agent: &ureq::Agent, url: &str| match agent.get(url).call() {
+        Ok(r) => r.status(),
+        Err(ureq::Error::Status(code, _)) => code,
+        Err(e) => panic!("{url}: {e}"),
+    };
+    assert_eq!(
+        status_of(&agent, &format!("{base}{metric}")),
+        200,
+        "{}",
+        op.log()
+    );
+    let (anonymous, _) =
+        external_client_as(&cluster, &release, release.external_port, None, None).await;
+    assert_eq!(status_of(&anonymous, &format!("{base}{metric}")), 401);
+    let intruder = cluster.front_proxy_ca().client("intruder", &[]);
+    let dir = TempDir::new("wrong-cn");
+    let (crt, key) = (dir.path().join("i.crt"), dir.path().join("i.key"));
+    std::fs::write(&crt, &intruder.cert).expect("write");
+    std::fs::write(&key, &intruder.key).expect("write");
+    let (wrong_cn, _) = external_client_as(
+        &cluster,
+        &release,
+        release.external_port,
+        None,
+        Some(common::tls::identity_files(&crt, &key)),
+    )
+    .await;
+    assert_eq!(status_of(&wrong_cn, &format!("{base}{metric}")), 403);
     let (wrong, base) = external_client(
-        &client,
+        &cluster,
         &release,
         release.external_port,
         Some("ferrite-elsewhere.ferrite-system.svc"),
@@ -397,7 +432,7 @@ async fn the_operator_renews_its_certificate_without_a_restart() {
         "the bundle trusts the new and the old certificate:\n{bundle}\n{}",
         op.log()
     );
-    let (agent, base) = external_client(&client, &release, port, None).await;
+    let (agent, base) = external_client(&cluster, &release, port, None).await;
     let url = format!("{base}/apis/external.metrics.k8s.io/v1beta1");
     assert!(agent.get(&url).call().is_ok(), "{}", op.log());
     assert!(

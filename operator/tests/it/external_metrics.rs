@@ -13,7 +13,8 @@ use std::time::{Duration, SystemTime};
 use common::tls::{agent, agent_with, client_config};
 use ferrite_operator::autoscale::store::{Key, SignalStore, Snapshot};
 use ferrite_operator::external_metrics::{
-    CertSource, ExternalMetricValueList, ServerTls, TlsError, TlsSettings, serve_tls, service_names,
+    CertSource, ClientAuth, ExternalMetricValueList, RequestHeader, ServerTls, TlsError,
+    TlsSettings, serve_tls, service_names,
 };
 use ferrite_operator::signal::Signals;
 use rustls_pki_types::pem::PemObject;
@@ -199,7 +200,7 @@ fn self_signed(names: &[&str]) -> ServerTls {
         cert: CertSource::SelfSigned {
             names: names.iter().map(|n| n.to_string()).collect(),
         },
-        client_ca: None,
+        clients: ClientAuth::any_client(),
     })
     .expect("TLS")
 }
@@ -521,7 +522,7 @@ fn server_name_is_checked() {
         cert: CertSource::SelfSigned {
             names: names.clone(),
         },
-        client_ca: None,
+        clients: ClientAuth::any_client(),
     })
     .expect("TLS");
     let server = Server::start(&tls, store());
@@ -612,8 +613,10 @@ fn temp_dir(tag: &str) -> PathBuf {
     d
 }
 
-/// Certificates from files (a CA-signed chain), and client certificates required on /apis
-/// when a client CA is set, as the aggregator presents its proxy-client certificate.
+/// Certificates from files (a CA-signed chain), and what /apis requires of clients, as an
+/// aggregated API server does: a certificate from the request-header CA (the aggregator's
+/// proxy-client certificate) with an allowed common name; a changed CA or name list applies
+/// at once, and without a CA nobody gets in.
 #[test]
 fn files_and_client_certificates() {
     let dir = temp_dir("mtls");
@@ -627,12 +630,17 @@ fn files_and_client_certificates() {
         std::fs::write(&p, text).expect("write");
         p
     };
+    let clients = ClientAuth::request_header(Some(RequestHeader {
+        ca_pem: client_ca.pem.clone(),
+        allowed_names: vec!["front-proxy-client".into()],
+    }))
+    .expect("the request-header CA");
     let settings = TlsSettings {
         cert: CertSource::Files {
             cert: write("tls.crt", &server_cert),
             key: write("tls.key", &server_key),
         },
-        client_ca: Some(write("client-ca.crt", &client_ca.pem)),
+        clients: clients.clone(),
     };
     let tls = ServerTls::new(&settings).expect("TLS from files");
     assert_eq!(tls.cert_pem(), server_cert);
@@ -666,6 +674,58 @@ fn files_and_client_certificates() {
     assert_eq!(code, 200, "{body}");
     assert_eq!(body["items"][0]["value"], "6");
 
+    // The CA's certificate for a name that is not allowed is forbidden, as kube-apiserver's
+    // request-header authenticator refuses it.
+    let (cert, key) = client_ca.issue("system:masters-wannabe", &[], true);
+    let wrong_cn = agent_with(client_config(&ca.pem, Some(client_identity(&cert, &key))));
+    let (code, body) = get(&wrong_cn, &metric, None);
+    assert_eq!(code, 403, "{body}");
+    assert_eq!(body["reason"], "Forbidden");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("system:masters-wannabe")),
+        "{body}"
+    );
+    // New allowed names apply to open connections from their next request.
+    clients
+        .set(Some(RequestHeader {
+            ca_pem: client_ca.pem.clone(),
+            allowed_names: vec!["front-proxy-client".into(), "system:masters-wannabe".into()],
+        }))
+        .expect("new names");
+    assert_eq!(get(&wrong_cn, &metric, None).0, 200);
+    // No CA known (the ConfigMap lost it): nobody reads metrics, the aggregator included.
+    clients.set(None).expect("no CA");
+    let (code, body) = get(&aggregator, &metric, None);
+    assert_eq!(code, 401, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("extension-apiserver-authentication")),
+        "{body}"
+    );
+    // A rotated CA applies from the next handshake: the old CA's certificate no longer
+    // connects, one from the new CA does.
+    let rotated = Ca::new("rotated requestheader client CA");
+    clients
+        .set(Some(RequestHeader {
+            ca_pem: rotated.pem.clone(),
+            allowed_names: vec!["front-proxy-client".into()],
+        }))
+        .expect("rotated CA");
+    let old = agent_with(client_config(
+        &ca.pem,
+        Some(client_identity(&client_cert, &client_key)),
+    ));
+    assert!(
+        matches!(old.get(&metric).call(), Err(ureq::Error::Transport(_))),
+        "the old CA's certificate still connects"
+    );
+    let (cert, key) = rotated.issue("front-proxy-client", &[], true);
+    let renewed = agent_with(client_config(&ca.pem, Some(client_identity(&cert, &key))));
+    assert_eq!(get(&renewed, &metric, None).0, 200);
+
     // A certificate from another CA is refused at the handshake.
     let stranger_ca = Ca::new("someone else");
     let (cert, key) = stranger_ca.issue("intruder", &[], true);
@@ -682,7 +742,7 @@ fn files_and_client_certificates() {
             cert: dir.join("absent.crt"),
             key: dir.join("absent.key"),
         },
-        client_ca: None,
+        clients: ClientAuth::any_client(),
     });
     assert!(matches!(missing, Err(TlsError::Read { .. })), "{missing:?}");
     let empty = ServerTls::new(&TlsSettings {
@@ -690,7 +750,7 @@ fn files_and_client_certificates() {
             cert: write("empty.crt", ""),
             key: dir.join("tls.key"),
         },
-        client_ca: None,
+        clients: ClientAuth::any_client(),
     });
     assert!(
         matches!(empty, Err(TlsError::NoCertificate(_))),
@@ -698,7 +758,7 @@ fn files_and_client_certificates() {
     );
     let no_names = ServerTls::new(&TlsSettings {
         cert: CertSource::SelfSigned { names: Vec::new() },
-        client_ca: None,
+        clients: ClientAuth::any_client(),
     });
     assert!(matches!(no_names, Err(TlsError::NoNames)), "{no_names:?}");
     let _ = std::fs::remove_dir_all(&dir);

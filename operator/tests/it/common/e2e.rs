@@ -567,16 +567,38 @@ pub async fn live_ca_bundle(client: &kube::Client) -> String {
     .await
 }
 
-/// An HTTPS client for an operator's External Metrics API on `port`, verifying it as the
-/// aggregator does (the APIService's live caBundle, the Service's `NAME.NAMESPACE.svc` name),
-/// and the base URL to use with it (`host` overrides that name, to see a wrong one refused).
+/// An HTTPS client for an operator's External Metrics API on `port`, as the aggregator is one:
+/// it verifies the server with the APIService's live caBundle under the Service's
+/// `NAME.NAMESPACE.svc` name (`host` overrides that name, to see a wrong one refused), and
+/// presents the cluster's front-proxy client certificate. Also the base URL to use with it.
 pub async fn external_client(
-    client: &kube::Client,
+    cluster: &Cluster,
     release: &Release,
     port: u16,
     host: Option<&str>,
 ) -> (ureq::Agent, String) {
-    let ca = live_ca_bundle(client).await;
+    let identity = front_proxy_identity(cluster);
+    external_client_as(cluster, release, port, host, Some(identity)).await
+}
+
+/// The cluster's front-proxy client certificate chain and key (CN `front-proxy-client`).
+pub fn front_proxy_identity(cluster: &Cluster) -> super::tls::Identity {
+    super::tls::identity_files(
+        &cluster.pki_file("front-proxy-client.crt"),
+        &cluster.pki_file("front-proxy-client.key"),
+    )
+}
+
+/// [`external_client`] with any client identity, or none.
+pub async fn external_client_as(
+    cluster: &Cluster,
+    release: &Release,
+    port: u16,
+    host: Option<&str>,
+    identity: Option<super::tls::Identity>,
+) -> (ureq::Agent, String) {
+    let client = cluster.client().await;
+    let ca = live_ca_bundle(&client).await;
     let service = release
         .docs
         .iter()
@@ -588,7 +610,9 @@ pub async fn external_client(
         Ok(vec![std::net::SocketAddr::from(([127, 0, 0, 1], port))])
     };
     let agent = ureq::AgentBuilder::new()
-        .tls_config(std::sync::Arc::new(super::tls::client_config(&ca, None)))
+        .tls_config(std::sync::Arc::new(super::tls::client_config(
+            &ca, identity,
+        )))
         .resolver(resolve)
         .timeout(Duration::from_secs(5))
         .build();

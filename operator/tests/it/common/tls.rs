@@ -16,10 +16,20 @@ pub fn roots(pem: &str) -> RootCertStore {
     roots
 }
 
-pub fn client_config(
-    trusted_pem: &str,
-    client: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
-) -> ClientConfig {
+/// A client certificate chain and its key.
+pub type Identity = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
+
+/// An [`Identity`] from PEM files.
+pub fn identity_files(cert: &std::path::Path, key: &std::path::Path) -> Identity {
+    let chain = CertificateDer::pem_file_iter(cert)
+        .and_then(Iterator::collect)
+        .unwrap_or_else(|e| panic!("{}: {e}", cert.display()));
+    let key =
+        PrivateKeyDer::from_pem_file(key).unwrap_or_else(|e| panic!("{}: {e}", key.display()));
+    (chain, key)
+}
+
+pub fn client_config(trusted_pem: &str, client: Option<Identity>) -> ClientConfig {
     let builder =
         ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
             .with_safe_default_protocol_versions()
