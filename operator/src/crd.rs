@@ -253,6 +253,12 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "model_format_schema")]
     pub format: Option<ModelFormat>,
+    /// The sha256 (64 hex digits) of a single-file model (a GGUF): ferrite-server checks the
+    /// file against it after any download and before loading, and a download that does not
+    /// match is removed and the pod fails with `ModelDownloadFailed`. ferrite runtime only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9a-fA-F]{64}$"))]
+    pub sha256: Option<String>,
 }
 
 /// A Secret in the InferenceService's namespace.

@@ -20,6 +20,11 @@ pub struct ServerArgs {
     /// (GOOGLE_* variables) or an `https://` URL. A key ending in `/` is a folder.
     #[arg(long, env = "FERRITE_MODEL")]
     pub model: String,
+    /// The sha256 the weights must have (64 hex digits), for a single-file model (a GGUF):
+    /// checked after any download and before loading, on every start. A download that does
+    /// not match is removed, so the next start fetches it again.
+    #[arg(long, env = "FERRITE_MODEL_SHA256", value_parser = parse_sha256)]
+    pub model_sha256: Option<String>,
     /// Where downloads go (default: `$HF_HOME/hub`, else `~/.cache/huggingface/hub`). An
     /// interrupted download resumes from here on the next start.
     #[arg(long, env = "FERRITE_DOWNLOAD_DIR")]
@@ -131,6 +136,15 @@ impl ServerArgs {
             header_read_timeout: std::time::Duration::from_secs_f64(self.header_read_timeout),
             nodelay: true,
         }
+    }
+}
+
+/// 64 hex digits, lowercased.
+fn parse_sha256(s: &str) -> Result<String, String> {
+    if s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        Ok(s.to_ascii_lowercase())
+    } else {
+        Err(format!("{s:?} is not a sha256 (64 hex digits)"))
     }
 }
 

@@ -120,7 +120,7 @@ async fn run(args: ServerArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(fetch::default_cache_dir);
     let model_path = tokio::select! {
-        r = fetch::resolve(&args.model, &cache_dir) => match r {
+        r = fetch::resolve(&args.model, &cache_dir, args.model_sha256.as_deref()) => match r {
             Ok(p) => p,
             Err(e) => {
                 if let Some(path) = &args.termination_message_path {

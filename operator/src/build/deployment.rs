@@ -103,6 +103,7 @@ fn args(isvc: &InferenceService, model: &ModelMount, kv_cache_bytes: Option<u64>
             if gpus(isvc) > 0 {
                 flag("--device", Some("cuda".into()));
             }
+            flag("--model-sha256", isvc.spec.model.sha256.clone());
         }
         RuntimeKind::Vllm => {
             flag("--kv-cache-memory-bytes", kv);

@@ -38,6 +38,12 @@ pub fn parse(isvc: &InferenceService) -> Result<ModelSource, BuildError> {
                      runtime or a claim",
                 );
             }
+            _ if isvc.spec.model.sha256.is_some() => {
+                return refuse(
+                    "model.sha256 is checked by ferrite-server, and vLLM has no way to check it; \
+                     use the ferrite runtime or leave it out",
+                );
+            }
             _ => {}
         }
     }

@@ -942,3 +942,25 @@ fn a_network_policy_admits_only_the_configured_peers_to_the_pods_port() {
     assert_eq!(closed.ingress, Some(Vec::new()));
     assert_eq!(closed.policy_types, Some(vec!["Ingress".to_string()]));
 }
+
+#[test]
+fn model_sha256_reaches_ferrite_server_and_vllm_is_refused() {
+    let sha = "0123456789abcdef".repeat(4);
+    let d = built(
+        json!({"model": {"source": "https://models.example/smol.gguf", "sha256": sha}}),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(arg(&d, "--model-sha256").as_deref(), Some(sha.as_str()));
+    assert_eq!(
+        arg(
+            &built(json!({"model": {"source": "/m.gguf"}}), NO_MONITOR_CRD),
+            "--model-sha256"
+        ),
+        None
+    );
+    let vllm = isvc(json!({"model": {"source": "hf://org/model", "sha256": sha},
+                           "runtime": {"kind": "vllm"}}));
+    let e = build(&vllm, &config(), NO_MONITOR_CRD).expect_err("vLLM cannot check it");
+    assert_eq!(e.reason(), "InvalidModelSource");
+    assert!(e.to_string().contains("model.sha256"), "{e}");
+}

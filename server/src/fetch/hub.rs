@@ -201,7 +201,7 @@ fn verify_lfs_sha256(path: &Path) -> Result<(), String> {
     if !is_sha256 {
         return Ok(());
     }
-    let got = sha256_file(&blob).map_err(|e| format!("reading {}: {e}", blob.display()))?;
+    let got = super::sha256_file(&blob).map_err(|e| format!("reading {}: {e}", blob.display()))?;
     if got.eq_ignore_ascii_case(&name) {
         info!(file = %path.display(), "sha256 matches the Hub's");
         return Ok(());
@@ -211,18 +211,6 @@ fn verify_lfs_sha256(path: &Path) -> Result<(), String> {
     Err(format!(
         "the download does not match the Hub's sha256 ({name}; got {got}); it was removed"
     ))
-}
-
-/// The lowercase hex sha256 of a file, streamed through the hasher.
-fn sha256_file(path: &Path) -> std::io::Result<String> {
-    use sha2::Digest;
-    let mut hasher = sha2::Sha256::new();
-    std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
 }
 
 /// The Hub's answer in words a user can act on: which token, which file, which revision.

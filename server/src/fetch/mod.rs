@@ -46,8 +46,75 @@ impl FetchError {
 }
 
 /// Where the weights are now: `source` itself when local, else the downloaded file or folder
-/// under `cache`.
-pub async fn resolve(source: &str, cache: &Path) -> Result<PathBuf, FetchError> {
+/// under `cache`; with `sha256`, checked to be a file with that hash.
+pub async fn resolve(
+    source: &str,
+    cache: &Path,
+    sha256: Option<&str>,
+) -> Result<PathBuf, FetchError> {
+    let local = matches!(Source::parse(source)?, Source::Path(_));
+    let path = fetch(source, cache).await?;
+    let Some(expected) = sha256 else {
+        return Ok(path);
+    };
+    let (label, expected) = (source.to_string(), expected.to_string());
+    tokio::task::spawn_blocking(move || {
+        verify_sha256(&path, &expected, !local).map_err(|detail| FetchError::Refused {
+            model: label,
+            detail,
+        })?;
+        Ok(path)
+    })
+    .await
+    .map_err(|e| FetchError::Transfer {
+        model: source.to_string(),
+        detail: format!("the checksum thread failed: {e}"),
+    })?
+}
+
+/// `path` must be a file hashing to `expected`; a download that does not (`remove`) is
+/// removed, with the link to it, so the next start fetches it again. A local file is left.
+fn verify_sha256(path: &Path, expected: &str, remove: bool) -> Result<(), String> {
+    if path.is_dir() {
+        return Err(format!(
+            "--model-sha256 names one file, and {} is a folder",
+            path.display()
+        ));
+    }
+    let file = std::fs::canonicalize(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let got = sha256_file(&file).map_err(|e| format!("reading {}: {e}", file.display()))?;
+    if got == expected {
+        info!(file = %path.display(), "sha256 matches --model-sha256");
+        return Ok(());
+    }
+    if remove {
+        let _ = std::fs::remove_file(&file);
+        let _ = std::fs::remove_file(path);
+    }
+    Err(format!(
+        "the weights do not match the expected sha256 {expected} (got {got}){}",
+        if remove {
+            "; the download was removed"
+        } else {
+            ""
+        }
+    ))
+}
+
+/// The lowercase hex sha256 of a file, streamed through the hasher.
+fn sha256_file(path: &Path) -> std::io::Result<String> {
+    use sha2::Digest;
+    let mut hasher = sha2::Sha256::new();
+    std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// The weights on local disk, downloaded first when remote.
+async fn fetch(source: &str, cache: &Path) -> Result<PathBuf, FetchError> {
     match Source::parse(source)? {
         Source::Path(p) => Ok(PathBuf::from(p)),
         Source::Pvc { .. } => Err(FetchError::Pvc(source.to_string())),
@@ -149,12 +216,14 @@ mod tests {
     async fn local_and_refused_sources() {
         let cache = Path::new("/nonexistent");
         assert_eq!(
-            resolve("/models/a.gguf", cache).await.ok(),
+            resolve("/models/a.gguf", cache, None).await.ok(),
             Some(PathBuf::from("/models/a.gguf"))
         );
-        let e = resolve("pvc://claim/x", cache).await.expect_err("pvc");
+        let e = resolve("pvc://claim/x", cache, None)
+            .await
+            .expect_err("pvc");
         assert!(e.to_string().contains("mounted path"), "{e}");
-        let e = resolve("ftp://x/y", cache).await.expect_err("ftp");
+        let e = resolve("ftp://x/y", cache, None).await.expect_err("ftp");
         assert!(
             e.termination_message().starts_with("ModelDownloadFailed: "),
             "{e}"

@@ -576,3 +576,49 @@ fn two_replicas_share_one_object_download() {
         web.sent()
     );
 }
+
+/// `--model-sha256`: a file that hashes to it serves; one that does not stops the server with
+/// the reason in its termination message, a download that does not is removed (the next start
+/// fetches it again), and a local file is left where it is.
+#[test]
+fn weights_that_do_not_match_model_sha256_are_refused() {
+    let bytes = model_bytes();
+    let right = sha256_hex(&bytes);
+    let wrong = "ab".repeat(32);
+    let web = FileHost::start();
+    web.add_file("models/smol.gguf", bytes);
+    let dir = TempDir::new("model-sha256");
+    let source = format!("{}/models/smol.gguf", web.url());
+    let launch_with =
+        |source: &str, sha: &str| launch(source, dir.path(), &[("FERRITE_MODEL_SHA256", sha)]);
+
+    let mut bad = launch_with(&source, &wrong);
+    let message = bad.failed();
+    assert!(message.starts_with("ModelDownloadFailed: "), "{message}");
+    assert!(
+        message.contains(&wrong) && message.contains(&right) && message.contains("removed"),
+        "{message}"
+    );
+    let cached = files_under(&dir.path().join("hub"));
+    assert!(
+        !cached.iter().any(|f| f.ends_with("smol.gguf")),
+        "the mismatching download stayed: {cached:?}"
+    );
+
+    let mut good = launch_with(&source, &right.to_uppercase());
+    good.ready();
+    good.complete("smol");
+    assert!(
+        good.log().contains("sha256 matches --model-sha256"),
+        "{}",
+        good.log()
+    );
+    drop(good);
+
+    let local = default_model();
+    let mut local_bad = launch_with(local.to_str().expect("utf-8"), &wrong);
+    let message = local_bad.failed();
+    assert!(message.contains("do not match"), "{message}");
+    assert!(!message.contains("removed"), "{message}");
+    assert!(local.exists(), "a local model file was removed");
+}
