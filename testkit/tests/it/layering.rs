@@ -13,7 +13,7 @@ use std::process::Command;
 use ferrite_testkit::kube::workspace_root;
 use serde_json::Value;
 
-fn metadata() -> Value {
+pub(crate) fn metadata() -> Value {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .args(["metadata", "--format-version", "1", "--locked"])

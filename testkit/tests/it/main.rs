@@ -3,3 +3,4 @@
 mod cluster;
 mod layering;
 mod ports;
+mod supply_chain;
