@@ -4,6 +4,7 @@
 pub mod core;
 pub mod detok;
 mod output;
+pub mod request;
 pub mod sampler;
 pub mod scheduler;
 pub mod stats;

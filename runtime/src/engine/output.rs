@@ -6,8 +6,8 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::core::{Event, FinishReason, Request};
 use super::detok::IncrementalDecoder;
+use super::request::{Event, FinishReason, Request};
 use super::sampler::Sampled;
 use super::stats::{FinishedRequest, IterationStats, RequestParams};
 use super::stop::{StopChecker, StopUpdate};

@@ -3,7 +3,7 @@
 //! library: the server's Prometheus sink and its stats log line are two consumers of the same
 //! records, so they cannot disagree.
 
-use super::core::FinishReason;
+use super::request::FinishReason;
 
 /// The scheduler and cache as they stand after a step; also what `EngineHandle::stats` reads.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

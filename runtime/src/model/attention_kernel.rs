@@ -4,7 +4,7 @@
 //! Rust, so the CPU test that runs the same kernel source (`tests/cuda_kernel_on_cpu.rs`) feeds
 //! it exactly what a GPU launch would.
 
-use super::attention::AttnMeta;
+use super::attention_meta::AttnMeta;
 
 /// Threads per block: the keys scored per chunk. A power of two (the block's tree reductions).
 pub const THREADS: usize = 128;
@@ -81,46 +81,19 @@ pub fn launch_shape(meta: &AttnMeta) -> Option<LaunchShape> {
     })
 }
 
-/// The device copy of a batch's [`KernelTables`], made on the first layer's launch and reused by
-/// the others (the tables are the same for every layer of a step).
-#[derive(Default)]
-pub struct DeviceTables {
-    #[cfg(feature = "cuda")]
-    uploaded: std::sync::OnceLock<cuda::Uploaded>,
-}
-
-/// A clone starts empty: the clone's tables may be changed before it is used.
-impl Clone for DeviceTables {
-    fn clone(&self) -> Self {
-        Self::default()
-    }
-}
-
-impl std::fmt::Debug for DeviceTables {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("DeviceTables")
-    }
-}
-
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Result, Shape};
     use half::{bf16, f16};
 
     use super::{AttnMeta, KernelTables, launch_shape};
+    use crate::model::attention_meta::Uploaded;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx"));
     const MODULE: &str = "ferrite_paged_attention";
-
-    pub(crate) struct Uploaded {
-        token_seq: CudaSlice<u32>,
-        token_pos: CudaSlice<u32>,
-        table_start: CudaSlice<u32>,
-        tables: CudaSlice<u32>,
-    }
 
     fn contiguous<'a, T: CudaDType>(
         s: &'a CudaStorage,

@@ -4,6 +4,7 @@
 pub mod activation;
 pub mod attention;
 pub mod attention_kernel;
+pub mod attention_meta;
 pub mod chat_template;
 pub mod config;
 pub mod driver;

@@ -4,7 +4,8 @@
 //! - no production crate depends on a sibling above it, nor on `ferrite-testkit`;
 //! - inside the runtime, `kv` imports neither `model` nor `engine`, and `model` does not import
 //!   `engine`; inside the server, `metrics` does not import `api`;
-//! - in no crate do the top-level modules import each other in a circle.
+//! - in no crate do the top-level modules import each other in a circle, nor any two modules
+//!   at any depth.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -388,5 +389,192 @@ fn the_cycle_finder_finds_cycles() {
     assert_eq!(
         find_cycle(&graph),
         Some(vec!["a".into(), "b".into(), "c".into(), "a".into()])
+    );
+}
+
+/// A crate's modules at every depth, as `a::b` paths (a file `a/b.rs` or `a/b/mod.rs`),
+/// with the `.rs` file of each. `lib.rs`, `main.rs` and `bin/` are roots and wiring.
+fn file_modules(src: &Path) -> BTreeMap<String, PathBuf> {
+    rust_files(src)
+        .into_iter()
+        .filter_map(|path| {
+            let rel = path.strip_prefix(src).ok()?.with_extension("");
+            let mut parts: Vec<String> = rel
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect();
+            if parts.last().is_some_and(|p| p == "mod") {
+                parts.pop();
+            }
+            let root = parts.first().map(String::as_str);
+            if parts.len() == 1 && matches!(root, Some("lib" | "main")) || root == Some("bin") {
+                return None;
+            }
+            Some((parts.join("::"), path))
+        })
+        .collect()
+}
+
+/// The code of a file that counts as imports: no comments, no `#[cfg(test)] mod tests`.
+fn import_text(path: &Path) -> String {
+    let text: String = std::fs::read_to_string(path)
+        .expect("read source")
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    match text.find("#[cfg(test)]\nmod tests") {
+        Some(i) => text[..i].to_string(),
+        None => text,
+    }
+}
+
+/// Every path in `text` that starts at `crate`, `super` or `self`, as its segments (the first
+/// segment of each item of a `{...}` group after it included).
+fn relative_paths(text: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let bytes = text.as_bytes();
+    for start in ["crate::", "super::", "self::"] {
+        for (i, _) in text.match_indices(start) {
+            if i > 0 && (bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_') {
+                continue;
+            }
+            let mut segs = vec![start.trim_end_matches("::").to_string()];
+            let mut rest = &text[i + start.len()..];
+            loop {
+                if let Some(group) = rest.strip_prefix('{') {
+                    let group = &group[..group.find('}').unwrap_or(group.len())];
+                    for item in group.split(',') {
+                        let mut with = segs.clone();
+                        with.extend(item.trim().split("::").map(ident).filter(|s| !s.is_empty()));
+                        out.push(with);
+                    }
+                    break;
+                }
+                let seg = ident(rest);
+                if seg.is_empty() {
+                    out.push(segs);
+                    break;
+                }
+                rest = &rest[seg.len()..];
+                segs.push(seg);
+                match rest.strip_prefix("::") {
+                    Some(r) => rest = r,
+                    None => {
+                        out.push(segs);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The module a path from module `from` lands in: the longest prefix that is a module.
+fn resolve(
+    from: &[String],
+    path: &[String],
+    modules: &BTreeMap<String, PathBuf>,
+) -> Option<String> {
+    let (mut base, mut rest) = match path.first().map(String::as_str) {
+        Some("crate") => (Vec::new(), &path[1..]),
+        _ => (from.to_vec(), path),
+    };
+    while let Some(first) = rest.first() {
+        match first.as_str() {
+            "super" => {
+                base.pop();
+            }
+            "self" => {}
+            _ => break,
+        }
+        rest = &rest[1..];
+    }
+    (0..=rest.len()).rev().find_map(|n| {
+        let mut m = base.clone();
+        m.extend(rest[..n].iter().cloned());
+        let m = m.join("::");
+        modules.contains_key(&m).then_some(m)
+    })
+}
+
+/// The import graph of every module of a crate, at any depth. A module using its own
+/// submodules (a `mod.rs` declaring and re-exporting its children) is not an edge: the
+/// parent organizes its children; circles are between modules neither of which contains the
+/// other.
+fn file_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let modules = file_modules(src);
+    let mut graph = BTreeMap::new();
+    for (name, path) in &modules {
+        let from: Vec<String> = name.split("::").map(String::from).collect();
+        let edges: BTreeSet<String> = relative_paths(&import_text(path))
+            .iter()
+            .filter_map(|p| resolve(&from, p, &modules))
+            .filter(|to| to != name && !to.starts_with(&format!("{name}::")))
+            .collect();
+        graph.insert(name.clone(), edges);
+    }
+    graph
+}
+
+#[test]
+fn no_module_at_any_depth_imports_in_a_circle() {
+    let root = workspace_root();
+    for krate in [
+        "runtime",
+        "server",
+        "operator",
+        "router",
+        "net",
+        "testkit",
+        "server/source",
+        "bench",
+    ] {
+        let graph = file_graph(&root.join(krate).join("src"));
+        assert_eq!(
+            find_cycle(&graph),
+            None,
+            "{krate}'s modules import in a circle"
+        );
+    }
+}
+
+/// The walk sees nested modules, `super::` and grouped imports: a circle planted two levels
+/// down is found, and an import of a child by its parent is not one.
+#[test]
+fn the_file_graph_catches_a_planted_nested_circle() {
+    let dir = ferrite_testkit::process::TempDir::new("planted-circle");
+    let src = dir.path();
+    let write = |rel: &str, text: &str| {
+        let p = src.join(rel);
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("dir");
+        std::fs::write(p, text).expect("write");
+    };
+    write("lib.rs", "pub mod engine;\n");
+    write(
+        "engine/mod.rs",
+        "pub mod core;\npub mod output;\npub use self::core::Request;\n",
+    );
+    write(
+        "engine/core.rs",
+        "use super::output::{Out, flush};\npub struct Request;\n",
+    );
+    write(
+        "engine/output.rs",
+        "// crate::engine::core::Request in a comment is no import\npub struct Out;\npub fn flush() {}\n",
+    );
+    let graph = file_graph(src);
+    assert_eq!(find_cycle(&graph), None, "{graph:?}");
+    write(
+        "engine/output.rs",
+        "use crate::engine::{core::Request, mod_free};\npub struct Out;\npub fn flush() {}\n",
+    );
+    let graph = file_graph(src);
+    let cycle = find_cycle(&graph).expect("the planted circle");
+    assert!(
+        cycle.contains(&"engine::core".to_string())
+            && cycle.contains(&"engine::output".to_string()),
+        "{cycle:?}"
     );
 }
