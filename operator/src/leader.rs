@@ -1,14 +1,19 @@
 //! Leader election over a `coordination.k8s.io/v1` Lease, so that of several operator
 //! replicas exactly one reconciles. Like client-go, expiry is judged by the local clock from
 //! when this replica last saw the record change, never by comparing clocks across nodes;
-//! writes carry the read `resourceVersion`, so two candidates cannot both win.
+//! writes carry the read `resourceVersion`, so two candidates cannot both win. [`lead`] is the
+//! loop around it: wait, act while renewing, hand back or exit when lost.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 #[derive(Debug, Clone)]
 pub struct LeaseSettings {
@@ -147,5 +152,190 @@ impl LeaderElector {
             .replace(&self.settings.name, &PostParams::default(), &lease)
             .await
             .map(|_| ())
+    }
+}
+
+/// What the Lease loop tells the rest of the process as this replica's role changes.
+pub trait Leadership {
+    /// Another replica leads (`holder`, when known); this one serves reads.
+    fn standing_by(&self, holder: Option<&str>);
+    /// The Lease is this replica's: act.
+    fn acquired(&self);
+    /// The Lease is lost: health fails at once, before in-flight work is given its grace.
+    fn lost(&self);
+    /// Leading has ended, whichever way: stop acting.
+    fn ended(&self);
+}
+
+/// Leading ended because the Lease was lost: the process should exit and come back as a
+/// standby rather than idle as a leader that no longer leads.
+#[derive(Debug, thiserror::Error)]
+#[error("lost the leader Lease; exiting so that this replica restarts as a standby")]
+pub struct LeaseLost;
+
+/// How often candidates try for the Lease and the leader renews it: client-go's 2 s, or a
+/// third of a shorter Lease.
+pub fn retry_period(lease: Duration) -> Duration {
+    (lease / 3).min(Duration::from_secs(2))
+}
+
+/// How long a replica that lost its Lease gives in-flight work before it exits.
+const LOST_GRACE: Duration = Duration::from_secs(5);
+
+/// Waits for the Lease, then runs `work` while renewing it, and hands the Lease back when
+/// `stop` says so. `work` gets a future that completes when it must stop (on `stop`, or when
+/// the Lease is lost). Renewal retries every [`retry_period`]; when none has succeeded for two
+/// thirds of the Lease duration (client-go's renew deadline), the Lease is lost: `roles.lost()`
+/// is told at once, `work` gets [`LOST_GRACE`] to finish, and this returns [`LeaseLost`].
+/// `Ok(None)`: stopped before leading, or `work` still running when the grace ran out.
+pub async fn lead<W, F, R>(
+    client: kube::Client,
+    settings: LeaseSettings,
+    roles: &impl Leadership,
+    stop: watch::Receiver<bool>,
+    work: W,
+) -> Result<Option<R>, LeaseLost>
+where
+    W: FnOnce(Pin<Box<dyn Future<Output = ()> + Send + Sync>>) -> F,
+    F: Future<Output = R>,
+{
+    let retry = retry_period(settings.lease_duration);
+    let mut elector = LeaderElector::new(client, settings.clone());
+    if !wait_for_lease(&mut elector, retry, roles, &stop).await {
+        return Ok(None);
+    }
+    roles.acquired();
+    tracing::info!(identity = %settings.identity, "acquired the leader Lease");
+    let (done_tx, done_rx) = watch::channel(false);
+    let (renewer, lost_rx) = renew(
+        elector,
+        retry,
+        settings.lease_duration,
+        stop.clone(),
+        done_rx,
+    );
+    let result = run_until_lost(work, roles, stop, lost_rx.clone()).await;
+    roles.ended();
+    let _ = done_tx.send(true);
+    if *lost_rx.borrow() {
+        roles.lost();
+        return Err(LeaseLost);
+    }
+    if let Ok(mut elector) = renewer.await
+        && let Err(e) = elector.release().await
+    {
+        tracing::warn!(error = %e, "releasing the leader Lease");
+    }
+    Ok(result)
+}
+
+/// Tries for the Lease every `retry` until it is ours (`true`) or `stop` (`false`).
+async fn wait_for_lease(
+    elector: &mut LeaderElector,
+    retry: Duration,
+    roles: &impl Leadership,
+    stop: &watch::Receiver<bool>,
+) -> bool {
+    loop {
+        if *stop.borrow() {
+            return false;
+        }
+        match elector.try_acquire().await {
+            Ok(Role::Leader) => return true,
+            Ok(Role::Follower(holder)) => {
+                roles.standing_by(holder.as_deref());
+                tracing::info!(holder = holder.as_deref().unwrap_or("?"), "standing by");
+            }
+            Err(e) => tracing::warn!(error = %e, "leader election"),
+        }
+        let mut s = stop.clone();
+        tokio::select! {
+            _ = tokio::time::sleep(retry) => {}
+            _ = s.wait_for(|v| *v) => return false,
+        }
+    }
+}
+
+/// Renews the Lease every `retry` on a task of its own until `stop` or `done`; the returned
+/// receiver turns true when it is lost (another holder, or no renewal within two thirds of
+/// `lease`). The task hands the elector back, to release the Lease.
+fn renew(
+    mut elector: LeaderElector,
+    retry: Duration,
+    lease: Duration,
+    mut stop: watch::Receiver<bool>,
+    mut done: watch::Receiver<bool>,
+) -> (JoinHandle<LeaderElector>, watch::Receiver<bool>) {
+    let (lost_tx, lost_rx) = watch::channel(false);
+    let task = tokio::spawn(async move {
+        let mut last_ok = tokio::time::Instant::now();
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(retry) => {}
+                _ = stop.wait_for(|v| *v) => return elector,
+                _ = done.wait_for(|v| *v) => return elector,
+            }
+            match elector.try_acquire().await {
+                Ok(Role::Leader) => last_ok = tokio::time::Instant::now(),
+                Ok(Role::Follower(holder)) => {
+                    tracing::error!(
+                        holder = holder.as_deref().unwrap_or("?"),
+                        "lost the leader Lease to another replica"
+                    );
+                    let _ = lost_tx.send(true);
+                    return elector;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "renewing the leader Lease");
+                    if last_ok.elapsed() >= lease * 2 / 3 {
+                        tracing::error!(
+                            "could not renew the leader Lease within its renew deadline"
+                        );
+                        let _ = lost_tx.send(true);
+                        return elector;
+                    }
+                }
+            }
+        }
+    });
+    (task, lost_rx)
+}
+
+/// Runs `work` until it ends; if the Lease is lost first, tells `roles` at once and gives the
+/// work [`LOST_GRACE`] (`None` if it is still running then).
+async fn run_until_lost<W, F, R>(
+    work: W,
+    roles: &impl Leadership,
+    stop: watch::Receiver<bool>,
+    lost: watch::Receiver<bool>,
+) -> Option<R>
+where
+    W: FnOnce(Pin<Box<dyn Future<Output = ()> + Send + Sync>>) -> F,
+    F: Future<Output = R>,
+{
+    let shutdown = {
+        let (mut stop, mut lost) = (stop, lost.clone());
+        Box::pin(async move {
+            tokio::select! {
+                _ = stop.wait_for(|v| *v) => {}
+                _ = lost.wait_for(|v| *v) => {}
+            }
+        })
+    };
+    let run = work(shutdown);
+    let mut run = std::pin::pin!(run);
+    let mut lost = lost;
+    tokio::select! {
+        r = &mut run => Some(r),
+        _ = lost.wait_for(|v| *v) => {
+            roles.lost();
+            match tokio::time::timeout(LOST_GRACE, &mut run).await {
+                Ok(r) => Some(r),
+                Err(_) => {
+                    tracing::warn!("work still in flight after losing the Lease; exiting anyway");
+                    None
+                }
+            }
+        }
     }
 }

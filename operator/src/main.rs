@@ -19,7 +19,7 @@ use ferrite_operator::external_metrics::keeper::Keeper;
 use ferrite_operator::external_metrics::{
     CertSource, ClientAuth, RequestHeader, ServerTls, TlsSettings, serve_tls, service_names,
 };
-use ferrite_operator::leader::{LeaderElector, LeaseSettings, Role};
+use ferrite_operator::leader::{self, Leadership, LeaseSettings};
 use ferrite_operator::telemetry::{self, Health, Metrics};
 use tokio::sync::watch;
 
@@ -422,22 +422,10 @@ fn hostname() -> String {
         .unwrap_or_else(|_| format!("ferrite-operator-{}", std::process::id()))
 }
 
-/// How often candidates try for the Lease and the leader renews it: client-go's 2 s, or a
-/// third of a shorter Lease.
-fn retry_period(lease: Duration) -> Duration {
-    (lease / 3).min(Duration::from_secs(2))
-}
-
-/// How long a replica that lost its Lease gives in-flight reconciles before it exits.
-const LOST_GRACE: Duration = Duration::from_secs(5);
-
-/// Waits for the Lease, then reconciles while renewing it. Renewal retries every
-/// [`retry_period`]; when none has succeeded for two thirds of the Lease duration (client-go's
-/// renew deadline), the Lease is lost: `/healthz` fails, reconciling stops, and this returns an
-/// error, so the process exits rather than idle as a leader that no longer leads. While it
-/// waits, the autoscaler observes without acting, so this replica's External Metrics API
-/// serves the same signals as the leader's.
-/// What runs while this replica leads.
+/// What runs while this replica leads, and what the Lease loop tells as the role changes: a
+/// standby serves reads (ready, the autoscaler observing so its External Metrics API serves
+/// the leader's signals); the leader reconciles and the autoscaler acts; losing the Lease fails
+/// `/healthz` at once.
 struct Leader<'a> {
     ctx: Arc<Context>,
     autoscaler: Arc<Autoscaler>,
@@ -445,114 +433,39 @@ struct Leader<'a> {
     metrics: &'a Metrics,
 }
 
+impl Leadership for Leader<'_> {
+    fn standing_by(&self, _holder: Option<&str>) {
+        self.health.ready.store(true, Ordering::Relaxed);
+    }
+
+    fn acquired(&self) {
+        self.health.ready.store(true, Ordering::Relaxed);
+        self.metrics.leader.set(1);
+        self.autoscaler.set_acting(true);
+    }
+
+    fn lost(&self) {
+        self.health.failed.store(true, Ordering::Relaxed);
+    }
+
+    fn ended(&self) {
+        self.autoscaler.set_acting(false);
+        self.metrics.leader.set(0);
+    }
+}
+
+/// Waits for the Lease, then reconciles while renewing it (`leader::lead`). Losing the Lease
+/// is an error, so the process exits rather than idle as a leader that no longer leads.
 async fn lead(
     client: kube::Client,
     settings: LeaseSettings,
     leader: Leader<'_>,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let Leader {
-        ctx,
-        autoscaler,
-        health,
-        metrics,
-    } = leader;
-    let retry = retry_period(settings.lease_duration);
-    let mut elector = LeaderElector::new(client, settings.clone());
-    loop {
-        if *stop.borrow() {
-            return Ok(());
-        }
-        match elector.try_acquire().await {
-            Ok(Role::Leader) => break,
-            Ok(Role::Follower(holder)) => {
-                health.ready.store(true, Ordering::Relaxed);
-                tracing::info!(holder = holder.as_deref().unwrap_or("?"), "standing by");
-            }
-            Err(e) => tracing::warn!(error = %e, "leader election"),
-        }
-        let mut s = stop.clone();
-        tokio::select! {
-            _ = tokio::time::sleep(retry) => {}
-            _ = s.wait_for(|v| *v) => return Ok(()),
-        }
-    }
-    health.ready.store(true, Ordering::Relaxed);
-    metrics.leader.set(1);
-    tracing::info!(identity = %settings.identity, "acquired the leader Lease");
-
-    let (lost_tx, lost_rx) = watch::channel(false);
-    let (done_tx, mut done_rx) = watch::channel(false);
-    let mut renew_stop = stop.clone();
-    let renewer = tokio::spawn(async move {
-        let mut last_ok = tokio::time::Instant::now();
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(retry) => {}
-                _ = renew_stop.wait_for(|v| *v) => return elector,
-                _ = done_rx.wait_for(|v| *v) => return elector,
-            }
-            match elector.try_acquire().await {
-                Ok(Role::Leader) => last_ok = tokio::time::Instant::now(),
-                Ok(Role::Follower(holder)) => {
-                    tracing::error!(
-                        holder = holder.as_deref().unwrap_or("?"),
-                        "lost the leader Lease to another replica"
-                    );
-                    let _ = lost_tx.send(true);
-                    return elector;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "renewing the leader Lease");
-                    if last_ok.elapsed() >= settings.lease_duration * 2 / 3 {
-                        tracing::error!(
-                            "could not renew the leader Lease within its renew deadline"
-                        );
-                        let _ = lost_tx.send(true);
-                        return elector;
-                    }
-                }
-            }
-        }
-    });
-    let shutdown = {
-        let (mut stop, mut lost) = (stop.clone(), lost_rx.clone());
-        async move {
-            tokio::select! {
-                _ = stop.wait_for(|v| *v) => {}
-                _ = lost.wait_for(|v| *v) => {}
-            }
-        }
-    };
-    autoscaler.set_acting(true);
-    let run = controller::run(ctx, shutdown);
-    let mut run = std::pin::pin!(run);
-    let mut lost = lost_rx.clone();
-    let result = tokio::select! {
-        r = &mut run => r,
-        _ = lost.wait_for(|v| *v) => {
-            health.failed.store(true, Ordering::Relaxed);
-            match tokio::time::timeout(LOST_GRACE, &mut run).await {
-                Ok(r) => r,
-                Err(_) => {
-                    tracing::warn!("reconciles still in flight after losing the Lease; exiting anyway");
-                    Ok(())
-                }
-            }
-        }
-    };
-    autoscaler.set_acting(false);
-    metrics.leader.set(0);
-    let _ = done_tx.send(true);
-    let lost = *lost_rx.borrow();
-    if lost {
-        health.failed.store(true, Ordering::Relaxed);
-        anyhow::bail!("lost the leader Lease; exiting so that this replica restarts as a standby");
-    }
-    if let Ok(mut elector) = renewer.await
-        && let Err(e) = elector.release().await
-    {
-        tracing::warn!(error = %e, "releasing the leader Lease");
-    }
-    result
+    let ctx = leader.ctx.clone();
+    let result = leader::lead(client, settings, &leader, stop, |shutdown| {
+        controller::run(ctx, shutdown)
+    })
+    .await?;
+    result.unwrap_or(Ok(()))
 }
