@@ -434,12 +434,37 @@ impl Operator {
             extra,
         )
         .await;
-        Operator {
+        let mut op = Operator {
             guard,
             identity: identity.to_string(),
             http_port,
             log,
             _dir: dir,
+        };
+        op.refuse_usage_errors().await;
+        op
+    }
+
+    /// Waits until the operator's HTTP port answers, and fails the test at once, with the
+    /// operator's own message, if it exited with clap's usage status (2: a flag the binary
+    /// refuses) instead of leaving the test to time out on whatever it expected next. Other
+    /// exits are the test's to judge (some tests expect one).
+    async fn refuse_usage_errors(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(status) = self.guard.exited() {
+                assert_ne!(
+                    status.code(),
+                    Some(2),
+                    "the operator refused its arguments:\n{}",
+                    self.log()
+                );
+                return;
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", self.http_port)).is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
