@@ -401,9 +401,10 @@ fn client_auth(
         return Ok(ClientAuth::any_client());
     }
     if let Some(path) = &args.client_ca_file {
-        ferrite_operator::certs::check_file(path, "the client CA")?;
         let ca_pem = std::fs::read_to_string(path)
             .with_context(|| format!("--client-ca-file {}", path.display()))?;
+        let what = format!("the client CA {}", path.display());
+        ferrite_operator::certs::check_pem(ca_pem.as_bytes(), &what)?;
         let config = RequestHeader {
             ca_pem,
             allowed_names: args.requestheader_allowed_names.clone(),

@@ -20,16 +20,19 @@ pub(crate) fn network_policy(
     port: i32,
     peers: &[NetworkPolicyPeer],
 ) -> NetworkPolicy {
-    let ingress = (!peers.is_empty()).then(|| {
-        vec![NetworkPolicyIngressRule {
-            from: Some(peers.to_vec()),
-            ports: Some(vec![NetworkPolicyPort {
-                port: Some(IntOrString::Int(port)),
-                protocol: Some("TCP".into()),
-                ..NetworkPolicyPort::default()
-            }]),
-        }]
-    });
+    let rule = NetworkPolicyIngressRule {
+        from: Some(peers.to_vec()),
+        ports: Some(vec![NetworkPolicyPort {
+            port: Some(IntOrString::Int(port)),
+            protocol: Some("TCP".into()),
+            ..NetworkPolicyPort::default()
+        }]),
+    };
+    let ingress = if peers.is_empty() {
+        Vec::new()
+    } else {
+        vec![rule]
+    };
     NetworkPolicy {
         metadata: owner.meta(owner.name.clone(), &Default::default()),
         spec: Some(NetworkPolicySpec {
@@ -38,7 +41,7 @@ pub(crate) fn network_policy(
                 ..LabelSelector::default()
             }),
             policy_types: Some(vec!["Ingress".into()]),
-            ingress: Some(ingress.unwrap_or_default()),
+            ingress: Some(ingress),
             ..NetworkPolicySpec::default()
         }),
     }

@@ -283,12 +283,10 @@ impl ClientAuth {
     }
 
     fn clear(&self, why: &str) {
-        if self.trust().is_some() || self.policy == Policy::RequestHeader {
-            tracing::warn!(
-                "External Metrics API: {AUTH_NAMESPACE}/{AUTH_CONFIG_MAP}: {why}; refusing metric \
-                 requests until a request-header client CA appears"
-            );
-        }
+        tracing::warn!(
+            "External Metrics API: {AUTH_NAMESPACE}/{AUTH_CONFIG_MAP}: {why}; refusing metric \
+             requests until a request-header client CA appears"
+        );
         let _ = self.set(None);
     }
 }

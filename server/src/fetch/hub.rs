@@ -201,16 +201,16 @@ fn verify_lfs_sha256(path: &Path) -> Result<(), String> {
     if !is_sha256 {
         return Ok(());
     }
-    let got = super::sha256_file(&blob).map_err(|e| format!("reading {}: {e}", blob.display()))?;
-    if got.eq_ignore_ascii_case(&name) {
-        info!(file = %path.display(), "sha256 matches the Hub's");
-        return Ok(());
+    match super::check_sha256(path, &name, true) {
+        Ok(()) => {
+            info!(file = %path.display(), "sha256 matches the Hub's");
+            Ok(())
+        }
+        Err(super::Sha256Error::Read(e)) => Err(e),
+        Err(super::Sha256Error::Mismatch { got }) => Err(format!(
+            "the download does not match the Hub's sha256 ({name}; got {got}); it was removed"
+        )),
     }
-    let _ = std::fs::remove_file(&blob);
-    let _ = std::fs::remove_file(path);
-    Err(format!(
-        "the download does not match the Hub's sha256 ({name}; got {got}); it was removed"
-    ))
 }
 
 /// The Hub's answer in words a user can act on: which token, which file, which revision.

@@ -52,8 +52,9 @@ pub async fn resolve(
     cache: &Path,
     sha256: Option<&str>,
 ) -> Result<PathBuf, FetchError> {
-    let local = matches!(Source::parse(source)?, Source::Path(_));
-    let path = fetch(source, cache).await?;
+    let parsed = Source::parse(source)?;
+    let local = matches!(parsed, Source::Path(_));
+    let path = fetch(source, parsed, cache).await?;
     let Some(expected) = sha256 else {
         return Ok(path);
     };
@@ -81,24 +82,47 @@ fn verify_sha256(path: &Path, expected: &str, remove: bool) -> Result<(), String
             path.display()
         ));
     }
-    let file = std::fs::canonicalize(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let got = sha256_file(&file).map_err(|e| format!("reading {}: {e}", file.display()))?;
-    if got == expected {
-        info!(file = %path.display(), "sha256 matches --model-sha256");
+    match check_sha256(path, expected, remove) {
+        Ok(()) => {
+            info!(file = %path.display(), "sha256 matches --model-sha256");
+            Ok(())
+        }
+        Err(Sha256Error::Read(e)) => Err(e),
+        Err(Sha256Error::Mismatch { got }) => Err(format!(
+            "the weights do not match the expected sha256 {expected} (got {got}){}",
+            if remove {
+                "; the download was removed"
+            } else {
+                ""
+            }
+        )),
+    }
+}
+
+/// Why a file failed [`check_sha256`].
+enum Sha256Error {
+    /// It could not be read (the message says where).
+    Read(String),
+    /// It hashes to `got` instead.
+    Mismatch { got: String },
+}
+
+/// Hashes the file `path` leads to (a link is followed) against `expected` (hex, either case).
+/// On a mismatch, with `remove`, the file and `path` (the link to it, if one) are removed, so
+/// the next start fetches it again instead of loading it.
+fn check_sha256(path: &Path, expected: &str, remove: bool) -> Result<(), Sha256Error> {
+    let file = std::fs::canonicalize(path)
+        .map_err(|e| Sha256Error::Read(format!("{}: {e}", path.display())))?;
+    let got = sha256_file(&file)
+        .map_err(|e| Sha256Error::Read(format!("reading {}: {e}", file.display())))?;
+    if got.eq_ignore_ascii_case(expected) {
         return Ok(());
     }
     if remove {
         let _ = std::fs::remove_file(&file);
         let _ = std::fs::remove_file(path);
     }
-    Err(format!(
-        "the weights do not match the expected sha256 {expected} (got {got}){}",
-        if remove {
-            "; the download was removed"
-        } else {
-            ""
-        }
-    ))
+    Err(Sha256Error::Mismatch { got })
 }
 
 /// The lowercase hex sha256 of a file, streamed through the hasher.
@@ -113,9 +137,9 @@ fn sha256_file(path: &Path) -> std::io::Result<String> {
         .collect())
 }
 
-/// The weights on local disk, downloaded first when remote.
-async fn fetch(source: &str, cache: &Path) -> Result<PathBuf, FetchError> {
-    match Source::parse(source)? {
+/// The weights of `parsed` (`source` as given) on local disk, downloaded first when remote.
+async fn fetch(source: &str, parsed: Source, cache: &Path) -> Result<PathBuf, FetchError> {
+    match parsed {
         Source::Path(p) => Ok(PathBuf::from(p)),
         Source::Pvc { .. } => Err(FetchError::Pvc(source.to_string())),
         Source::Hf(h) => {

@@ -304,13 +304,7 @@ fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
         if ["lib", "main", "bin"].contains(&first.as_str()) {
             continue;
         }
-        // Comments may name modules without importing them.
-        let text: String = std::fs::read_to_string(&path)
-            .expect("read source")
-            .lines()
-            .filter(|l| !l.trim_start().starts_with("//"))
-            .collect::<Vec<_>>()
-            .join("\n");
+        let text = code_text(&path);
         let edges = graph.entry(first.clone()).or_default();
         edges.extend(crate_modules(&text).into_iter().filter(|m| *m != first));
     }
@@ -415,14 +409,19 @@ fn file_modules(src: &Path) -> BTreeMap<String, PathBuf> {
         .collect()
 }
 
-/// The code of a file that counts as imports: no comments, no `#[cfg(test)] mod tests`.
-fn import_text(path: &Path) -> String {
-    let text: String = std::fs::read_to_string(path)
+/// A file's lines without its comments, which may name modules without importing them.
+fn code_text(path: &Path) -> String {
+    std::fs::read_to_string(path)
         .expect("read source")
         .lines()
         .filter(|l| !l.trim_start().starts_with("//"))
         .map(|l| format!("{l}\n"))
-        .collect();
+        .collect()
+}
+
+/// The code of a file that counts as imports: no comments, no `#[cfg(test)] mod tests`.
+fn import_text(path: &Path) -> String {
+    let text = code_text(path);
     match text.find("#[cfg(test)]\nmod tests") {
         Some(i) => text[..i].to_string(),
         None => text,
