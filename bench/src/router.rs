@@ -670,7 +670,8 @@ async fn main() -> Result<()> {
     let router_port = free_port();
     let mut cmd = Command::new(&router_bin);
     cmd.args(["--addr", &format!("127.0.0.1:{router_port}")])
-        .args(["--namespace", NS])
+        // The stand-in pods sit at loopback addresses, which EndpointSlices refuse.
+        .args(["--namespace", NS, "--endpoints-from", "pods"])
         .env("KUBECONFIG", cluster.admin_kubeconfig())
         .env_remove("KUBERNETES_SERVICE_HOST")
         .env("RUST_LOG", "warn")

@@ -6,6 +6,7 @@
 pub mod candidates;
 pub mod limits;
 pub mod load;
+pub mod members;
 pub mod metrics;
 pub mod parse;
 pub mod policy;
@@ -34,6 +35,7 @@ use crate::metrics::Metrics;
 use crate::registry::Registry;
 
 pub use limits::LimitConfig;
+pub use members::EndpointsFrom;
 pub use proxy::{App, Config};
 
 /// Why the router could not start.
@@ -45,18 +47,20 @@ pub enum StartError {
     Metrics(#[from] prometheus::Error),
 }
 
-/// Starts what serves requests: the watch caches (cluster-wide, or in `namespace`), listed
+/// Starts what serves requests: the watch caches (cluster-wide, or in `namespace`; endpoints
+/// `from` EndpointSlices or pods), listed
 /// once before this returns so the first request finds its service, and the load scraper
 /// every `scrape_every`. With `wake`, the client also writes the scale subresource to wake
 /// services scaled to zero; without, held requests only wait.
 pub async fn start(
     client: kube::Client,
     namespace: Option<&str>,
+    from: EndpointsFrom,
     config: Config,
     scrape_every: Duration,
     wake: bool,
 ) -> Result<Arc<App>, StartError> {
-    let registry = Registry::start(client.clone(), namespace);
+    let registry = Registry::start(client.clone(), namespace, from);
     registry.ready().await?;
     let loads = Loads::default();
     tokio::spawn(loads.clone().refresh(registry.clone(), scrape_every));

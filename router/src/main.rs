@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use ferrite_router::{Config, LimitConfig};
+use ferrite_router::{Config, EndpointsFrom, LimitConfig};
 
 #[derive(Debug, Parser)]
 #[command(about = "One OpenAI endpoint for every ferrite InferenceService")]
@@ -18,6 +18,17 @@ struct Args {
     /// Watch only this namespace (default: all the RBAC allows, cluster-wide).
     #[arg(long, env = "FERRITE_ROUTER_NAMESPACE")]
     namespace: Option<String>,
+    /// Where each service's ready pods are read from: `endpoint-slices` (the EndpointSlices
+    /// of the operator's Services; RBAC on endpointslices, no access to Pods) or `pods` (the
+    /// operator's server pods; for clusters whose pod addresses EndpointSlices refuse, such
+    /// as loopback test clusters).
+    #[arg(
+        long,
+        env = "FERRITE_ROUTER_ENDPOINTS_FROM",
+        value_enum,
+        default_value_t
+    )]
+    endpoints_from: EndpointsFrom,
     /// Characters of the prompt that make the prefix-affinity key.
     #[arg(long, default_value_t = 256)]
     prefix_chars: usize,
@@ -98,6 +109,7 @@ async fn main() -> anyhow::Result<()> {
     let app = ferrite_router::start(
         client,
         args.namespace.as_deref(),
+        args.endpoints_from,
         config,
         Duration::from_millis(args.scrape_interval_ms.max(100)),
         !args.no_wake,

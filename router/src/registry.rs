@@ -1,5 +1,6 @@
 //! Which InferenceServices serve which model, and their ready pods: two watch caches (the
-//! InferenceServices, and the pods the operator's Deployments make), read on every request.
+//! InferenceServices, and their members: the EndpointSlices of the operator's Services or the
+//! pods its Deployments make, see [`crate::members`]), read on every request.
 //! Every change bumps a counter that held requests wait on, so a request waiting for a cold
 //! service moves the moment its first pod turns Ready.
 
@@ -7,18 +8,19 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferrite_operator::autoscale::runner::pod_targets;
 use ferrite_operator::build::{served_name, served_name_holder};
 use ferrite_operator::crd::{InferenceService, RoutingPolicy};
-use ferrite_operator::labels::{COMPONENT_LABEL, MANAGED_SELECTOR, belongs_to};
 use ferrite_operator::status;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher::{self, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::watch;
+
+use crate::members::{self, EndpointsFrom, Members};
 
 /// One ready pod to send requests to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,7 +62,7 @@ impl Service {
 #[derive(Clone)]
 pub struct Registry {
     isvcs: Store<InferenceService>,
-    pods: Store<Pod>,
+    members: Members,
     changes: watch::Receiver<u64>,
 }
 
@@ -68,39 +70,41 @@ impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registry")
             .field("isvcs", &self.isvcs.state().len())
-            .field("pods", &self.pods.state().len())
+            .field("members", &self.members)
             .finish()
     }
 }
 
 impl Registry {
-    /// Starts the watches, cluster-wide or in `namespace`.
-    pub fn start(client: Client, namespace: Option<&str>) -> Registry {
+    /// Starts the watches, cluster-wide or in `namespace`, with endpoints `from` slices or
+    /// pods.
+    pub fn start(client: Client, namespace: Option<&str>, from: EndpointsFrom) -> Registry {
         let (tx, changes) = watch::channel(0u64);
         let tx = Arc::new(tx);
-        let (isvc_api, pod_api): (Api<InferenceService>, Api<Pod>) = match namespace {
-            Some(ns) => (
-                Api::namespaced(client.clone(), ns),
-                Api::namespaced(client, ns),
-            ),
-            None => (Api::all(client.clone()), Api::all(client)),
+        let members_config = watcher::Config::default().labels(&members::selector(from));
+        let members = match from {
+            EndpointsFrom::EndpointSlices => Members::Slices(reflect(
+                "EndpointSlice",
+                scoped::<EndpointSlice>(&client, namespace),
+                members_config,
+                tx.clone(),
+            )),
+            EndpointsFrom::Pods => Members::Pods(reflect(
+                "Pod",
+                scoped::<Pod>(&client, namespace),
+                members_config,
+                tx.clone(),
+            )),
         };
         let isvcs = reflect(
             "InferenceService",
-            isvc_api,
+            scoped(&client, namespace),
             watcher::Config::default(),
-            tx.clone(),
-        );
-        let pods = reflect(
-            "Pod",
-            pod_api,
-            watcher::Config::default()
-                .labels(&format!("{MANAGED_SELECTOR},{COMPONENT_LABEL}=server")),
             tx,
         );
         Registry {
             isvcs,
-            pods,
+            members,
             changes,
         }
     }
@@ -108,7 +112,7 @@ impl Registry {
     /// Waits until both caches have been listed once.
     pub async fn ready(&self) -> Result<(), reflector::store::WriterDropped> {
         self.isvcs.wait_until_ready().await?;
-        self.pods.wait_until_ready().await
+        self.members.wait_until_ready().await
     }
 
     /// A receiver that sees every change of either cache.
@@ -170,16 +174,7 @@ impl Registry {
 
     fn service(&self, isvc: &InferenceService) -> Service {
         let (ns, name) = (isvc.namespace().unwrap_or_default(), isvc.name_any());
-        let pods = self.pods.state_filter(|p| belongs_to(p, &ns, &name));
-        let mut endpoints: Vec<Endpoint> = pod_targets(pods.iter().map(|p| &**p), isvc.port())
-            .into_iter()
-            .filter(|t| t.ready)
-            .map(|t| Endpoint {
-                name: t.name,
-                base_url: t.base_url,
-            })
-            .collect();
-        endpoints.sort_by(|a, b| a.name.cmp(&b.name));
+        let endpoints = self.members.ready(&ns, &name, isvc.port());
         Service {
             model: served_name(isvc),
             policy: isvc.routing_policy(),
@@ -205,6 +200,18 @@ fn degraded_reason(isvc: &InferenceService) -> Option<String> {
     status::condition(isvc.status.as_ref()?, status::DEGRADED)
         .filter(|c| c.status == "True" && !TRANSIENT_DEGRADED.contains(&c.reason.as_str()))
         .map(|c| c.reason.clone())
+}
+
+/// `K`s in `namespace`, or cluster-wide.
+fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = kube::core::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
 }
 
 /// Runs a watch into a new store, bumping `changed` on every event; retries with backoff.

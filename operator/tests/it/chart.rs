@@ -228,12 +228,16 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             assert_eq!(router.name, "ferrite-router");
             assert_eq!(
                 router.args,
-                ["--addr=0.0.0.0:8080", "--drain-delay-seconds=5"]
+                [
+                    "--addr=0.0.0.0:8080",
+                    "--endpoints-from=endpoint-slices",
+                    "--drain-delay-seconds=5"
+                ]
             );
             assert_eq!(router.service["spec"]["type"], "ClusterIP");
             assert_eq!(router.service["spec"]["ports"][0]["port"], 8000);
             assert_eq!(router.role_kind, "ClusterRole");
-            assert_eq!(router.rules, router_rules(true));
+            assert_eq!(router.rules, router_rules(true, Members::EndpointSlices));
             let image = router.deployment["spec"]["template"]["spec"]["containers"][0]["image"]
                 .as_str()
                 .expect("image");
@@ -269,7 +273,7 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 router.args
             );
             assert_eq!(router.role_kind, "Role");
-            assert_eq!(router.rules, router_rules(true));
+            assert_eq!(router.rules, router_rules(true, Members::EndpointSlices));
             // The Role and its binding live in the watched namespace, the ServiceAccount in
             // the release's; nothing cluster-wide is bound to the router.
             for kind in ["Role", "RoleBinding"] {
@@ -302,11 +306,16 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 router.args
             );
             assert_eq!(router.role_kind, "ClusterRole");
-            assert_eq!(router.rules, router_rules(false), "read only");
+            assert_eq!(
+                router.rules,
+                router_rules(false, Members::Pods),
+                "read only, pods"
+            );
             assert_eq!(
                 router.args,
                 [
                     "--addr=0.0.0.0:8080",
+                    "--endpoints-from=pods",
                     "--no-wake",
                     "--drain-delay-seconds=15",
                     "--prefix-chars=512",
@@ -619,15 +628,26 @@ struct RenderedRouter<'a> {
     service_monitor: Option<&'a Value>,
 }
 
-/// The rules ferrite-router needs: its two watch caches (router/src/registry.rs), and with
-/// `wake` the scale subresource it patches to wake a service scaled to zero
-/// (router/src/proxy.rs).
-fn router_rules(wake: bool) -> BTreeSet<(String, String, String)> {
+/// Where the router reads ready pods from (`--endpoints-from`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Members {
+    EndpointSlices,
+    Pods,
+}
+
+/// The rules ferrite-router needs: its two watch caches (router/src/registry.rs: the
+/// InferenceServices, and their EndpointSlices or pods), and with `wake` the scale
+/// subresource it patches to wake a service scaled to zero (router/src/proxy.rs).
+fn router_rules(wake: bool, members: Members) -> BTreeSet<(String, String, String)> {
+    let (group, resource) = match members {
+        Members::EndpointSlices => ("discovery.k8s.io", "endpointslices"),
+        Members::Pods => ("", "pods"),
+    };
     let mut rules = vec![
         ("list", "ferrite.dev", "inferenceservices"),
         ("watch", "ferrite.dev", "inferenceservices"),
-        ("list", "", "pods"),
-        ("watch", "", "pods"),
+        ("list", group, resource),
+        ("watch", group, resource),
     ];
     if wake {
         rules.push(("patch", "ferrite.dev", "inferenceservices/scale"));
@@ -706,7 +726,16 @@ fn check_router<'a>(tag: &str, docs: &'a [Value]) -> RenderedRouter<'a> {
     assert_eq!(service["spec"]["ports"][0]["targetPort"], "http", "{tag}");
     let rules = granted(docs, sa);
     let wakes = !args.iter().any(|a| a == "--no-wake");
-    assert_eq!(rules, router_rules(wakes), "{tag}: the router's RBAC");
+    let members = if args.iter().any(|a| a == "--endpoints-from=pods") {
+        Members::Pods
+    } else {
+        Members::EndpointSlices
+    };
+    assert_eq!(
+        rules,
+        router_rules(wakes, members),
+        "{tag}: the router's RBAC"
+    );
     let namespace = args.iter().find_map(|a| a.strip_prefix("--namespace="));
     let role_kind = if namespace.is_some() {
         "Role"

@@ -3,7 +3,15 @@
 //! with the rendered Deployment's arguments, and the operator beside it, a request for a model
 //! scaled to zero is held, the service woken through `/scale` (or, read-only, by someone else),
 //! and answered once its pod turns Ready. The router is never refused and uses every verb the
-//! chart grants it: the rules are exactly enough, cluster-wide and in one namespace.
+//! chart grants it: the rules are exactly enough, cluster-wide and in one namespace, reading
+//! EndpointSlices (the default) or pods.
+//!
+//! EndpointSlices refuse loopback addresses, so where the router reads them the pod turns
+//! Ready at a TEST-NET-2 address (198.51.100.0/24, where no model server listens), bound to a
+//! Node so that Kubernetes' EndpointSlice controller lists it: the router counts it ready and
+//! routes the held request there (whatever answers: nothing, or a sandbox's egress proxy).
+//! With pods, it turns Ready at 127.0.0.1 where a real ferrite-server listens and the request
+//! succeeds.
 //!
 //! The binary is the workspace's (`cargo build -p ferrite-router`, or `FERRITE_ROUTER_BIN`);
 //! `cargo nextest run --workspace` builds it.
@@ -14,7 +22,8 @@ use std::time::Duration;
 
 use common::chart::router_args;
 use common::e2e::{
-    Operator, Router, assert_exact_rbac, audited, get_isvc, install, isvc, isvc_api, pods_ready,
+    Operator, Router, assert_exact_rbac, audited, bind_pods, get_isvc, install, isvc, isvc_api,
+    pods_ready,
 };
 use common::servers::ready_server;
 use ferrite_testkit::kube::Cluster;
@@ -24,6 +33,10 @@ use kube::api::{Patch, PatchParams};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(60);
+
+/// Where a pod reads as Ready when the router reads EndpointSlices: not loopback (which
+/// EndpointSlices refuse), and no model server there.
+const UNREACHABLE_POD_IP: &str = "198.51.100.7";
 
 /// GET `url` from a blocking thread: (status, body), or `None` when nothing answers.
 async fn get(url: String) -> Option<(u16, String)> {
@@ -58,11 +71,33 @@ async fn held(base: &str, inferenceservice: &str) -> f64 {
         .sum()
 }
 
+/// The sum of `name`'s series for `model` in the router's `/metrics`.
+async fn counter(base: &str, name: &str, model: &str) -> f64 {
+    let (_, text) = get(format!("{base}/metrics")).await.unwrap_or_default();
+    text.lines()
+        .filter(|l| {
+            l.starts_with(&format!("{name}{{")) && l.contains(&format!("model_name=\"{model}\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The ready replicas `/v1/models` lists for `model`.
+async fn ready_replicas(base: &str, model: &str) -> Option<u64> {
+    let (_, body) = get(format!("{base}/v1/models")).await?;
+    let models: Value = serde_json::from_str(&body).ok()?;
+    models["data"]
+        .as_array()?
+        .iter()
+        .find(|m| m["id"] == model)?["ready_replicas"]
+        .as_u64()
+}
+
 /// Installs the chart with `router` values (in a namespace made first, so they can name it),
 /// runs the operator and the router as the chart would, and sends a completion for a service
 /// scaled to zero: the router holds it; with `wake` it scales the service 0 -> 1 itself,
 /// without it the test does, as another client would. The operator makes the pod, which turns
-/// Ready at 127.0.0.1 where a real ferrite-server listens, and the held request succeeds.
+/// Ready (see the module's doc for where) and the router sends the held request to it.
 /// Then the router's audited requests are checked against the chart's rules.
 async fn cold_start_through_the_router(
     router_values: impl Fn(&str) -> Value,
@@ -136,15 +171,36 @@ async fn cold_start_through_the_router(
     }
     assert!(!request.is_finished(), "the request is held, not refused");
     // The operator scales its Deployment, kube-controller-manager makes the pod; it turns
-    // Ready where the server listens.
+    // Ready where the router will look for it.
+    let slices = args.iter().any(|a| a == "--endpoints-from=endpoint-slices");
+    let ip = if slices {
+        UNREACHABLE_POD_IP
+    } else {
+        "127.0.0.1"
+    };
     eventually(WAIT, "smol's pod", async || {
-        (pods_ready(&client, &ns, "smol", "127.0.0.1").await > 0).then_some(())
+        if slices {
+            bind_pods(&client, &ns, "smol", &format!("{tag}-node")).await;
+        }
+        (pods_ready(&client, &ns, "smol", ip).await > 0).then_some(())
+    })
+    .await;
+    eventually(WAIT, "the router to count smol's pod ready", async || {
+        (ready_replicas(&base, "smol").await? == 1).then_some(())
     })
     .await;
     let (status, body) = request.await.expect("held request");
-    assert_eq!(status, 200, "{body}\n{}", router.log());
-    assert_eq!(body["model"], "smol", "{body}");
-    assert!(body["choices"][0]["text"].is_string(), "{body}");
+    if slices {
+        // Routed to the one endpoint the EndpointSlice controller listed, where no model
+        // server listens: a routing decision, and no success.
+        assert_ne!(status, 200, "{body}\n{}", router.log());
+        let decisions = counter(&base, "ferrite_router_routing_decisions_total", "smol").await;
+        assert_eq!(decisions, 1.0, "{}", router.log());
+    } else {
+        assert_eq!(status, 200, "{body}\n{}", router.log());
+        assert_eq!(body["model"], "smol", "{body}");
+        assert!(body["choices"][0]["text"].is_string(), "{body}");
+    }
 
     let (status, router) = tokio::task::spawn_blocking(move || (router.terminate(), router))
         .await
@@ -161,19 +217,21 @@ async fn cold_start_through_the_router(
     );
 }
 
-/// The default install: a ClusterRole with list and watch on InferenceServices and pods, and
-/// patch on `inferenceservices/scale`, all of it used by one cold start.
+/// The default install: a ClusterRole with list and watch on InferenceServices and
+/// EndpointSlices (none on pods), and patch on `inferenceservices/scale`, all of it used by one
+/// cold start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_router_uses_exactly_the_rbac_the_chart_grants() {
     cold_start_through_the_router(|_| json!({}), "router-rbac", true).await;
 }
 
-/// `watchNamespace` and `scaleFromZero: false`: a Role in that namespace with list and watch
-/// only, and the router's `--namespace` and `--no-wake` keep it within them.
+/// `watchNamespace`, `scaleFromZero: false` and `endpointsFrom: pods`: a Role in that
+/// namespace with list and watch on InferenceServices and pods only, and the router's
+/// `--namespace`, `--no-wake` and `--endpoints-from=pods` keep it within them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_namespaced_read_only_router_needs_no_more_than_its_role() {
     cold_start_through_the_router(
-        |ns| json!({"watchNamespace": ns, "scaleFromZero": false}),
+        |ns| json!({"watchNamespace": ns, "scaleFromZero": false, "endpointsFrom": "pods"}),
         "router-ro",
         false,
     )

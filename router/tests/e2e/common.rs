@@ -7,7 +7,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use ferrite_router::{Config, LimitConfig};
+use ferrite_router::{Config, EndpointsFrom, LimitConfig};
 use ferrite_testkit::kube::Cluster;
 pub use ferrite_testkit::kube::standin::{create_isvc, install_crd, isvc_api, ready_pod};
 use ferrite_testkit::process::{eventually, free_port};
@@ -90,9 +90,17 @@ pub async fn router_in(
     config: Config,
     wake: bool,
 ) -> String {
-    let app = ferrite_router::start(client.clone(), ns, config, Duration::from_millis(200), wake)
-        .await
-        .expect("the router starts");
+    let app = ferrite_router::start(
+        client.clone(),
+        ns,
+        // The test pods sit at loopback addresses, which EndpointSlices refuse.
+        EndpointsFrom::Pods,
+        config,
+        Duration::from_millis(200),
+        wake,
+    )
+    .await
+    .expect("the router starts");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

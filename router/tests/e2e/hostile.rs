@@ -336,6 +336,8 @@ async fn the_router_binary_stays_small_under_load_it_refuses() {
         .args([
             "--namespace",
             &ns,
+            "--endpoints-from",
+            "pods",
             "--max-held-per-service",
             &cap.to_string(),
         ])

@@ -739,6 +739,52 @@ pub async fn pods_ready_at(client: &kube::Client, ns: &str, name: &str, ips: &[&
     live.len()
 }
 
+/// Binds every unbound pod of the InferenceService `name` to Node `node` (created if
+/// missing), as a scheduler would: Kubernetes' EndpointSlice controller skips pods on no node.
+pub async fn bind_pods(client: &kube::Client, ns: &str, name: &str, node: &str) -> usize {
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    if nodes
+        .get_opt(node)
+        .await
+        .expect("reading the node")
+        .is_none()
+    {
+        let n = serde_json::from_value(json!({"metadata": {"name": node}})).expect("a Node");
+        nodes
+            .create(&PostParams::default(), &n)
+            .await
+            .unwrap_or_else(|e| panic!("creating node {node}: {e}"));
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let list = pods
+        .list(
+            &kube::api::ListParams::default()
+                .labels(&format!("ferrite.dev/inferenceservice={name}")),
+        )
+        .await
+        .expect("listing pods");
+    let mut bound = 0;
+    for p in list.items {
+        let pod_name = p.metadata.name.clone().expect("pod name");
+        if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
+            continue;
+        }
+        let binding = json!({"apiVersion": "v1", "kind": "Binding",
+            "metadata": {"name": pod_name},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node}});
+        pods.create_subresource::<Value, Value>(
+            "binding",
+            &pod_name,
+            &PostParams::default(),
+            &binding,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("binding pod {pod_name} to {node}: {e}"));
+        bound += 1;
+    }
+    bound
+}
+
 /// Creates a ResourceQuota of `hard` limits in `ns` and waits until the quota controller has
 /// counted it: until then, admission does not enforce a just-created quota.
 pub async fn quota(client: &kube::Client, ns: &str, hard: Value) {
