@@ -18,10 +18,10 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
+use ferrite_api::crd::AutoscalingSpec;
+use ferrite_api::signal::{PodMetrics, PodSample};
 use ferrite_bench::stats::percentile;
 use ferrite_operator::autoscale::algorithm::{Policy, ScalerState};
-use ferrite_operator::crd::AutoscalingSpec;
-use ferrite_operator::signal::{PodMetrics, PodSample};
 use serde_json::{Value, json};
 
 #[derive(Debug, Parser)]

@@ -27,8 +27,8 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
 use crate::build::monitor::ServiceMonitor;
-use crate::crd::InferenceService;
-use crate::labels::{INSTANCE_LABEL, MANAGED_SELECTOR};
+use ferrite_api::crd::InferenceService;
+use ferrite_api::labels::{INSTANCE_LABEL, MANAGED_SELECTOR};
 
 /// Something changed that may concern InferenceServices.
 #[derive(Debug, Clone)]
@@ -456,7 +456,7 @@ impl Caches {
     /// The pods of one InferenceService.
     pub fn pods_of(&self, namespace: &str, name: &str) -> Vec<Arc<Pod>> {
         self.pods
-            .state_filter(|p| crate::labels::belongs_to(p, namespace, name))
+            .state_filter(|p| ferrite_api::labels::belongs_to(p, namespace, name))
     }
 
     /// The InferenceService `namespace/name`, if cached.

@@ -2,12 +2,13 @@
 //! Conditions keep their `lastTransitionTime` while their status holds, so an unchanged world
 //! yields an identical status and the reconciler writes nothing.
 
-use ferrite_source::termination::REASONS;
+use ferrite_api::conditions;
+use ferrite_api::termination::REASONS;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
-use crate::crd::{CurrentMetrics, InferenceService, InferenceServiceStatus};
+use ferrite_api::crd::{CurrentMetrics, InferenceService, InferenceServiceStatus};
 
 /// Now, as the API server stores a `Time`: in whole seconds. Status holding a finer time would
 /// never compare equal to what was stored, so every reconcile would rewrite it, and every write
@@ -17,17 +18,10 @@ pub fn now() -> Time {
     Time(k8s_openapi::jiff::Timestamp::from_second(now.as_second()).unwrap_or(now))
 }
 
-pub const READY: &str = "Ready";
-pub const PROGRESSING: &str = "Progressing";
-pub const DEGRADED: &str = "Degraded";
-/// Whether the ServiceMonitor exists as asked (or why not).
-pub const MONITORING: &str = "MonitoringReady";
-/// Whether the autoscaler can read its signals.
-pub const SCALING_ACTIVE: &str = "ScalingActive";
-/// Whether the autoscaler's wish is being held back (bounds, windows, rates, panic).
-pub const SCALING_LIMITED: &str = "ScalingLimited";
-/// Whether the workload was scaled to zero for being idle.
-pub const SCALED_TO_ZERO: &str = "ScaledToZero";
+pub use ferrite_api::conditions::{
+    DEGRADED, MONITORING, PROGRESSING, READY, SCALED_TO_ZERO, SCALING_ACTIVE, SCALING_LIMITED,
+    SERVED_NAME_CONFLICT, condition,
+};
 
 /// What the autoscaler last concluded for one InferenceService, for the status step.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,9 +106,6 @@ pub struct Observation<'a> {
     pub served_name_conflict: Option<Finding>,
 }
 
-/// The reason of `Ready=False` for an InferenceService whose served name an older one holds.
-pub const SERVED_NAME_CONFLICT: &str = "ServedNameConflict";
-
 /// Why `isvc` does not hold its served name, if it does not: an older InferenceService (in any
 /// namespace) claims the same name, so the router sends that name's traffic there. Clients
 /// still reach this one by its `namespace/name`.
@@ -122,11 +113,11 @@ pub fn served_name_conflict<'a>(
     isvc: &InferenceService,
     all: impl IntoIterator<Item = &'a InferenceService>,
 ) -> Option<Finding> {
-    let name = crate::build::served_name(isvc);
+    let name = ferrite_api::served::served_name(isvc);
     let claimants = all.into_iter().filter(|o| {
-        o.metadata.deletion_timestamp.is_none() && crate::build::served_name(o) == name
+        o.metadata.deletion_timestamp.is_none() && ferrite_api::served::served_name(o) == name
     });
-    let holder = crate::build::served_name_holder(claimants)?;
+    let holder = ferrite_api::served::served_name_holder(claimants)?;
     if holder.metadata.uid == isvc.metadata.uid {
         return None;
     }
@@ -217,7 +208,7 @@ pub fn pod_failure(pods: &[Pod]) -> Option<Finding> {
         if let Some(c) = unschedulable {
             let detail = c.message.as_deref().unwrap_or("no message");
             return Some(Finding::new(
-                "Unschedulable",
+                conditions::UNSCHEDULABLE,
                 format!("pod {name} cannot be scheduled: {detail}"),
             ));
         }
@@ -238,7 +229,7 @@ pub fn replica_failure(d: &Deployment) -> Option<Finding> {
     let reason = c.reason.as_deref().unwrap_or("FailedCreate");
     let detail = c.message.as_deref().unwrap_or("no message");
     Some(Finding::new(
-        "ReplicaFailure",
+        conditions::REPLICA_FAILURE,
         format!("the Deployment cannot create pods ({reason}): {detail}"),
     ))
 }
@@ -436,9 +427,4 @@ pub fn compute(
         last_scale_time: scaling.and_then(|a| a.last_scale_time.clone()),
         current_metrics: scaling.and_then(|a| a.metrics.clone()),
     }
-}
-
-/// The `status` of condition `type_`, if present.
-pub fn condition<'a>(status: &'a InferenceServiceStatus, type_: &str) -> Option<&'a Condition> {
-    status.conditions.iter().find(|c| c.type_ == type_)
 }

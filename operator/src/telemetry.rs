@@ -15,7 +15,7 @@ use prometheus::{
     Opts, Registry, TextEncoder,
 };
 
-use crate::signal::Signal;
+use ferrite_api::signal::Signal;
 
 /// Reconcile duration buckets (seconds): fine below 100 ms, where a healthy reconcile sits.
 const DURATION_BUCKETS: &[f64] = &[

@@ -3,7 +3,7 @@
 //! request is out; so is one that just refused a connection (it may be gone while its pod is
 //! still listed Ready), unless that would leave none.
 
-use crate::registry::Endpoint;
+use crate::members::Endpoint;
 
 /// The replicas to choose from, in the service's order.
 pub fn candidates<'a>(

@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferrite_operator::autoscale::scrape::{PodTarget, Scraper};
-use ferrite_operator::signal::PodSample;
+use ferrite_api::scrape::{PodTarget, Scraper};
+use ferrite_api::signal::PodSample;
 
 use crate::registry::Registry;
 use crate::work::Work;

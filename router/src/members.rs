@@ -6,14 +6,21 @@
 
 use std::collections::BTreeMap;
 
-use ferrite_operator::autoscale::runner::pod_targets;
-use ferrite_operator::labels::{COMPONENT_LABEL, MANAGED_SELECTOR, belongs_to};
+use ferrite_api::labels::{COMPONENT_LABEL, MANAGED_SELECTOR, belongs_to};
+use ferrite_api::scrape::pod_targets;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 
-use crate::registry::Endpoint;
+/// One ready pod to send requests to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Pod name: the hash ring is built from names.
+    pub name: String,
+    /// `http://ip:port`.
+    pub base_url: String,
+}
 
 /// The source of every service's endpoints (`--endpoints-from`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]

@@ -22,7 +22,7 @@
 pub use crate::ring::Ring;
 
 /// The policies are the CRD's (`spec.routing.policy`).
-pub use ferrite_operator::crd::RoutingPolicy as Policy;
+pub use ferrite_api::crd::RoutingPolicy as Policy;
 
 /// One ready replica as the router sees it when a request arrives.
 #[derive(Debug, Clone, PartialEq)]

@@ -8,9 +8,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferrite_operator::build::{served_name, served_name_holder};
-use ferrite_operator::crd::{InferenceService, RoutingPolicy};
-use ferrite_operator::status;
+use ferrite_api::conditions;
+use ferrite_api::crd::{InferenceService, RoutingPolicy};
+use ferrite_api::served::{served_name, served_name_holder};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -20,16 +20,7 @@ use kube::runtime::watcher::{self, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::watch;
 
-use crate::members::{self, EndpointsFrom, Members};
-
-/// One ready pod to send requests to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Endpoint {
-    /// Pod name: the hash ring is built from names.
-    pub name: String,
-    /// `http://ip:port`.
-    pub base_url: String,
-}
+use crate::members::{self, Endpoint, EndpointsFrom, Members};
 
 /// An InferenceService as the router needs it.
 #[derive(Debug, Clone, PartialEq)]
@@ -193,11 +184,15 @@ impl Registry {
 /// server failing for a moment. Every other reason (an image that cannot be pulled, a crash
 /// loop, a model that cannot be downloaded or loaded, a spec that cannot be applied) needs a
 /// person, so held requests are answered at once.
-const TRANSIENT_DEGRADED: [&str; 3] = ["Unschedulable", "ReplicaFailure", "ChildApplyFailed"];
+const TRANSIENT_DEGRADED: [&str; 3] = [
+    conditions::UNSCHEDULABLE,
+    conditions::REPLICA_FAILURE,
+    conditions::CHILD_APPLY_FAILED,
+];
 
 /// The reason of the service's `Degraded=True` condition, unless a cold start waits it out.
 fn degraded_reason(isvc: &InferenceService) -> Option<String> {
-    status::condition(isvc.status.as_ref()?, status::DEGRADED)
+    conditions::condition(isvc.status.as_ref()?, conditions::DEGRADED)
         .filter(|c| c.status == "True" && !TRANSIENT_DEGRADED.contains(&c.reason.as_str()))
         .map(|c| c.reason.clone())
 }

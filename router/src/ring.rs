@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use ferrite_operator::hash::fnv1a;
+use ferrite_api::hash::fnv1a;
 
 /// Points per replica on the hash ring: enough that 3 replicas split keys within a few percent.
 pub const VNODES: usize = 160;

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use ferrite_operator::crd::InferenceService;
+use ferrite_api::crd::InferenceService;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 use tokio::time::Instant;

@@ -4,8 +4,10 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
+use ferrite_runtime::device::{DeviceError, parse_device};
+use ferrite_runtime::engine::{Budget, EngineConfig, KvSizing, Scheduling};
 use ferrite_runtime::kv::CacheDtype;
-use ferrite_runtime::model::WeightMode;
+use ferrite_runtime::model::{LoadOptions, WeightMode};
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -127,6 +129,34 @@ impl ServerArgs {
     /// Whether automatic prefix caching is on.
     pub fn prefix_caching(&self) -> bool {
         !self.no_enable_prefix_caching
+    }
+
+    /// What the engine builds itself from, for the weights at `model`.
+    pub fn engine_config(&self, model: PathBuf) -> Result<EngineConfig, DeviceError> {
+        Ok(EngineConfig {
+            model,
+            load: LoadOptions {
+                device: parse_device(&self.device)?,
+                weight_mode: self.weights,
+                max_model_len: self.max_model_len,
+                tokenizer: self.tokenizer.clone(),
+            },
+            kv: KvSizing {
+                block_size: self.block_size,
+                device: self
+                    .num_gpu_blocks
+                    .map_or(Budget::Bytes(self.kv_cache_memory), Budget::Blocks),
+                host: Budget::Bytes((self.swap_space * (1u64 << 30) as f64) as usize),
+                dtype: self.kv_cache_dtype,
+            },
+            scheduling: Scheduling {
+                max_num_seqs: self.max_num_seqs,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+                chunked_prefill: self.enable_chunked_prefill,
+                prefix_caching: self.prefix_caching(),
+            },
+            compute_nice: self.compute_nice,
+        })
     }
 
     /// What the listener allows.

@@ -3,24 +3,18 @@
 //! requests finish (up to `--shutdown-timeout`), and exits 0.
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
-use ferrite_runtime::device::parse_device;
-use ferrite_runtime::engine::core as engine;
-use ferrite_runtime::engine::scheduler::SchedulerConfig;
-use ferrite_runtime::engine::stats::StatsSink;
-use ferrite_runtime::kv::{KvCache, KvCacheConfig};
-use ferrite_runtime::model::{self, LoadOptions, SeqInput};
+use ferrite_api::termination::{LOAD_FAILED, START_FAILED};
+use ferrite_runtime::engine::{self, stats::StatsSink};
 use ferrite_server::api::{self, state::AppState, state::RequestLimits, state::Serving};
 use ferrite_server::config::ServerArgs;
 use ferrite_server::fetch;
 use ferrite_server::metrics::http::HttpMetrics;
 use ferrite_server::metrics::{self, CacheInfo, EngineMetrics, stats_log};
-use ferrite_source::termination::{LOAD_FAILED, START_FAILED};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -61,9 +55,6 @@ async fn run(args: ServerArgs) -> Result<()> {
         args.api_key.as_deref().is_none_or(|k| !k.trim().is_empty()),
         "--api-key (FERRITE_API_KEY) is set but empty; unset it to serve without a key"
     );
-    if let Err(e) = ferrite_runtime::priority::init_compute_pool(args.compute_nice) {
-        warn!(error = %e, "compute threads keep the default priority");
-    }
     let served = args
         .served_model_name
         .first()
@@ -134,16 +125,31 @@ async fn run(args: ServerArgs) -> Result<()> {
             return Ok(());
         }
     };
-    let load_args = args.clone();
-    let loader = tokio::task::spawn_blocking(move || load_and_warm(&load_args, &model_path));
-    let loaded = tokio::select! {
-        r = loader => match r.context("model loader panicked")? {
-            Ok(loaded) => loaded,
+    let config = args
+        .engine_config(model_path)
+        .context("the engine's settings")?;
+    let sink_args = (args.clone(), registry.clone(), served.clone());
+    let log_sink = stats_log::LogSink::default();
+    let log = log_sink.clone();
+    let starting = tokio::task::spawn_blocking(move || {
+        engine::start(&config, |info| {
+            let (args, registry, served) = sink_args;
+            sinks(&args, &registry, &served, info, log).map_err(Into::into)
+        })
+    });
+    let started = tokio::select! {
+        r = starting => match r.context("the engine's start panicked")? {
+            Ok(started) => started,
             Err(e) => {
+                let reason = if e.is_load() { LOAD_FAILED } else { START_FAILED };
+                let hint = match e {
+                    engine::StartError::NoBlocks { .. } => " (raise --kv-cache-memory)",
+                    _ => "",
+                };
                 if let Some(path) = &args.termination_message_path {
-                    fetch::write_termination_message(path, &format!("{LOAD_FAILED}: {e:#}"));
+                    fetch::write_termination_message(path, &format!("{reason}: {e}{hint}"));
                 }
-                return Err(e);
+                return Err(anyhow::Error::new(e).context(format!("starting the engine{hint}")));
             }
         },
         _ = stop_rx.wait_for(|&s| s) => {
@@ -151,44 +157,13 @@ async fn run(args: ServerArgs) -> Result<()> {
             return Ok(());
         }
     };
-    let (mut loaded, cache) = loaded;
-    let max_model_len = loaded.model.max_len();
-    let sched = SchedulerConfig {
-        max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        max_model_len,
-        block_size: args.block_size,
-        chunked_prefill: args.enable_chunked_prefill,
-        watermark_blocks: cache.allocator().num_blocks() / 100,
-        prefix_caching: args.prefix_caching(),
-    };
-    let cache_info = CacheInfo {
-        block_size: args.block_size,
-        num_gpu_blocks: cache.allocator().num_blocks(),
-        num_cpu_blocks: cache.host_allocator().num_blocks(),
-        cache_dtype: args
-            .kv_cache_dtype
-            .to_possible_value()
-            .map_or_else(|| "auto".into(), |v| v.get_name().to_string()),
-        swap_space_gib: args.swap_space,
-        enable_prefix_caching: args.prefix_caching(),
-    };
-    // Two consumers of the engine's stats records: Prometheus, and the stats log line.
-    let mut sinks: Vec<Box<dyn StatsSink>> = vec![Box::new(EngineMetrics::new(
-        &registry,
-        &served,
-        max_model_len,
-        &cache_info,
-    )?)];
-    let log_sink = stats_log::LogSink::default();
-    if !args.disable_log_stats {
-        sinks.push(Box::new(log_sink.clone()));
-    }
-    let tokenizer = loaded.tokenizer.clone();
-    let vocab_size = tokenizer.vocab_size().min(loaded.model.config().vocab_size);
-    let chat_template = loaded.chat_template.take();
-    let (handle, engine_thread) =
-        engine::spawn(loaded, cache, sched, Box::new(sinks)).context("starting the engine")?;
+    let engine::Started {
+        handle,
+        thread: engine_thread,
+        info: engine_info,
+        tokenizer,
+        chat_template,
+    } = started;
     if !args.disable_log_stats {
         let every = Duration::from_secs_f64(args.log_stats_interval);
         stats_log::spawn(&registry, &served, log_sink, handle.clone(), every)?;
@@ -197,9 +172,10 @@ async fn run(args: ServerArgs) -> Result<()> {
         engine: handle.clone(),
         tokenizer,
         chat_template,
-        max_model_len,
-        vocab_size,
+        max_model_len: engine_info.max_model_len,
+        vocab_size: engine_info.vocab_size,
     });
+    let sched = engine_info.scheduler;
     info!(
         max_num_seqs = sched.max_num_seqs,
         max_num_batched_tokens = sched.max_num_batched_tokens,
@@ -243,55 +219,36 @@ async fn run(args: ServerArgs) -> Result<()> {
     Ok(())
 }
 
-/// Loads the model, allocates the KV cache, and runs one forward so the first request does not
-/// pay for lazy initialisation.
-fn load_and_warm(args: &ServerArgs, path: &Path) -> Result<(model::LoadedModel, KvCache)> {
-    let device = parse_device(&args.device)?;
-    let t0 = Instant::now();
-    let opts = LoadOptions {
-        device: device.clone(),
-        weight_mode: args.weights,
-        max_model_len: args.max_model_len,
-        tokenizer: args.tokenizer.clone(),
+/// The engine's two stats sinks: Prometheus, and (unless `--disable-log-stats`) the stats log
+/// line.
+fn sinks(
+    args: &ServerArgs,
+    registry: &prometheus::Registry,
+    served: &str,
+    info: &engine::EngineInfo,
+    log: stats_log::LogSink,
+) -> Result<Box<dyn StatsSink>, metrics::MetricsError> {
+    let cache = CacheInfo {
+        block_size: info.scheduler.block_size,
+        num_gpu_blocks: info.num_gpu_blocks,
+        num_cpu_blocks: info.num_cpu_blocks,
+        cache_dtype: args
+            .kv_cache_dtype
+            .to_possible_value()
+            .map_or_else(|| "auto".into(), |v| v.get_name().to_string()),
+        swap_space_gib: args.swap_space,
+        enable_prefix_caching: args.prefix_caching(),
     };
-    let loaded =
-        model::load(path, &opts).with_context(|| format!("loading model {}", path.display()))?;
-    let cfg = loaded.model.config();
-    let dtype = args.kv_cache_dtype.dtype();
-    let probe = KvCacheConfig::for_model(cfg, args.block_size, 0, 0).with_dtype(dtype);
-    let num_blocks = args
-        .num_gpu_blocks
-        .unwrap_or_else(|| probe.blocks_for_bytes(args.kv_cache_memory));
-    let host_blocks = probe.blocks_for_bytes((args.swap_space * (1u64 << 30) as f64) as usize);
-    anyhow::ensure!(
-        num_blocks > 0,
-        "the KV cache holds no block: raise --kv-cache-memory"
-    );
-    let kv =
-        KvCacheConfig::for_model(cfg, args.block_size, num_blocks, host_blocks).with_dtype(dtype);
-    let mut cache = KvCache::new(kv, &device)?;
-    info!(
-        weights = ?loaded.weight_mode,
-        layers = cfg.num_layers,
-        num_gpu_blocks = num_blocks,
-        num_cpu_blocks = host_blocks,
-        kv_cache_dtype = ?dtype,
-        block_size = args.block_size,
-        max_model_len = loaded.model.max_len(),
-        secs = t0.elapsed().as_secs_f64(),
-        "model loaded"
-    );
-    let warm: Vec<u32> = loaded.tokenizer.encode("Hello", false)?;
-    let blocks = cache.allocator_mut().allocate_n(1)?;
-    let input = SeqInput {
-        tokens: &warm,
-        start_pos: 0,
-        block_table: &blocks,
-    };
-    loaded.model.forward(&[input], &cache)?;
-    cache.allocator_mut().free_all(&blocks)?;
-    ferrite_runtime::memory::release_free_memory();
-    Ok((loaded, cache))
+    let mut sinks: Vec<Box<dyn StatsSink>> = vec![Box::new(EngineMetrics::new(
+        registry,
+        served,
+        info.max_model_len,
+        &cache,
+    )?)];
+    if !args.disable_log_stats {
+        sinks.push(Box::new(log));
+    }
+    Ok(Box::new(sinks))
 }
 
 /// Resolves when the engine thread has ended.

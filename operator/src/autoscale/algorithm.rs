@@ -7,8 +7,8 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use crate::crd::AutoscalingSpec;
-use crate::signal::{PodSample, Signal, Signals};
+use ferrite_api::crd::AutoscalingSpec;
+use ferrite_api::signal::{PodSample, Signal, Signals};
 
 /// Default seconds between scrapes.
 pub const DEFAULT_SCRAPE_SECONDS: u64 = 5;

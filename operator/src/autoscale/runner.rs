@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -22,14 +21,14 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
 use super::algorithm::{Decision, Policy, ScalerState};
-use super::scrape::{PodResult, PodTarget, Scraper};
 use super::store::{Key, SignalStore, Snapshot};
 use crate::cache::{Caches, Touch, Triggers};
 use crate::config::FIELD_MANAGER;
-use crate::crd::{AutoscalingMode, CurrentMetrics, InferenceService};
-use crate::signal::{Signal, Signals};
 use crate::status::{AutoscaleView, Finding};
 use crate::telemetry::AutoscalerMetrics;
+use ferrite_api::crd::{AutoscalingMode, CurrentMetrics, InferenceService};
+use ferrite_api::scrape::{PodResult, Scraper, pod_targets};
+use ferrite_api::signal::{Signal, Signals};
 
 /// How often metrics-only status changes are published at most (decisions publish at once).
 const STATUS_REFRESH: Duration = Duration::from_secs(15);
@@ -450,40 +449,6 @@ fn publish_signals(env: &TaskEnv, cfg: &TaskConfig, signals: &Signals) {
         // Stale numbers would mislead an HPA; absent ones make it hold still.
         env.store.remove(&env.key);
     }
-}
-
-/// The pods to scrape: ready ones (with an IP) by their IP; pods still starting as unready,
-/// so that they count as capacity on the way.
-pub fn pod_targets<'a>(pods: impl IntoIterator<Item = &'a Pod>, port: i32) -> Vec<PodTarget> {
-    // Pods being deleted or finished will never take load: they are not capacity at all.
-    pods.into_iter()
-        .filter(|p| {
-            p.metadata.deletion_timestamp.is_none()
-                && !matches!(
-                    p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                    Some("Succeeded" | "Failed")
-                )
-        })
-        .map(|p| {
-            let ip = p.status.as_ref().and_then(|s| s.pod_ip.clone());
-            let ready = ip.is_some()
-                && p.status
-                    .as_ref()
-                    .and_then(|s| s.conditions.as_ref())
-                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-            let host = ip.unwrap_or_default();
-            let host = if host.contains(':') {
-                format!("[{host}]")
-            } else {
-                host
-            };
-            PodTarget {
-                name: p.name_any(),
-                base_url: format!("http://{host}:{port}"),
-                ready,
-            }
-        })
-        .collect()
 }
 
 fn current_metrics(s: &Signals) -> CurrentMetrics {

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::RwLock;
 use std::time::SystemTime;
 
-use crate::signal::Signals;
+use ferrite_api::signal::Signals;
 
 /// Namespace and name of an InferenceService.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]

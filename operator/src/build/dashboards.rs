@@ -7,11 +7,13 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::ConfigMap;
 use serde_json::Value;
 
-use super::{BuildError, Owner, served_name};
+use ferrite_api::served::served_name;
+
+use super::{BuildError, Owner};
 use crate::config::OperatorConfig;
-use crate::crd::InferenceService;
-use crate::hash::fnv1a;
-use crate::labels::COMPONENT_LABEL;
+use ferrite_api::crd::InferenceService;
+use ferrite_api::hash::fnv1a;
+use ferrite_api::labels::COMPONENT_LABEL;
 
 /// `app.kubernetes.io/component` of the dashboard ConfigMaps, so the operator can list (and
 /// prune) exactly its own.

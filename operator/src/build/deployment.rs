@@ -20,9 +20,11 @@ use super::model::{ModelMount, model_mount};
 /// Where Kubernetes reads a container's termination message (its default, written out so the
 /// server's flag and the pod agree).
 const TERMINATION_MESSAGE_PATH: &str = "/dev/termination-log";
-use super::{DEFAULT_SHUTDOWN_SECONDS, Validated, served_name};
+use ferrite_api::served::served_name;
+
+use super::{DEFAULT_SHUTDOWN_SECONDS, Validated};
 use crate::config::OperatorConfig;
-use crate::crd::{
+use ferrite_api::crd::{
     DEFAULT_GPU_RESOURCE, InferenceService, ProbeTiming, RolloutStrategy, RuntimeKind,
 };
 

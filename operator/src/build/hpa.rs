@@ -23,9 +23,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::Resource;
 
 use super::Owner;
-use crate::crd::{AutoscalingMode, InferenceService, ScalingBehavior};
-use crate::labels::INSTANCE_LABEL;
-use crate::signal::{Signal, quantity};
+use ferrite_api::crd::{AutoscalingMode, InferenceService, ScalingBehavior};
+use ferrite_api::labels::INSTANCE_LABEL;
+use ferrite_api::signal::{Signal, quantity};
 
 /// Defaults, matching the built-in autoscaler's (`autoscale::algorithm::Policy`).
 pub const DEFAULT_SCALE_UP_STABILIZATION_SECONDS: i32 = 0;

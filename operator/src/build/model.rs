@@ -9,11 +9,11 @@ use k8s_openapi::api::core::v1::{
     SecretEnvSource, Volume, VolumeMount,
 };
 
-pub use ferrite_source::Source as ModelSource;
-use ferrite_source::{HfSource, Scheme, Source};
+pub use ferrite_api::source::Source as ModelSource;
+use ferrite_api::source::{HfSource, Scheme, Source};
 
 use super::BuildError;
-use crate::crd::{InferenceService, RuntimeKind};
+use ferrite_api::crd::{InferenceService, RuntimeKind};
 
 /// Where model volumes are mounted in the pod (as KServe does).
 pub const MODEL_ROOT: &str = "/mnt/models";

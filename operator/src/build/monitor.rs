@@ -6,7 +6,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::Owner;
-use crate::crd::ServiceMonitorSpec as MonitorSettings;
+use ferrite_api::crd::ServiceMonitorSpec as MonitorSettings;
 
 /// The subset of the Prometheus Operator's ServiceMonitor spec the operator writes.
 #[derive(CustomResource, JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -53,7 +53,7 @@ pub(crate) fn service_monitor(
         // The Service carries the owner's labels; select it by the instance label only.
         selector: LabelSelector {
             match_labels: std::collections::BTreeMap::from([(
-                crate::labels::INSTANCE_LABEL.to_string(),
+                ferrite_api::labels::INSTANCE_LABEL.to_string(),
                 owner.name.clone(),
             )]),
         },

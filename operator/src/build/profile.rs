@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use super::BuildError;
 pub use crate::config::ResourceProfile;
-use crate::crd::InferenceService;
+use ferrite_api::crd::InferenceService;
 
 /// `NAME[:COUNT]` split; the schema has checked the form.
 fn parse(reference: &str) -> Result<(&str, Option<i32>), BuildError> {

@@ -9,7 +9,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::Owner;
-use crate::crd::InferenceService;
+use ferrite_api::crd::InferenceService;
 
 pub(crate) fn service(isvc: &InferenceService, owner: &Owner) -> Service {
     Service {

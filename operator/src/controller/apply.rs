@@ -22,7 +22,7 @@ use serde::de::DeserializeOwned;
 
 use super::Error;
 use crate::config::FIELD_MANAGER;
-use crate::hash::fnv1a;
+use ferrite_api::hash::fnv1a;
 
 /// Annotation holding the hash of the desired object last applied.
 pub const HASH_ANNOTATION: &str = "ferrite.dev/desired-hash";

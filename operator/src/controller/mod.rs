@@ -24,9 +24,9 @@ use crate::autoscale::runner::Views;
 use crate::build::model::claims_of;
 use crate::cache::{Caches, Touch, Triggers};
 use crate::config::{FIELD_MANAGER, OperatorConfig};
-use crate::crd::InferenceService;
 use crate::telemetry::Metrics;
 use discovery::MonitorDiscovery;
+use ferrite_api::crd::InferenceService;
 
 /// Reconcile failures. Each is retried with backoff; none stops the controller.
 #[derive(Debug, thiserror::Error)]
@@ -225,7 +225,7 @@ pub async fn dispatch(mut touches: mpsc::UnboundedReceiver<Touch>, ctx: Arc<Cont
         match t {
             Touch::Applied(isvc) => {
                 ctx.triggers.reconcile(ObjectRef::from_obj(&*isvc));
-                reconcile_name_peers(&ctx, Some(&crate::build::served_name(&isvc)));
+                reconcile_name_peers(&ctx, Some(&ferrite_api::served::served_name(&isvc)));
             }
             Touch::Deleted(r) => {
                 let ns = r.namespace.clone().unwrap_or_default();
@@ -251,7 +251,7 @@ pub async fn dispatch(mut touches: mpsc::UnboundedReceiver<Touch>, ctx: Arc<Cont
 /// reconciled so their `Ready` follows.
 fn reconcile_name_peers(ctx: &Context, name: Option<&str>) {
     for other in ctx.caches.isvcs.state() {
-        let claims = name.is_some_and(|n| crate::build::served_name(&other) == n);
+        let claims = name.is_some_and(|n| ferrite_api::served::served_name(&other) == n);
         let marked = other
             .status
             .as_ref()

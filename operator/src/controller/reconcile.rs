@@ -27,9 +27,9 @@ use crate::build::model::claims_of;
 use crate::build::monitor::ServiceMonitor;
 use crate::build::{self, ClusterCapabilities, Desired, Validated, selector, url};
 use crate::cache::Caches;
-use crate::crd::{InferenceService, InferenceServiceStatus};
-use crate::labels::{COMPONENT_LABEL, INSTANCE_LABEL};
 use crate::status::{self, DEGRADED, Finding, MonitorState, Observation, READY};
+use ferrite_api::crd::{InferenceService, InferenceServiceStatus};
+use ferrite_api::labels::{COMPONENT_LABEL, INSTANCE_LABEL};
 
 /// How long a reconcile waits for the ServiceMonitor cache's first listing.
 const MONITOR_CACHE_WAIT: Duration = Duration::from_secs(10);
@@ -406,7 +406,7 @@ fn refusal(e: &Error) -> Option<(Finding, bool)> {
         )),
         code if code >= 500 => Some((
             Finding::new(
-                "ChildApplyFailed",
+                ferrite_api::conditions::CHILD_APPLY_FAILED,
                 format!(
                     "the API server failed to apply {kind} {name}: {}",
                     s.message

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use super::authn::Verdict;
 use super::selector::{Selector, is_dns1123_label};
 use crate::autoscale::store::{SignalStore, Snapshot};
-use crate::labels::INSTANCE_LABEL;
-use crate::signal::{Signal, quantity};
+use ferrite_api::labels::INSTANCE_LABEL;
+use ferrite_api::signal::{Signal, quantity};
 
 pub const GROUP: &str = "external.metrics.k8s.io";
 pub const VERSION: &str = "v1beta1";
@@ -284,12 +284,23 @@ fn status(
 mod tests {
     use super::*;
     use crate::autoscale::store::Key;
-    use crate::signal::Signals;
-    use crate::signal::tests::reported;
     use axum::body::Body;
+    use ferrite_api::signal::{PodMetrics, PodSample, Signals};
     use http_body_util::BodyExt;
     use std::time::{Duration, SystemTime};
     use tower::ServiceExt;
+
+    /// The signals of ready pods reporting `(waiting, running, kv usage)` each.
+    fn reported(pods: &[(f64, f64, Option<f64>)]) -> Signals {
+        let ready = |&(waiting, running, kv_usage): &(f64, f64, Option<f64>)| {
+            PodSample::Ready(PodMetrics {
+                waiting,
+                running,
+                kv_usage,
+            })
+        };
+        Signals::of(&pods.iter().map(ready).collect::<Vec<_>>())
+    }
 
     fn snapshot(s: Signals, labels: &[(&str, &str)]) -> Snapshot {
         Snapshot {

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
+use ferrite_api::crd::{AutoscalingSpec, AutoscalingTargets, ScalingBehavior};
+use ferrite_api::signal::{PodMetrics, PodSample};
 use ferrite_operator::autoscale::algorithm::{Limit, Policy, ScalerState, replicas_for};
-use ferrite_operator::crd::{AutoscalingSpec, AutoscalingTargets, ScalingBehavior};
-use ferrite_operator::signal::{PodMetrics, PodSample};
 use proptest::prelude::*;
 
 fn policy() -> Policy {

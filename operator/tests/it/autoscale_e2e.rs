@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use common::servers::{Load, free_port, start_server, wait_healthy};
 
+use ferrite_api::scrape::{PodTarget, Scraper};
+use ferrite_api::signal::PodSample;
 use ferrite_operator::autoscale::algorithm::{Policy, ScalerState};
-use ferrite_operator::autoscale::scrape::{PodTarget, Scraper};
-use ferrite_operator::signal::PodSample;
 
 /// One evaluation as the operator's loop runs it, at time `t`.
 #[derive(Debug, Clone, Copy)]

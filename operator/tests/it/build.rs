@@ -2,10 +2,10 @@
 
 use std::collections::BTreeMap;
 
+use ferrite_api::crd::InferenceService;
 use ferrite_operator::build::dashboards::dashboard_uid;
 use ferrite_operator::build::{BuildError, ClusterCapabilities, Desired, build};
 use ferrite_operator::config::{Dashboard, OperatorConfig};
-use ferrite_operator::crd::InferenceService;
 use k8s_openapi::api::core::v1::{Container, PodSpec};
 use serde_json::{Value, json};
 

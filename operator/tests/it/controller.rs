@@ -11,11 +11,11 @@ use std::time::Duration;
 use common::apiserver::{
     self, Reply, Step, Transcript, deleted, echo, not_found, ok, status_reply, step,
 };
+use ferrite_api::crd::InferenceService;
 use ferrite_operator::autoscale::runner::Views;
 use ferrite_operator::cache::{Caches, Writers};
 use ferrite_operator::config::{Dashboard, OperatorConfig};
 use ferrite_operator::controller::{Context, Error, Timing, error_policy, reconcile};
-use ferrite_operator::crd::InferenceService;
 use ferrite_operator::telemetry::Metrics;
 use http::{Method, StatusCode};
 use kube::api::PartialObjectMeta;

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use ferrite_operator::crd::{InferenceService, crd_yaml};
+use ferrite_api::crd::{InferenceService, crd_yaml};
 use kube::CustomResourceExt;
 use kube::core::cel::Validator;
 use serde_json::Value;
@@ -35,7 +35,7 @@ fn committed_crd_is_current() {
     assert!(
         committed == crd_yaml().expect("yaml"),
         "crds/inferenceservice.yaml is stale: run \
-         `cargo run -q -p ferrite-operator --bin crdgen > crds/inferenceservice.yaml`"
+         `cargo run -q -p ferrite-api --bin crdgen > crds/inferenceservice.yaml`"
     );
 }
 

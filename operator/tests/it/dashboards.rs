@@ -901,6 +901,8 @@ fn start_router(cluster: &Cluster, ns: &str, port: u16, log: &Path) -> Guard {
     cmd.args([
         format!("--addr=127.0.0.1:{port}"),
         format!("--namespace={ns}"),
+        // The stand-in pods sit at loopback addresses, which EndpointSlices refuse.
+        "--endpoints-from=pods".to_string(),
         "--scrape-interval-ms=500".to_string(),
         // The unreachable pod sits out 1 s after each refusal (default 10 s), so retries
         // keep coming within the short load window.

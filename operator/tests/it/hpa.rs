@@ -5,9 +5,9 @@ use crate::common;
 
 use std::collections::BTreeMap;
 
+use ferrite_api::crd::InferenceService;
 use ferrite_operator::build::{BuildError, ClusterCapabilities, build};
 use ferrite_operator::config::OperatorConfig;
-use ferrite_operator::crd::InferenceService;
 use k8s_openapi::api::autoscaling::v2::{HPAScalingRules, HorizontalPodAutoscaler, MetricSpec};
 use serde_json::{Value, json};
 

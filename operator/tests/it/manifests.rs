@@ -6,9 +6,9 @@
 use crate::common;
 
 use common::validate::{custom_resources, root, temp_dir, validate, write_yaml};
+use ferrite_api::crd::InferenceService;
 use ferrite_operator::build::{ClusterCapabilities, Desired, build};
 use ferrite_operator::config::{Dashboard, OperatorConfig};
-use ferrite_operator::crd::InferenceService;
 use serde_json::{Value, json};
 
 fn objects(d: &Desired) -> Vec<Value> {

@@ -7,7 +7,7 @@ use std::io::Write;
 use std::net::TcpListener;
 use std::time::Duration;
 
-use ferrite_operator::autoscale::scrape::Scraper;
+use ferrite_api::scrape::Scraper;
 
 /// Peak and current resident memory of this process, in KiB.
 fn memory_kib() -> (u64, u64) {

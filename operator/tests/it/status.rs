@@ -156,7 +156,7 @@ fn obs<'a>(d: Option<&'a Deployment>, desired: i32) -> Observation<'a> {
     }
 }
 
-fn cond(s: &ferrite_operator::crd::InferenceServiceStatus, t: &str) -> (String, String) {
+fn cond(s: &ferrite_api::crd::InferenceServiceStatus, t: &str) -> (String, String) {
     let c = status::condition(s, t).expect("condition");
     (c.status.clone(), c.reason.clone())
 }
@@ -210,7 +210,7 @@ fn conditions_for_each_situation() {
     // Transition times survive an unchanged status and move on a change.
     let later = Time(Timestamp::from_second(1_000).expect("time"));
     let again = status::compute(&obs(Some(&done), 1), Some(&s), &later);
-    let t = |st: &ferrite_operator::crd::InferenceServiceStatus, c: &str| {
+    let t = |st: &ferrite_api::crd::InferenceServiceStatus, c: &str| {
         status::condition(st, c)
             .expect("c")
             .last_transition_time
@@ -225,7 +225,7 @@ fn claimant(
     name: &str,
     served: &str,
     created: &str,
-) -> ferrite_operator::crd::InferenceService {
+) -> ferrite_api::crd::InferenceService {
     serde_json::from_value(
         json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": name, "namespace": ns, "uid": format!("{ns}-{name}"),

@@ -14,10 +14,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 
 use super::output::{OutputProcessor, RequestOutput};
-pub use super::request::{
-    EVENT_BACKLOG, Event, EventReceiver, EventSender, FinishReason, Request, RequestGroup,
-    SLOW_READER, event_channel,
-};
+use super::request::{Event, EventSender, FinishReason, Request, SLOW_READER};
 use super::sampler::{Rng, sample};
 use super::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId, StepPlan};
 use super::stats::{IterationStats, SchedulerStats, StatsSink};

@@ -99,11 +99,3 @@ impl StatsSink for Vec<Box<dyn StatsSink>> {
         }
     }
 }
-
-/// Records nothing (tests and tools that do not look at statistics).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct NoStats;
-
-impl StatsSink for NoStats {
-    fn record(&mut self, _: &SchedulerStats, _: &IterationStats) {}
-}

@@ -6,15 +6,14 @@ use crate::common;
 
 use std::time::{Duration, Instant};
 
-use candle_core::Device;
-use ferrite_runtime::engine::core::{
-    EngineHandle, Event, EventReceiver, FinishReason, Request, SLOW_READER, event_channel, spawn,
+use ferrite_runtime::engine::request::SLOW_READER;
+use ferrite_runtime::engine::stats::StatsSink;
+use ferrite_runtime::engine::{
+    self, Budget, EngineConfig, EngineHandle, EngineInfo, Event, EventReceiver, FinishReason,
+    KvSizing, Request, SamplingParams, Scheduling, event_channel,
 };
-use ferrite_runtime::engine::sampler::SamplingParams;
-use ferrite_runtime::engine::scheduler::SchedulerConfig;
-use ferrite_runtime::engine::stats::NoStats;
-use ferrite_runtime::kv::{KvCache, KvCacheConfig};
-use ferrite_runtime::model::{self, LoadOptions, Tokenizer, WeightMode};
+use ferrite_runtime::kv::CacheDtype;
+use ferrite_runtime::model::{LoadOptions, Tokenizer, WeightMode};
 
 struct Output {
     tokens: Vec<u32>,
@@ -38,27 +37,31 @@ fn engine_with(
     max_num_seqs: usize,
     prefix_caching: bool,
 ) -> (EngineHandle, Tokenizer) {
-    let max_model_len = 256;
-    let opts = LoadOptions {
-        weight_mode: WeightMode::Packed,
-        max_model_len: Some(max_model_len),
-        ..Default::default()
+    let config = EngineConfig {
+        model: common::default_model(),
+        load: LoadOptions {
+            weight_mode: WeightMode::Packed,
+            max_model_len: Some(256),
+            ..Default::default()
+        },
+        kv: KvSizing {
+            block_size: 16,
+            device: Budget::Blocks(blocks),
+            host: Budget::Blocks(host),
+            dtype: CacheDtype::Auto,
+        },
+        scheduling: Scheduling {
+            max_num_seqs,
+            max_num_batched_tokens: 256,
+            chunked_prefill: true,
+            prefix_caching,
+        },
+        compute_nice: 0,
     };
-    let m = model::load(&common::default_model(), &opts).expect("load");
-    let tok = m.tokenizer.clone();
-    let kv = KvCacheConfig::for_model(m.model.config(), 16, blocks, host);
-    let cache = KvCache::new(kv, &Device::Cpu).expect("cache");
-    let cfg = SchedulerConfig {
-        max_num_seqs,
-        max_num_batched_tokens: 256,
-        max_model_len,
-        block_size: 16,
-        chunked_prefill: true,
-        watermark_blocks: 1,
-        prefix_caching,
-    };
-    let (h, _join) = spawn(m, cache, cfg, Box::new(NoStats)).expect("spawn");
-    (h, tok)
+    // No statistics: an empty list of sinks.
+    let no_stats = |_: &EngineInfo| Ok(Box::new(Vec::<Box<dyn StatsSink>>::new()) as _);
+    let started = engine::start(&config, no_stats).expect("the engine starts");
+    (started.handle, started.tokenizer)
 }
 
 fn greedy() -> SamplingParams {

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
-use ferrite_runtime::engine::core::FinishReason;
+use ferrite_runtime::engine::FinishReason;
 use ferrite_runtime::model::Tokenizer;
 
 use super::error::ApiError;

@@ -14,10 +14,10 @@ use super::error::ApiError;
 use super::protocol::SamplingFields;
 use super::response::Usage;
 use super::state::{AppState, Serving};
-use ferrite_runtime::engine::core::{
+use ferrite_runtime::engine::SamplingParams;
+use ferrite_runtime::engine::{
     Event, EventReceiver, FinishReason, Request, RequestGroup, event_channel,
 };
-use ferrite_runtime::engine::sampler::SamplingParams;
 
 /// Largest `n` accepted, as OpenAI's API.
 pub const MAX_N: usize = 128;

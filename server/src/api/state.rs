@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use super::error::ApiError;
-use ferrite_runtime::engine::core::EngineHandle;
+use ferrite_runtime::engine::EngineHandle;
 use ferrite_runtime::model::{ChatTemplate, Tokenizer};
 use prometheus::Registry;
 

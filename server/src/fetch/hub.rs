@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ferrite_source::HfSource;
+use ferrite_api::source::HfSource;
 use hf_hub::api::sync::{ApiBuilder, ApiError, ApiRepo};
 use hf_hub::{Cache, Repo, RepoType};
 use tracing::info;
@@ -71,7 +71,7 @@ pub fn fetch(label: &str, src: &HfSource, cache: &Path) -> Result<PathBuf, Fetch
         .filter(|n| wanted(n))
         .collect();
     // The listing names cache paths: nothing may point outside the repository's folder.
-    if let Some(bad) = names.iter().find(|n| !ferrite_source::plain_path(n)) {
+    if let Some(bad) = names.iter().find(|n| !ferrite_api::source::plain_path(n)) {
         return Err(FetchError::Refused {
             model: label.to_string(),
             detail: format!("the repository lists {bad:?}, which is not a plain relative path"),

@@ -13,8 +13,8 @@ mod progress;
 
 use std::path::{Path, PathBuf};
 
-use ferrite_source::termination::DOWNLOAD_FAILED;
-use ferrite_source::{Source, SourceError};
+use ferrite_api::source::{Source, SourceError};
+use ferrite_api::termination::DOWNLOAD_FAILED;
 use tracing::info;
 
 /// Why the weights could not be put on disk. Each message names the source and what to change.

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ferrite_source::{ObjectSource, Scheme};
+use ferrite_api::source::{ObjectSource, Scheme};
 use futures_util::StreamExt;
 use object_store::path::Path as StorePath;
 use object_store::{ClientOptions, GetOptions, GetRange, ObjectMeta, ObjectStore};
@@ -49,7 +49,7 @@ pub async fn fetch(label: &str, src: &ObjectSource, cache: &Path) -> Result<Path
     // outside the cache (a key with `..`, an empty segment or a leading `/`).
     if let Some(bad) = objects
         .iter()
-        .find(|m| !ferrite_source::plain_path(m.location.as_ref()))
+        .find(|m| !ferrite_api::source::plain_path(m.location.as_ref()))
     {
         return Err(FetchError::Refused {
             model: label.to_string(),

@@ -10,7 +10,8 @@ use prometheus::core::Collector;
 use prometheus::{Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter};
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
-use ferrite_runtime::engine::core::FinishReason;
+use ferrite_api::vllm;
+use ferrite_runtime::engine::FinishReason;
 use ferrite_runtime::engine::stats::{IterationStats, SchedulerStats, StatsSink};
 
 /// Labels every engine metric carries.
@@ -198,11 +199,11 @@ impl EngineMetrics {
         let h = |name: &str, help: &str, buckets: &[f64]| b.histogram(name, help, buckets);
         Ok(Self {
             num_requests_running: b.int_gauge(
-                "vllm:num_requests_running",
+                vllm::NUM_REQUESTS_RUNNING,
                 "Number of requests in the running batch.",
             )?,
             num_requests_waiting: b.int_gauge(
-                "vllm:num_requests_waiting",
+                vllm::NUM_REQUESTS_WAITING,
                 "Number of requests waiting to be scheduled.",
             )?,
             num_requests_swapped: b.int_gauge(
@@ -210,11 +211,11 @@ impl EngineMetrics {
                 "Number of requests swapped out to host memory.",
             )?,
             kv_cache_usage_perc: b.gauge(
-                "vllm:kv_cache_usage_perc",
+                vllm::KV_CACHE_USAGE_PERC,
                 "Fraction of device KV-cache blocks in use (0 to 1).",
             )?,
             gpu_cache_usage_perc: b.gauge(
-                "vllm:gpu_cache_usage_perc",
+                vllm::GPU_CACHE_USAGE_PERC,
                 "Fraction of device KV-cache blocks in use (0 to 1); older name.",
             )?,
             cpu_cache_usage_perc: b.gauge(

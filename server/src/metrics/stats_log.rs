@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use prometheus::{GaugeVec, Opts, Registry};
 
 use super::{ENGINE, LABELS, MetricsError};
-use ferrite_runtime::engine::core::EngineHandle;
+use ferrite_runtime::engine::EngineHandle;
 use ferrite_runtime::engine::stats::{IterationStats, SchedulerStats, StatsSink};
 
 /// One reading of the engine's counters and gauges.

@@ -2,17 +2,19 @@
 //! ferrite-server speaks too), one pod's reading of them, their aggregate over an
 //! InferenceService's pods, and the two names each aggregate goes by elsewhere: the `signal`
 //! label of the operator's own series and the External Metrics API's metric name (which the
-//! HPA the operator builds asks for). A leaf: the build step, the autoscaler, the External
-//! Metrics API and telemetry all read it, and it reads none of them.
+//! HPA the operator builds asks for). The operator's build step, autoscaler, External Metrics
+//! API and telemetry read it, and the router's load scraper.
 
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
+use crate::vllm;
+
 /// Waiting requests, as vLLM and ferrite-server name it.
-pub const WAITING: &str = "vllm:num_requests_waiting";
+pub const WAITING: &str = vllm::NUM_REQUESTS_WAITING;
 /// Running requests.
-pub const RUNNING: &str = "vllm:num_requests_running";
+pub const RUNNING: &str = vllm::NUM_REQUESTS_RUNNING;
 /// KV-cache usage: the current name, then the name vLLM used before v0.10.
-pub const KV_USAGE: [&str; 2] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"];
+pub const KV_USAGE: [&str; 2] = [vllm::KV_CACHE_USAGE_PERC, vllm::GPU_CACHE_USAGE_PERC];
 
 /// One aggregate signal of an InferenceService.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -160,12 +162,11 @@ pub fn quantity(v: f64) -> Option<Quantity> {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
-    /// The signals of ready pods reporting `(waiting, running, kv usage)` each (also for the
-    /// External Metrics API's tests).
-    pub(crate) fn reported(pods: &[(f64, f64, Option<f64>)]) -> Signals {
+    /// The signals of ready pods reporting `(waiting, running, kv usage)` each.
+    fn reported(pods: &[(f64, f64, Option<f64>)]) -> Signals {
         let samples: Vec<PodSample> = pods
             .iter()
             .map(|&(waiting, running, kv_usage)| {

@@ -2,6 +2,6 @@
 //! when the committed file is stale.
 
 fn main() -> anyhow::Result<()> {
-    print!("{}", ferrite_operator::crd::crd_yaml()?);
+    print!("{}", ferrite_api::crd::crd_yaml()?);
     Ok(())
 }

@@ -3,10 +3,8 @@
 //! One grammar serves both sides: the operator parses it to decide what the pod mounts (and to
 //! refuse a bad source in a status condition), and ferrite-server parses it to download what is
 //! not on disk. Keeping it in one place means a source the operator accepts is one the server
-//! can fetch. [`termination`] is the other half of that contract: the reasons the server gives
+//! can fetch. [`crate::termination`] is the other half of that contract: the reasons the server gives
 //! when it cannot start, which the operator turns into status conditions.
-
-pub mod termination;
 
 /// A parsed model source.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -10,9 +10,11 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
 use tokio::sync::Semaphore;
 
-use super::exposition;
+use crate::exposition;
 use crate::signal::{KV_USAGE, PodMetrics, PodSample, RUNNING, WAITING};
 
 /// What one pod's `/metrics` may cost. The exposition is the pod's (so the tenant's image's)
@@ -53,6 +55,40 @@ pub struct PodTarget {
     pub base_url: String,
     /// Ready and not terminating: it receives traffic, so its load counts.
     pub ready: bool,
+}
+
+/// The pods to scrape: ready ones (with an IP) by their IP; pods still starting as unready,
+/// so that they count as capacity on the way.
+pub fn pod_targets<'a>(pods: impl IntoIterator<Item = &'a Pod>, port: i32) -> Vec<PodTarget> {
+    // Pods being deleted or finished will never take load: they are not capacity at all.
+    pods.into_iter()
+        .filter(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                && !matches!(
+                    p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                    Some("Succeeded" | "Failed")
+                )
+        })
+        .map(|p| {
+            let ip = p.status.as_ref().and_then(|s| s.pod_ip.clone());
+            let ready = ip.is_some()
+                && p.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            let host = ip.unwrap_or_default();
+            let host = if host.contains(':') {
+                format!("[{host}]")
+            } else {
+                host
+            };
+            PodTarget {
+                name: p.name_any(),
+                base_url: format!("http://{host}:{port}"),
+                ready,
+            }
+        })
+        .collect()
 }
 
 /// Why a pod's metrics could not be read.
