@@ -3,6 +3,7 @@
 //! requests finish (up to `--shutdown-timeout`), and exits 0.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -49,22 +50,67 @@ async fn serve(arenas: ferrite_runtime::memory::ArenaPolicy) -> Result<()> {
     result
 }
 
+/// The server's life, as its steps: check the settings, listen (probes see 503 while the
+/// model arrives, not a refused connection), fetch the model, start the engine, serve until
+/// SIGTERM or the engine's death, drain.
 async fn run(args: ServerArgs) -> Result<()> {
-    // An empty key would compare equal to a missing header: refuse it rather than serve open.
+    refuse_empty_api_key(&args)?;
+    let (served, aliases) = served_names(&args);
+    let registry = metrics::process_registry()?;
+    let state = app_state(&args, &served, aliases, &registry);
+    let listener = listen(&args).await?;
+    let stop = stop_on_signal(state.clone());
+    let http = spawn_http(&args, listener, state.clone(), &registry, stop.clone())?;
+    let Some(model) = until_stopped(&stop, "fetching the model", fetch_model(&args)).await? else {
+        return Ok(());
+    };
+    let starting = start_engine(&args, model, &registry, &served);
+    let Some((started, log_sink)) = until_stopped(&stop, "loading", starting).await? else {
+        return Ok(());
+    };
+    let (handle, engine_thread) = serve_with(&args, &state, &registry, &served, started, log_sink)?;
+    // An engine that dies ends the process: a server that cannot generate must not stay up
+    // looking ready (its pod restarts, and the termination message says why).
+    tokio::select! {
+        _ = wait_for_stop(&stop) => {}
+        _ = engine_stopped(&handle) => {
+            anyhow::bail!("the engine thread stopped unexpectedly (its log says why)");
+        }
+    }
+    drain(&args, http, handle, engine_thread).await
+}
+
+/// An empty key would compare equal to a missing header: refuse it rather than serve open.
+fn refuse_empty_api_key(args: &ServerArgs) -> Result<()> {
     anyhow::ensure!(
         args.api_key.as_deref().is_none_or(|k| !k.trim().is_empty()),
         "--api-key (FERRITE_API_KEY) is set but empty; unset it to serve without a key"
     );
+    Ok(())
+}
+
+/// The name clients use (the first `--served-model-name`, else one from the source) and the
+/// other names accepted.
+fn served_names(args: &ServerArgs) -> (String, Vec<String>) {
     let served = args
         .served_model_name
         .first()
         .cloned()
         .unwrap_or_else(|| fetch::default_served_name(&args.model));
-    let aliases = args.served_model_name.iter().skip(1).cloned().collect();
-    let registry = metrics::process_registry()?;
-    let http_metrics = HttpMetrics::new(&registry)?;
-    let state = Arc::new(AppState::new(
-        served.clone(),
+    (
+        served,
+        args.served_model_name.iter().skip(1).cloned().collect(),
+    )
+}
+
+fn app_state(
+    args: &ServerArgs,
+    served: &str,
+    aliases: Vec<String>,
+    registry: &prometheus::Registry,
+) -> Arc<AppState> {
+    Arc::new(AppState::new(
+        served.to_string(),
         aliases,
         args.api_key.clone(),
         RequestLimits {
@@ -73,9 +119,10 @@ async fn run(args: ServerArgs) -> Result<()> {
                 .unwrap_or(usize::MAX),
         },
         registry.clone(),
-    ));
+    ))
+}
 
-    // Listen first so that probes see 503 while the model loads, not connection refused.
+async fn listen(args: &ServerArgs) -> Result<tokio::net::TcpListener> {
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .with_context(|| format!("invalid --host/--port {}:{}", args.host, args.port))?;
@@ -83,118 +130,167 @@ async fn run(args: ServerArgs) -> Result<()> {
         .await
         .with_context(|| format!("binding {addr}"))?;
     info!(%addr, "listening");
+    Ok(listener)
+}
 
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    {
-        let state = state.clone();
-        tokio::spawn(async move {
-            shutdown_signal().await;
-            state.start_draining();
-            let _ = stop_tx.send(true);
-        });
-    }
-    let limits = args.listener_limits();
-    let body_read_timeout = Duration::from_secs_f64(args.body_read_timeout);
-    let app = api::router(state.clone(), http_metrics, body_read_timeout);
-    let mut server_stop = stop_rx.clone();
-    let drain = Duration::from_secs(args.shutdown_timeout);
-    let server = tokio::spawn(async move {
-        let stop = async move {
-            let _ = server_stop.wait_for(|&s| s).await;
-        };
-        ferrite_net::serve(listener, app, limits, stop, drain).await
+/// Turns true at SIGTERM or Ctrl-C, once `/health` has started failing (draining).
+fn stop_on_signal(state: Arc<AppState>) -> watch::Receiver<bool> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        state.start_draining();
+        let _ = stop_tx.send(true);
     });
+    stop_rx
+}
 
-    // Downloads happen behind the open port too: a long one shows as a pending startup probe.
+async fn wait_for_stop(stop: &watch::Receiver<bool>) {
+    let _ = stop.clone().wait_for(|&s| s).await;
+}
+
+/// Serves the API until `stop`, then lets in-flight responses end (up to
+/// `--shutdown-timeout`).
+fn spawn_http(
+    args: &ServerArgs,
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    registry: &prometheus::Registry,
+    stop: watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<std::io::Result<()>>> {
+    let http_metrics = HttpMetrics::new(registry)?;
+    let body_read_timeout = Duration::from_secs_f64(args.body_read_timeout);
+    let app = api::router(state, http_metrics, body_read_timeout);
+    let limits = args.listener_limits();
+    let drain = Duration::from_secs(args.shutdown_timeout);
+    Ok(tokio::spawn(async move {
+        ferrite_net::serve(listener, app, limits, wait_for_stop(&stop), drain).await
+    }))
+}
+
+/// `work`'s result, or `None` when a shutdown is asked for first.
+async fn until_stopped<T>(
+    stop: &watch::Receiver<bool>,
+    what: &str,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<Option<T>> {
+    tokio::select! {
+        r = work => r.map(Some),
+        _ = wait_for_stop(stop) => {
+            info!("shutdown requested while {what}");
+            Ok(None)
+        }
+    }
+}
+
+/// Downloads what is not on disk, behind the open port (a long download shows as a pending
+/// startup probe); a failure is also the termination message.
+async fn fetch_model(args: &ServerArgs) -> Result<PathBuf> {
     let cache_dir = args
         .download_dir
         .clone()
         .unwrap_or_else(fetch::default_cache_dir);
-    let model_path = tokio::select! {
-        r = fetch::resolve(&args.model, &cache_dir, args.model_sha256.as_deref()) => match r {
-            Ok(p) => p,
-            Err(e) => {
-                if let Some(path) = &args.termination_message_path {
-                    fetch::write_termination_message(path, &e.termination_message());
-                }
-                return Err(anyhow::Error::new(e).context("fetching the model"));
+    match fetch::resolve(&args.model, &cache_dir, args.model_sha256.as_deref()).await {
+        Ok(path) => Ok(path),
+        Err(e) => {
+            if let Some(path) = &args.termination_message_path {
+                fetch::write_termination_message(path, &e.termination_message());
             }
-        },
-        _ = stop_rx.wait_for(|&s| s) => {
-            info!("shutdown requested while fetching the model");
-            return Ok(());
+            Err(anyhow::Error::new(e).context("fetching the model"))
         }
-    };
-    let config = args
-        .engine_config(model_path)
-        .context("the engine's settings")?;
-    let sink_args = (args.clone(), registry.clone(), served.clone());
+    }
+}
+
+/// Builds the engine off the async workers (`engine::start`: load, size, warm, spawn), with
+/// the stats sinks made from what it sized; a failure is also the termination message.
+async fn start_engine(
+    args: &ServerArgs,
+    model: PathBuf,
+    registry: &prometheus::Registry,
+    served: &str,
+) -> Result<(engine::Started, stats_log::LogSink)> {
+    let config = args.engine_config(model).context("the engine's settings")?;
     let log_sink = stats_log::LogSink::default();
-    let log = log_sink.clone();
-    let starting = tokio::task::spawn_blocking(move || {
+    let (sink_args, registry, served, log) = (
+        args.clone(),
+        registry.clone(),
+        served.to_string(),
+        log_sink.clone(),
+    );
+    let started = tokio::task::spawn_blocking(move || {
         engine::start(&config, |info| {
-            let (args, registry, served) = sink_args;
-            sinks(&args, &registry, &served, info, log).map_err(Into::into)
+            sinks(&sink_args, &registry, &served, info, log).map_err(Into::into)
         })
-    });
-    let started = tokio::select! {
-        r = starting => match r.context("the engine's start panicked")? {
-            Ok(started) => started,
-            Err(e) => {
-                let reason = if e.is_load() { LOAD_FAILED } else { START_FAILED };
-                let hint = match e {
-                    engine::StartError::NoBlocks { .. } => " (raise --kv-cache-memory)",
-                    _ => "",
-                };
-                if let Some(path) = &args.termination_message_path {
-                    fetch::write_termination_message(path, &format!("{reason}: {e}{hint}"));
-                }
-                return Err(anyhow::Error::new(e).context(format!("starting the engine{hint}")));
+    })
+    .await
+    .context("the engine's start panicked")?;
+    match started {
+        Ok(started) => Ok((started, log_sink)),
+        Err(e) => {
+            let reason = if e.is_load() {
+                LOAD_FAILED
+            } else {
+                START_FAILED
+            };
+            let hint = match e {
+                engine::StartError::NoBlocks { .. } => " (raise --kv-cache-memory)",
+                _ => "",
+            };
+            if let Some(path) = &args.termination_message_path {
+                fetch::write_termination_message(path, &format!("{reason}: {e}{hint}"));
             }
-        },
-        _ = stop_rx.wait_for(|&s| s) => {
-            info!("shutdown requested while loading");
-            return Ok(());
+            Err(anyhow::Error::new(e).context(format!("starting the engine{hint}")))
         }
-    };
+    }
+}
+
+/// Hands the running engine to the API (from here `/health` is 200) and starts the stats log.
+fn serve_with(
+    args: &ServerArgs,
+    state: &AppState,
+    registry: &prometheus::Registry,
+    served: &str,
+    started: engine::Started,
+    log_sink: stats_log::LogSink,
+) -> Result<(engine::EngineHandle, std::thread::JoinHandle<()>)> {
     let engine::Started {
         handle,
-        thread: engine_thread,
-        info: engine_info,
+        thread,
+        info,
         tokenizer,
         chat_template,
     } = started;
     if !args.disable_log_stats {
         let every = Duration::from_secs_f64(args.log_stats_interval);
-        stats_log::spawn(&registry, &served, log_sink, handle.clone(), every)?;
+        stats_log::spawn(registry, served, log_sink, handle.clone(), every)?;
     }
     state.set_serving(Serving {
         engine: handle.clone(),
         tokenizer,
         chat_template,
-        max_model_len: engine_info.max_model_len,
-        vocab_size: engine_info.vocab_size,
+        max_model_len: info.max_model_len,
+        vocab_size: info.vocab_size,
     });
-    let sched = engine_info.scheduler;
+    let sched = info.scheduler;
     info!(
         max_num_seqs = sched.max_num_seqs,
         max_num_batched_tokens = sched.max_num_batched_tokens,
         chunked_prefill = sched.chunked_prefill,
         "ready"
     );
+    Ok((handle, thread))
+}
 
-    // Drain: the server stops accepting at the signal and returns once in-flight responses end.
-    // An engine that dies ends the process: a server that cannot generate must not stay up
-    // looking ready (its pod restarts, and the termination message says why).
-    tokio::select! {
-        _ = stop_rx.wait_for(|&s| s) => {}
-        _ = engine_stopped(&handle) => {
-            anyhow::bail!("the engine thread stopped unexpectedly (its log says why)");
-        }
-    }
+/// The listener has stopped accepting; waits for in-flight responses (up to
+/// `--shutdown-timeout`), then stops the engine and joins its thread in what time is left.
+async fn drain(
+    args: &ServerArgs,
+    http: tokio::task::JoinHandle<std::io::Result<()>>,
+    handle: engine::EngineHandle,
+    engine_thread: std::thread::JoinHandle<()>,
+) -> Result<()> {
     let limit = Duration::from_secs(args.shutdown_timeout);
     let started = Instant::now();
-    match tokio::time::timeout(limit, server).await {
+    match tokio::time::timeout(limit, http).await {
         Ok(r) => r.context("server task")??,
         Err(_) => {
             let st = handle.stats();

@@ -689,6 +689,16 @@ pub async fn condition(
     ))
 }
 
+/// The pods of the InferenceService `name`, by its label.
+async fn isvc_pods(client: &kube::Client, ns: &str, name: &str) -> Vec<Pod> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let label = format!("ferrite.dev/inferenceservice={name}");
+    pods.list(&kube::api::ListParams::default().labels(&label))
+        .await
+        .expect("listing pods")
+        .items
+}
+
 /// Makes every pod of the InferenceService `name` look like it runs and is ready, at `ip`
 /// (where a real server listens, or nothing): what a kubelet would report.
 pub async fn pods_ready(client: &kube::Client, ns: &str, name: &str, ip: &str) -> usize {
@@ -698,16 +708,9 @@ pub async fn pods_ready(client: &kube::Client, ns: &str, name: &str, ip: &str) -
 /// [`pods_ready`], the pods (by name) at `ips` in turn; the last IP serves the rest.
 pub async fn pods_ready_at(client: &kube::Client, ns: &str, name: &str, ips: &[&str]) -> usize {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let list = pods
-        .list(
-            &kube::api::ListParams::default()
-                .labels(&format!("ferrite.dev/inferenceservice={name}")),
-        )
-        .await
-        .expect("listing pods");
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    let mut live: Vec<Pod> = list
-        .items
+    let mut live: Vec<Pod> = isvc_pods(client, ns, name)
+        .await
         .into_iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
         .collect();
@@ -756,15 +759,8 @@ pub async fn bind_pods(client: &kube::Client, ns: &str, name: &str, node: &str) 
             .unwrap_or_else(|e| panic!("creating node {node}: {e}"));
     }
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let list = pods
-        .list(
-            &kube::api::ListParams::default()
-                .labels(&format!("ferrite.dev/inferenceservice={name}")),
-        )
-        .await
-        .expect("listing pods");
     let mut bound = 0;
-    for p in list.items {
+    for p in isvc_pods(client, ns, name).await {
         let pod_name = p.metadata.name.clone().expect("pod name");
         if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
             continue;
