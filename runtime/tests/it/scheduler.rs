@@ -12,7 +12,7 @@ use std::hash::{Hash, Hasher};
 use ferrite_runtime::engine::scheduler::{
     Preemption, Scheduler, SchedulerConfig, SeqId, SeqStatus, StepPlan,
 };
-use ferrite_runtime::kv::{BlockId, CountingBlocks};
+use ferrite_runtime::kv::{BlockAllocator, BlockId, BlockSpace, KvError};
 use proptest::prelude::*;
 
 fn cfg() -> SchedulerConfig {
@@ -729,5 +729,55 @@ proptest! {
         if !caching {
             prop_assert_eq!(sim.space.device.num_cached(), 0);
         }
+    }
+}
+
+/// Bookkeeping-only block space: the same allocation rules as `KvCache` without tensors, so
+/// the scheduler runs on synthetic sequences.
+#[derive(Debug, Clone)]
+pub struct CountingBlocks {
+    pub device: BlockAllocator,
+    pub host: BlockAllocator,
+}
+
+impl CountingBlocks {
+    pub fn new(device_blocks: usize, host_blocks: usize) -> Self {
+        Self {
+            device: BlockAllocator::new(device_blocks),
+            host: BlockAllocator::new(host_blocks),
+        }
+    }
+}
+
+impl BlockSpace for CountingBlocks {
+    fn device(&self) -> &BlockAllocator {
+        &self.device
+    }
+    fn device_mut(&mut self) -> &mut BlockAllocator {
+        &mut self.device
+    }
+    fn host_num_free(&self) -> usize {
+        self.host.num_free()
+    }
+    fn swap_out(&mut self, ids: &[BlockId]) -> Result<Vec<BlockId>, KvError> {
+        if !self.host.can_allocate(ids.len()) {
+            return Err(KvError::OutOfSwapBlocks {
+                requested: ids.len(),
+                free: self.host.num_free(),
+            });
+        }
+        self.device.free_all(ids)?;
+        self.host.allocate_n(ids.len())
+    }
+    fn swap_in(&mut self, host_ids: &[BlockId]) -> Result<Vec<BlockId>, KvError> {
+        let ids = self.device.allocate_n(host_ids.len())?;
+        if let Err(e) = self.host.free_all(host_ids) {
+            self.device.free_all(&ids)?;
+            return Err(e);
+        }
+        Ok(ids)
+    }
+    fn free_host(&mut self, host_ids: &[BlockId]) -> Result<(), KvError> {
+        self.host.free_all(host_ids)
     }
 }

@@ -1,7 +1,7 @@
 //! Puts a model's weights on local disk before the server loads them.
 //!
 //! `--model` takes a local path, `hf://org/name[@revision][/file]`, or an `s3://`, `gs://`,
-//! `https://` or `http://` URL (the grammar lives in `ferrite-source`, shared with the
+//! `https://` or `http://` URL (the grammar lives in `ferrite_api::source`, shared with the
 //! operator). Downloads go into `--download-dir` and resume where an interrupted one stopped,
 //! so a restarted pod with a model cache claim neither starts over nor needs the network once
 //! the files are complete.

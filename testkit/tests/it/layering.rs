@@ -211,6 +211,21 @@ fn production_crates_depend_only_downward_and_never_on_test_support() {
             "{binary} reads the contract crate"
         );
     }
+    // The operator's `test-support` (hand-filled watch caches) is only ever a dev-dependency's
+    // feature: no crate builds it into a binary or library.
+    for p in g.packages.values() {
+        for d in p["dependencies"].as_array().into_iter().flatten() {
+            let asks = d["features"]
+                .as_array()
+                .is_some_and(|f| f.iter().any(|f| f == "test-support"));
+            assert!(
+                !(asks && d["kind"].is_null()),
+                "{} takes {}'s test-support as a normal dependency",
+                p["name"],
+                d["name"]
+            );
+        }
+    }
     // The server asks the contract for none of its Kubernetes parts (the resolved graph unifies
     // features across the workspace, so the ask is checked, as for tokio above).
     let server = &g.packages[&g.id("ferrite-server")];
