@@ -127,6 +127,93 @@ impl Writers {
     }
 }
 
+/// InferenceServices, whole (managed fields dropped); each change touches the controller and
+/// the autoscaler.
+fn isvc_store(client: &Client, to: Vec<mpsc::UnboundedSender<Touch>>) -> Store<InferenceService> {
+    let (store, writer) = reflector::store();
+    let stream = watcher(
+        Api::<InferenceService>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+    )
+    .modify(|i| i.managed_fields_mut().clear());
+    reflect("InferenceService", stream, writer, to, |i, seen| {
+        Some(match seen {
+            Seen::Deleted => Touch::Deleted(ObjectRef::from_obj(i)),
+            _ => Touch::Applied(Arc::new(i.clone())),
+        })
+    });
+    store
+}
+
+/// The operator's Deployments, slimmed to what status reads; a change touches their owner.
+fn deployment_store(
+    client: &Client,
+    managed: &watcher::Config,
+    touch: &mpsc::UnboundedSender<Touch>,
+) -> Store<Deployment> {
+    let (store, writer) = reflector::store();
+    let stream =
+        watcher(Api::<Deployment>::all(client.clone()), managed.clone()).modify(slim_deployment);
+    reflect(
+        "Deployment",
+        stream,
+        writer,
+        vec![touch.clone()],
+        owner_touch,
+    );
+    store
+}
+
+/// The server pods, slimmed. Pods are owned by ReplicaSets; the instance label names their
+/// InferenceService, which a change touches.
+fn pod_store(
+    client: &Client,
+    managed: &watcher::Config,
+    touch: &mpsc::UnboundedSender<Touch>,
+) -> Store<Pod> {
+    let (store, writer) = reflector::store();
+    let stream = watcher(Api::<Pod>::all(client.clone()), managed.clone()).modify(slim_pod);
+    reflect(
+        "Pod",
+        stream,
+        writer,
+        vec![touch.clone()],
+        |p: &Pod, seen| {
+            let ns = p.namespace()?;
+            let name = p.labels().get(INSTANCE_LABEL)?;
+            (seen != Seen::Listed).then(|| Touch::Owner(ObjectRef::new(name).within(&ns)))
+        },
+    );
+    store
+}
+
+/// Every PersistentVolumeClaim's metadata (a `pvc://` model or a cache claim waits for its
+/// claim); a change touches the InferenceServices that wait on it.
+fn claim_store(
+    client: &Client,
+    touch: &mpsc::UnboundedSender<Touch>,
+) -> Store<PartialObjectMeta<PersistentVolumeClaim>> {
+    let (store, writer) = reflector::store();
+    let stream = watcher(
+        Api::<PartialObjectMeta<PersistentVolumeClaim>>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .modify(slim_meta);
+    reflect(
+        "PersistentVolumeClaim",
+        stream,
+        writer,
+        vec![touch.clone()],
+        |c: &PartialObjectMeta<PersistentVolumeClaim>, seen| {
+            (seen != Seen::Listed).then(|| Touch::Claim {
+                namespace: c.namespace().unwrap_or_default(),
+                name: c.name_any(),
+            })
+        },
+    );
+    store
+}
+
 /// Keeps a Deployment's metadata, replicas and status: what status and drift checks read.
 fn slim_deployment(d: &mut Deployment) {
     d.managed_fields_mut().clear();
@@ -248,74 +335,10 @@ impl Caches {
             touch: touch.clone(),
         };
         let managed = watcher::Config::default().labels(MANAGED_SELECTOR);
-
-        let (isvcs, writer) = reflector::store();
-        let stream = watcher(
-            Api::<InferenceService>::all(client.clone()),
-            watcher::Config::default().any_semantic(),
-        )
-        .modify(|i| i.managed_fields_mut().clear());
-        reflect(
-            "InferenceService",
-            stream,
-            writer,
-            vec![touch.clone(), follow],
-            |i, seen| {
-                Some(match seen {
-                    Seen::Deleted => Touch::Deleted(ObjectRef::from_obj(i)),
-                    _ => Touch::Applied(Arc::new(i.clone())),
-                })
-            },
-        );
-
-        let (deployments, writer) = reflector::store();
-        let stream = watcher(Api::<Deployment>::all(client.clone()), managed.clone())
-            .modify(slim_deployment);
-        reflect(
-            "Deployment",
-            stream,
-            writer,
-            vec![touch.clone()],
-            owner_touch,
-        );
-
-        // Pods are owned by ReplicaSets; the instance label names their InferenceService.
-        let (pods, writer) = reflector::store();
-        let stream = watcher(Api::<Pod>::all(client.clone()), managed.clone()).modify(slim_pod);
-        reflect(
-            "Pod",
-            stream,
-            writer,
-            vec![touch.clone()],
-            |p: &Pod, seen| {
-                let ns = p.namespace()?;
-                let name = p.labels().get(INSTANCE_LABEL)?;
-                (seen != Seen::Listed).then(|| Touch::Owner(ObjectRef::new(name).within(&ns)))
-            },
-        );
-
-        let claims = {
-            let (store, writer) = reflector::store();
-            let stream = watcher(
-                Api::<PartialObjectMeta<PersistentVolumeClaim>>::all(client.clone()),
-                watcher::Config::default(),
-            )
-            .modify(slim_meta);
-            reflect(
-                "PersistentVolumeClaim",
-                stream,
-                writer,
-                vec![touch.clone()],
-                |c: &PartialObjectMeta<PersistentVolumeClaim>, seen| {
-                    (seen != Seen::Listed).then(|| Touch::Claim {
-                        namespace: c.namespace().unwrap_or_default(),
-                        name: c.name_any(),
-                    })
-                },
-            );
-            store
-        };
-
+        let isvcs = isvc_store(&client, vec![touch.clone(), follow]);
+        let deployments = deployment_store(&client, &managed, &touch);
+        let pods = pod_store(&client, &managed, &touch);
+        let claims = claim_store(&client, &touch);
         let caches = Caches {
             isvcs,
             deployments,
