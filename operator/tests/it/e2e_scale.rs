@@ -389,35 +389,36 @@ async fn a_real_hpa_scales_on_the_external_metrics_api() {
     assert_eq!(items[0]["metricName"], "ferrite_requests_waiting");
 
     let clients = Load::start(&server.base, 8, 64);
-    let scaled = eventually(WAIT, "the HPA to scale the InferenceService", async || {
+    eventually(WAIT, "the HPA to scale the InferenceService", async || {
         let i = get_isvc(&client, &ns, "chat").await?;
-        (i["spec"]["replicas"].as_i64()? > 1).then_some(i)
+        (i["spec"]["replicas"].as_i64()? > 1).then_some(())
     })
     .await;
-    // The HPA controller made that write (through /scale): its status records the rescale.
-    let status = hpas
-        .get("chat")
-        .await
-        .expect("HPA")
-        .status
-        .expect("HPA status");
-    assert!(status.last_scale_time.is_some(), "{status:?}");
-    assert_eq!(
-        Some(status.desired_replicas),
-        scaled["spec"]["replicas"]
-            .as_i64()
-            .and_then(|r| i32::try_from(r).ok()),
-        "{status:?}"
-    );
+    // The HPA controller made that write (through /scale): its status records the rescale
+    // and wants what the InferenceService now has (the status is written after the scale, in
+    // the same sync, so it may trail the replicas by a moment).
+    let status = eventually(WAIT, "the HPA's status to record the rescale", async || {
+        let status = hpas.get("chat").await.ok()?.status?;
+        let replicas = get_isvc(&client, &ns, "chat").await?["spec"]["replicas"].as_i64()?;
+        (status.last_scale_time.is_some() && i64::from(status.desired_replicas) == replicas)
+            .then_some(status)
+    })
+    .await;
+    assert!(status.desired_replicas > 1, "{status:?}");
     let able = status
         .conditions
         .unwrap_or_default()
         .into_iter()
         .find(|c| c.type_ == "AbleToScale")
         .expect("AbleToScale");
-    assert_eq!(
-        (able.status.as_str(), able.reason.as_deref()),
-        ("True", Some("SucceededRescale")),
+    // SucceededRescale right after the write; a later sync may already say it is holding
+    // still (stabilized, or ready for the next scale).
+    assert_eq!(able.status, "True", "{able:?}\n{}", op.log());
+    assert!(
+        matches!(
+            able.reason.as_deref(),
+            Some("SucceededRescale" | "ScaleDownStabilized" | "ReadyForNewScale")
+        ),
         "{able:?}\n{}",
         op.log()
     );
