@@ -76,19 +76,22 @@ pub fn pod_targets<'a>(pods: impl IntoIterator<Item = &'a Pod>, port: i32) -> Ve
                     .as_ref()
                     .and_then(|s| s.conditions.as_ref())
                     .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-            let host = ip.unwrap_or_default();
-            let host = if host.contains(':') {
-                format!("[{host}]")
-            } else {
-                host
-            };
             PodTarget {
                 name: p.name_any(),
-                base_url: format!("http://{host}:{port}"),
+                base_url: base_url(&ip.unwrap_or_default(), port),
                 ready,
             }
         })
         .collect()
+}
+
+/// `http://ip:port`, an IPv6 address in brackets.
+pub fn base_url(ip: &str, port: i32) -> String {
+    if ip.contains(':') {
+        format!("http://[{ip}]:{port}")
+    } else {
+        format!("http://{ip}:{port}")
+    }
 }
 
 /// Why a pod's metrics could not be read.

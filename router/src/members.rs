@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use ferrite_api::labels::{COMPONENT_LABEL, MANAGED_SELECTOR, belongs_to};
-use ferrite_api::scrape::pod_targets;
+use ferrite_api::scrape::{base_url, pod_targets};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
@@ -64,7 +64,7 @@ impl std::fmt::Debug for Members {
             Members::Slices(_) => "EndpointSlices",
             Members::Pods(_) => "Pods",
         };
-        write!(f, "{kind}({})", self.len())
+        write!(f, "{kind}({})", self.count())
     }
 }
 
@@ -97,15 +97,11 @@ impl Members {
     }
 
     /// Objects in the cache.
-    pub fn len(&self) -> usize {
+    fn count(&self) -> usize {
         match self {
             Members::Slices(s) => s.state().len(),
             Members::Pods(p) => p.state().len(),
         }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Waits until the cache has been listed once.
@@ -130,11 +126,9 @@ pub fn slice_endpoints<'a>(
 ) -> Vec<Endpoint> {
     let mut by_name = BTreeMap::new();
     for slice in slices {
-        let v6 = match slice.address_type.as_str() {
-            "IPv4" => false,
-            "IPv6" => true,
-            _ => continue,
-        };
+        if !matches!(slice.address_type.as_str(), "IPv4" | "IPv6") {
+            continue;
+        }
         for e in &slice.endpoints {
             let conditions = e.conditions.as_ref();
             let ready = conditions.and_then(|c| c.ready) != Some(false)
@@ -148,14 +142,9 @@ pub fn slice_endpoints<'a>(
                 .filter(|r| r.kind.as_deref() == Some("Pod"))
                 .and_then(|r| r.name.clone())
                 .unwrap_or_else(|| address.clone());
-            let host = if v6 {
-                format!("[{address}]")
-            } else {
-                address.clone()
-            };
             by_name.entry(name.clone()).or_insert_with(|| Endpoint {
                 name,
-                base_url: format!("http://{host}:{port}"),
+                base_url: base_url(address, port),
             });
         }
     }

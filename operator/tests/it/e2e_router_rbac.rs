@@ -59,38 +59,36 @@ async fn complete(base: String, model: &str) -> (u16, Value) {
     (status, answer)
 }
 
+/// The sum of `name`'s series labelled `label="value"` in the router's `/metrics`.
+async fn series_sum(base: &str, name: &str, label: &str, value: &str) -> f64 {
+    let (_, text) = get(format!("{base}/metrics")).await.unwrap_or_default();
+    let (head, pair) = (format!("{name}{{"), format!("{label}=\"{value}\""));
+    text.lines()
+        .filter(|l| l.starts_with(&head) && l.contains(&pair))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// The held-requests gauge of `inferenceservice` in the router's `/metrics`.
 async fn held(base: &str, inferenceservice: &str) -> f64 {
-    let (_, text) = get(format!("{base}/metrics")).await.unwrap_or_default();
-    text.lines()
-        .filter(|l| {
-            l.starts_with("ferrite_router_held_requests{")
-                && l.contains(&format!("inferenceservice=\"{inferenceservice}\""))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    series_sum(
+        base,
+        "ferrite_router_held_requests",
+        "inferenceservice",
+        inferenceservice,
+    )
+    .await
 }
 
-/// The sum of `name`'s series for `model` in the router's `/metrics`.
-async fn counter(base: &str, name: &str, model: &str) -> f64 {
-    let (_, text) = get(format!("{base}/metrics")).await.unwrap_or_default();
-    text.lines()
-        .filter(|l| {
-            l.starts_with(&format!("{name}{{")) && l.contains(&format!("model_name=\"{model}\""))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-/// The ready replicas `/v1/models` lists for `model`.
-async fn ready_replicas(base: &str, model: &str) -> Option<u64> {
-    let (_, body) = get(format!("{base}/v1/models")).await?;
+/// `model`'s entry in the router's `/v1/models`, once it answers 200.
+async fn model_entry(base: &str, model: &str) -> Option<Value> {
+    let (status, body) = get(format!("{base}/v1/models")).await?;
     let models: Value = serde_json::from_str(&body).ok()?;
-    models["data"]
+    let entry = models["data"]
         .as_array()?
         .iter()
-        .find(|m| m["id"] == model)?["ready_replicas"]
-        .as_u64()
+        .find(|m| m["id"] == model)?;
+    (status == 200).then(|| entry.clone())
 }
 
 /// Installs the chart with `router` values (in a namespace made first, so they can name it),
@@ -130,16 +128,7 @@ async fn cold_start_through_the_router(
     eventually(
         WAIT,
         "the router to list smol as scaled to zero",
-        async || {
-            let (status, body) = get(format!("{base}/v1/models")).await?;
-            let models: Value = serde_json::from_str(&body).ok()?;
-            let state = models["data"]
-                .as_array()?
-                .iter()
-                .find(|m| m["id"] == "smol")?["state"]
-                .clone();
-            (status == 200 && state == "scaled-to-zero").then_some(())
-        },
+        async || (model_entry(&base, "smol").await?["state"] == "scaled-to-zero").then_some(()),
     )
     .await;
     assert_eq!(get(format!("{base}/readyz")).await.map(|r| r.0), Some(200));
@@ -186,7 +175,7 @@ async fn cold_start_through_the_router(
     })
     .await;
     eventually(WAIT, "the router to count smol's pod ready", async || {
-        (ready_replicas(&base, "smol").await? == 1).then_some(())
+        (model_entry(&base, "smol").await?["ready_replicas"] == 1).then_some(())
     })
     .await;
     let (status, body) = request.await.expect("held request");
@@ -194,7 +183,13 @@ async fn cold_start_through_the_router(
         // Routed to the one endpoint the EndpointSlice controller listed, where no model
         // server listens: a routing decision, and no success.
         assert_ne!(status, 200, "{body}\n{}", router.log());
-        let decisions = counter(&base, "ferrite_router_routing_decisions_total", "smol").await;
+        let decisions = series_sum(
+            &base,
+            "ferrite_router_routing_decisions_total",
+            "model_name",
+            "smol",
+        )
+        .await;
         assert_eq!(decisions, 1.0, "{}", router.log());
     } else {
         assert_eq!(status, 200, "{body}\n{}", router.log());

@@ -157,15 +157,23 @@ where
 }
 
 fn load(config: &EngineConfig) -> Result<LoadedModel, StartError> {
-    model::load(&config.model, &config.load).map_err(|source| StartError::Load {
+    let t0 = Instant::now();
+    let loaded = model::load(&config.model, &config.load).map_err(|source| StartError::Load {
         path: config.model.clone(),
         source,
-    })
+    })?;
+    info!(
+        weights = ?loaded.weight_mode,
+        layers = loaded.model.config().num_layers,
+        max_model_len = loaded.model.max_len(),
+        secs = t0.elapsed().as_secs_f64(),
+        "model loaded"
+    );
+    Ok(loaded)
 }
 
 /// The device blocks and the host swap pool, from their budgets.
 fn size_cache(config: &EngineConfig, loaded: &LoadedModel) -> Result<KvCache, StartError> {
-    let t0 = Instant::now();
     let (cfg, kv) = (loaded.model.config(), &config.kv);
     let probe = KvCacheConfig::for_model(cfg, kv.block_size, 0, 0).with_dtype(kv.dtype.dtype());
     let num_blocks = kv.device.blocks(&probe);
@@ -180,14 +188,10 @@ fn size_cache(config: &EngineConfig, loaded: &LoadedModel) -> Result<KvCache, St
         .with_dtype(kv.dtype.dtype());
     let cache = KvCache::new(sized, &config.load.device)?;
     info!(
-        weights = ?loaded.weight_mode,
-        layers = cfg.num_layers,
         num_gpu_blocks = num_blocks,
         num_cpu_blocks = host_blocks,
         kv_cache_dtype = ?kv.dtype,
         block_size = kv.block_size,
-        max_model_len = loaded.model.max_len(),
-        secs = t0.elapsed().as_secs_f64(),
         "KV cache sized"
     );
     Ok(cache)
