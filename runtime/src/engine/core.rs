@@ -16,7 +16,7 @@ use candle_core::Tensor;
 use super::output::{OutputProcessor, RequestOutput};
 use super::request::{Event, EventSender, FinishReason, Request, SLOW_READER};
 use super::sampler::{Rng, sample};
-use super::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId, StepPlan};
+use super::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId, SeqOutput, StepPlan};
 use super::stats::{IterationStats, SchedulerStats, StatsSink};
 use crate::kv::KvCache;
 use crate::model::{LlamaModel, SeqInput};
@@ -303,14 +303,15 @@ impl Engine {
             .map(|(&id, _)| id)
             .collect();
         for id in gone {
-            self.finish(id, FinishReason::Abort, String::new());
+            if let Err(e) = self.scheduler.finish(id, self.cache.pools_mut()) {
+                tracing::error!(seq = id, error = %e, "freeing an aborted sequence failed");
+            }
+            self.finished(id, FinishReason::Abort, String::new());
         }
     }
 
-    fn finish(&mut self, id: SeqId, reason: FinishReason, text: String) {
-        if let Err(e) = self.scheduler.finish(id, &mut self.cache) {
-            tracing::error!(seq = id, error = %e, "freeing a finished sequence failed");
-        }
+    /// Sends the event that ends sequence `id`, whose blocks the scheduler has freed.
+    fn finished(&mut self, id: SeqId, reason: FinishReason, text: String) {
         if let Some(d) = self.seqs.remove(&id) {
             let generated = d.tokens.len() - d.prompt_len;
             let event = d.output.finished(
@@ -333,7 +334,7 @@ impl Engine {
     }
 
     fn fail_one(&mut self, id: SeqId, msg: &str) {
-        let _ = self.scheduler.finish(id, &mut self.cache);
+        let _ = self.scheduler.finish(id, self.cache.pools_mut());
         if let Some(d) = self.seqs.remove(&id) {
             self.send(Some(id), &d.req.events, Event::Failed(msg.to_string()));
         }
@@ -361,8 +362,12 @@ impl Engine {
         }
         self.iteration.batch_tokens = Some(plan.num_tokens());
         self.steps += 1;
-        self.scheduler.commit(&plan);
-        self.process_outputs(&plan, &logits)?;
+        let (outputs, ends) = self.process_outputs(&plan, &logits)?;
+        self.scheduler
+            .update_from_output(&plan, &outputs, self.cache.pools_mut())?;
+        for (id, reason, tail) in ends {
+            self.finished(id, reason, tail);
+        }
         tracing::trace!(
             tokens = plan.num_tokens(),
             secs = started.elapsed().as_secs_f64(),
@@ -373,7 +378,7 @@ impl Engine {
 
     /// The scheduler's plan for this step; `None` when nothing fits right now.
     fn schedule(&mut self) -> Result<Option<StepPlan>, SchedulerError> {
-        let plan = self.scheduler.schedule(&mut self.cache)?;
+        let plan = self.scheduler.schedule(self.cache.pools_mut())?;
         self.iteration.num_preempted += plan.preempted.len() as u64;
         if plan.scheduled.is_empty() {
             // Nothing fits right now (should not persist); wait for a command briefly.
@@ -385,8 +390,11 @@ impl Engine {
         Ok(Some(plan))
     }
 
-    /// One forward over the plan's tokens: a logit row per scheduled sequence.
+    /// The plan's swap copies, then one forward over its tokens: a logit row per scheduled
+    /// sequence.
     fn execute(&self, plan: &StepPlan) -> Result<Tensor, Box<dyn std::error::Error>> {
+        self.cache.copy_out(&plan.swap_out)?;
+        self.cache.copy_in(&plan.swap_in)?;
         let tables: Vec<Vec<u32>> = plan
             .scheduled
             .iter()
@@ -411,13 +419,16 @@ impl Engine {
     }
 
     /// Samples a token for each sequence that finished its known tokens, and lets the output
-    /// processor turn it into an event and a finish decision.
+    /// processor turn it into an event and a finish decision. Returns the scheduler's outputs
+    /// and how each finished sequence ended.
     fn process_outputs(
         &mut self,
         plan: &StepPlan,
         logits: &Tensor,
-    ) -> Result<(), Box<dyn std::error::Error>> {
+    ) -> Result<(Vec<SeqOutput>, Vec<Ending>), Box<dyn std::error::Error>> {
         let rows = logits.to_vec2::<f32>()?;
+        let mut outputs = Vec::new();
+        let mut ends = Vec::new();
         for (row, s) in rows.iter().zip(&plan.scheduled) {
             if !s.samples {
                 continue;
@@ -446,11 +457,16 @@ impl Engine {
             };
             let events = d.req.events.clone();
             self.send(Some(s.id), &events, out.event);
-            match out.finish {
-                Some((reason, tail)) => self.finish(s.id, reason, tail),
-                None => self.scheduler.append_token(s.id, token)?,
-            }
+            outputs.push(SeqOutput {
+                id: s.id,
+                token,
+                finished: out.finish.is_some(),
+            });
+            ends.extend(out.finish.map(|(reason, tail)| (s.id, reason, tail)));
         }
-        Ok(())
+        Ok((outputs, ends))
     }
 }
+
+/// How a sequence ended in a step: its reason and the text held back until then.
+type Ending = (SeqId, FinishReason, String);

@@ -8,10 +8,15 @@
 //! token after them. Blocks are registered under their prefix hash when they are scheduled to be
 //! filled, so a sequence admitted in the same step (the other choices of an `n > 1` request)
 //! shares them: the forward writes each layer's keys and values before any attention reads them.
+//!
+//! The protocol is two calls a step, as vLLM's: [`Scheduler::schedule`] decides and books the
+//! blocks, touching no tensor (the swap copies it implies travel in the plan), and
+//! [`Scheduler::update_from_output`] applies what the step produced. Aborts use
+//! [`Scheduler::finish`].
 
 use std::collections::VecDeque;
 
-use crate::kv::{BlockHasher, BlockId, BlockSpace, KvError, blocks_for_tokens};
+use crate::kv::{BlockCopy, BlockHasher, BlockId, BlockPools, KvError, blocks_for_tokens};
 
 pub type SeqId = u64;
 
@@ -118,6 +123,20 @@ pub struct StepPlan {
     pub swapped_in: Vec<SeqId>,
     /// Sequences admitted for the first time, with prefix caching on.
     pub prefix_lookups: Vec<PrefixLookup>,
+    /// Device → host copies of the preempted sequences that swapped; they run before the
+    /// forward, which may write the device blocks they free.
+    pub swap_out: Vec<BlockCopy>,
+    /// Host → device copies of the sequences swapped back in; they too run before the forward.
+    pub swap_in: Vec<BlockCopy>,
+}
+
+/// What a step produced for one sequence it sampled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqOutput {
+    pub id: SeqId,
+    pub token: u32,
+    /// The sequence ends with this step (its token is not kept).
+    pub finished: bool,
 }
 
 impl StepPlan {
@@ -211,128 +230,157 @@ impl Scheduler {
             .find(|s| s.id == id)
     }
 
-    /// Decides the next step, allocating blocks for everything scheduled.
-    pub fn schedule(&mut self, space: &mut dyn BlockSpace) -> Result<StepPlan, SchedulerError> {
+    /// Decides the next step, booking blocks for everything scheduled.
+    pub fn schedule(&mut self, space: &mut BlockPools) -> Result<StepPlan, SchedulerError> {
         let mut plan = StepPlan::default();
-        let mut budget = self.cfg.max_num_batched_tokens;
-        let bs = self.cfg.block_size;
+        self.schedule_running(space, &mut plan)?;
+        // Queued work starts only when nothing had to make room, and swapped sequences come
+        // back before new ones start.
+        if plan.preempted.is_empty() {
+            self.swap_in_queued(space, &mut plan)?;
+        }
+        if plan.preempted.is_empty() && self.swapped.is_empty() {
+            self.admit_waiting(space, &mut plan)?;
+        }
+        Ok(plan)
+    }
 
-        // 1. Running sequences, oldest first; make room by preempting the newest.
+    /// Tokens the plan may still add.
+    fn budget(&self, plan: &StepPlan) -> usize {
+        self.cfg.max_num_batched_tokens - plan.num_tokens()
+    }
+
+    /// Running sequences, oldest first; room is made by preempting the newest.
+    fn schedule_running(
+        &mut self,
+        space: &mut BlockPools,
+        plan: &mut StepPlan,
+    ) -> Result<(), SchedulerError> {
+        let bs = self.cfg.block_size;
         let mut i = 0;
         while i < self.running.len() {
-            let n = self.chunk(&self.running[i], budget);
+            let n = self.chunk(&self.running[i], self.budget(plan));
             if n == 0 {
                 i += 1;
                 continue;
             }
-            let mut preempted_self = false;
             loop {
                 let seq = &self.running[i];
                 let need =
                     blocks_for_tokens(seq.num_computed + n, bs).saturating_sub(seq.blocks.len());
-                if need <= space.num_free() {
+                if need <= space.device.num_free() {
                     break;
                 }
                 let victim = self
                     .running
                     .pop()
                     .ok_or(SchedulerError::Invalid("empty running set"))?;
-                let last = self.running.len() == i;
-                let how = self.preempt(victim, space)?;
-                plan.preempted.push(how);
-                if last {
-                    preempted_self = true;
-                    break;
+                let itself = self.running.len() == i;
+                self.preempt(victim, space, plan)?;
+                if itself {
+                    return Ok(());
                 }
-            }
-            if preempted_self {
-                break;
             }
             let seq = &mut self.running[i];
             plan.scheduled.push(self.cfg.allocate(seq, n, space)?);
-            budget -= n;
             i += 1;
         }
-
-        // 2. Swapped sequences come back before new ones start, unless we just preempted.
-        if plan.preempted.is_empty() {
-            while let Some((n, _)) = self
-                .swapped
-                .front()
-                .and_then(|f| self.admit(f, budget, space))
-            {
-                let mut seq = self
-                    .swapped
-                    .pop_front()
-                    .ok_or(SchedulerError::Invalid("empty swap queue"))?;
-                seq.blocks = space.swap_in(&seq.host_blocks)?;
-                seq.host_blocks.clear();
-                seq.status = SeqStatus::Running;
-                plan.swapped_in.push(seq.id);
-                plan.scheduled.push(self.cfg.allocate(&mut seq, n, space)?);
-                budget -= n;
-                self.running.push(seq);
-            }
-        }
-
-        // 3. New (or recomputing) sequences, first come first served.
-        if plan.preempted.is_empty() && self.swapped.is_empty() {
-            while let Some((n, cached)) = self
-                .waiting
-                .front()
-                .and_then(|f| self.admit(f, budget, space))
-            {
-                let mut seq = self
-                    .waiting
-                    .pop_front()
-                    .ok_or(SchedulerError::Invalid("empty queue"))?;
-                seq.status = SeqStatus::Running;
-                if cached > 0 {
-                    seq.blocks = space
-                        .device_mut()
-                        .take_cached(&seq.hasher.hashes()[..cached])?;
-                    seq.num_computed = cached * bs;
-                    seq.num_registered = cached;
-                }
-                // The waiting queue holds new sequences and recompute victims; only a new one's
-                // lookup is counted.
-                if self.cfg.prefix_caching && seq.num_preemptions == 0 {
-                    plan.prefix_lookups.push(PrefixLookup {
-                        id: seq.id,
-                        queried: seq.num_tokens,
-                        hit: cached * bs,
-                    });
-                }
-                plan.scheduled.push(self.cfg.allocate(&mut seq, n, space)?);
-                budget -= n;
-                self.running.push(seq);
-            }
-        }
-        Ok(plan)
+        Ok(())
     }
 
-    /// Records that the planned tokens were computed. For each sequence whose step yielded a
-    /// token, the caller then calls [`Scheduler::append_token`] or [`Scheduler::finish`].
-    pub fn commit(&mut self, plan: &StepPlan) {
+    /// Swapped sequences, first out first back, while they fit.
+    fn swap_in_queued(
+        &mut self,
+        space: &mut BlockPools,
+        plan: &mut StepPlan,
+    ) -> Result<(), SchedulerError> {
+        while let Some((n, _)) =
+            (self.swapped.front()).and_then(|f| self.admit(f, self.budget(plan), space))
+        {
+            let mut seq = self
+                .swapped
+                .pop_front()
+                .ok_or(SchedulerError::Invalid("empty swap queue"))?;
+            let copies = space.swap_in(&seq.host_blocks)?;
+            seq.blocks = copies.iter().map(|c| c.to).collect();
+            seq.host_blocks.clear();
+            plan.swap_in.extend(copies);
+            seq.status = SeqStatus::Running;
+            plan.swapped_in.push(seq.id);
+            plan.scheduled.push(self.cfg.allocate(&mut seq, n, space)?);
+            self.running.push(seq);
+        }
+        Ok(())
+    }
+
+    /// New (or recomputing) sequences, first come first served, each starting after the
+    /// blocks the prefix cache holds for it.
+    fn admit_waiting(
+        &mut self,
+        space: &mut BlockPools,
+        plan: &mut StepPlan,
+    ) -> Result<(), SchedulerError> {
+        let bs = self.cfg.block_size;
+        while let Some((n, cached)) =
+            (self.waiting.front()).and_then(|f| self.admit(f, self.budget(plan), space))
+        {
+            let mut seq = self
+                .waiting
+                .pop_front()
+                .ok_or(SchedulerError::Invalid("empty queue"))?;
+            seq.status = SeqStatus::Running;
+            if cached > 0 {
+                seq.blocks = space.device.take_cached(&seq.hasher.hashes()[..cached])?;
+                seq.num_computed = cached * bs;
+                seq.num_registered = cached;
+            }
+            // The waiting queue holds new sequences and recompute victims; only a new one's
+            // lookup is counted.
+            if self.cfg.prefix_caching && seq.num_preemptions == 0 {
+                plan.prefix_lookups.push(PrefixLookup {
+                    id: seq.id,
+                    queried: seq.num_tokens,
+                    hit: cached * bs,
+                });
+            }
+            plan.scheduled.push(self.cfg.allocate(&mut seq, n, space)?);
+            self.running.push(seq);
+        }
+        Ok(())
+    }
+
+    /// Applies a step's results: the planned tokens are computed, each output's token joins
+    /// its sequence, and finished sequences give their blocks back. `outputs` has one entry for
+    /// every sequence the plan sampled that still runs (one aborted meanwhile has none).
+    /// Returns the finished sequences.
+    pub fn update_from_output(
+        &mut self,
+        plan: &StepPlan,
+        outputs: &[SeqOutput],
+        space: &mut BlockPools,
+    ) -> Result<Vec<SeqState>, SchedulerError> {
         for s in &plan.scheduled {
             if let Some(seq) = self.running.iter_mut().find(|q| q.id == s.id) {
                 seq.num_computed = s.start + s.len;
             }
         }
-    }
-
-    /// A sampled token was appended to sequence `id`.
-    pub fn append_token(&mut self, id: SeqId, token: u32) -> Result<(), SchedulerError> {
-        let seq = self
-            .running
-            .iter_mut()
-            .find(|q| q.id == id)
-            .ok_or(SchedulerError::UnknownSeq(id))?;
-        seq.num_tokens += 1;
-        if self.cfg.prefix_caching {
-            seq.hasher.push(token);
+        let mut finished = Vec::new();
+        for out in outputs {
+            if out.finished {
+                finished.push(self.finish(out.id, space)?);
+                continue;
+            }
+            let seq = self
+                .running
+                .iter_mut()
+                .find(|q| q.id == out.id)
+                .ok_or(SchedulerError::UnknownSeq(out.id))?;
+            seq.num_tokens += 1;
+            if self.cfg.prefix_caching {
+                seq.hasher.push(out.token);
+            }
         }
-        Ok(())
+        Ok(finished)
     }
 
     /// Removes a sequence in any state and frees its device and host blocks. Used both for
@@ -340,7 +388,7 @@ impl Scheduler {
     pub fn finish(
         &mut self,
         id: SeqId,
-        space: &mut dyn BlockSpace,
+        space: &mut BlockPools,
     ) -> Result<SeqState, SchedulerError> {
         let seq = if let Some(p) = self.running.iter().position(|q| q.id == id) {
             self.running.remove(p)
@@ -355,8 +403,8 @@ impl Scheduler {
         } else {
             return Err(SchedulerError::UnknownSeq(id));
         };
-        space.free_all(&seq.blocks)?;
-        space.free_host(&seq.host_blocks)?;
+        space.device.free_all(&seq.blocks)?;
+        space.host.free_all(&seq.host_blocks)?;
         Ok(seq)
     }
 
@@ -380,12 +428,7 @@ impl Scheduler {
     /// Tokens a queued (waiting or swapped) sequence would run if it joined the batch now, and
     /// how many of its leading blocks come from the prefix cache; `None` when the batch is
     /// full, the budget is spent, or its blocks do not fit.
-    fn admit(
-        &self,
-        seq: &SeqState,
-        budget: usize,
-        space: &dyn BlockSpace,
-    ) -> Option<(usize, usize)> {
+    fn admit(&self, seq: &SeqState, budget: usize, space: &BlockPools) -> Option<(usize, usize)> {
         if self.running.len() >= self.cfg.max_num_seqs || budget == 0 {
             return None;
         }
@@ -398,32 +441,30 @@ impl Scheduler {
         let held = seq.blocks.len() + cached;
         let hashes = &seq.hasher.hashes()[..cached];
         let need = blocks_for_tokens(start + n, bs).saturating_sub(held)
-            + space.device().free_among_cached(hashes);
+            + space.device.free_among_cached(hashes);
         (n > 0 && self.fits(need, space)).then_some((n, cached))
     }
 
     /// Leading full blocks of a sequence that holds nothing yet which the prefix cache can
     /// supply. Never all of its tokens: at least one is computed, so there are logits.
-    fn cached_blocks(&self, seq: &SeqState, space: &dyn BlockSpace) -> usize {
+    fn cached_blocks(&self, seq: &SeqState, space: &BlockPools) -> usize {
         if !self.cfg.prefix_caching || seq.num_computed > 0 || !seq.blocks.is_empty() {
             return 0;
         }
         let max = seq.num_tokens.saturating_sub(1) / self.cfg.block_size;
         let hashes = seq.hasher.hashes();
-        space
-            .device()
-            .cached_prefix(&hashes[..max.min(hashes.len())])
+        space.device.cached_prefix(&hashes[..max.min(hashes.len())])
     }
 
     /// Whether `need` more blocks may be taken for new work. The watermark is waived when
     /// nothing runs, or a sequence needing nearly the whole cache could never start.
-    fn fits(&self, need: usize, space: &dyn BlockSpace) -> bool {
+    fn fits(&self, need: usize, space: &BlockPools) -> bool {
         let reserve = if self.running.is_empty() {
             0
         } else {
             self.cfg.watermark_blocks
         };
-        need + reserve <= space.num_free()
+        need + reserve <= space.device.num_free()
     }
 }
 
@@ -434,17 +475,17 @@ impl SchedulerConfig {
         &self,
         seq: &mut SeqState,
         n: usize,
-        space: &mut dyn BlockSpace,
+        space: &mut BlockPools,
     ) -> Result<Scheduled, SchedulerError> {
         let bs = self.block_size;
         let need = blocks_for_tokens(seq.num_computed + n, bs).saturating_sub(seq.blocks.len());
-        seq.blocks.extend(space.allocate_n(need)?);
+        seq.blocks.extend(space.device.allocate_n(need)?);
         if self.prefix_caching {
             let hashes = seq.hasher.hashes();
             let full = ((seq.num_computed + n) / bs).min(hashes.len());
             let newly = seq.blocks.iter().zip(hashes).take(full);
             for (&block, &hash) in newly.skip(seq.num_registered) {
-                space.device_mut().register(block, hash)?;
+                space.device.register(block, hash)?;
             }
             seq.num_registered = seq.num_registered.max(full);
         }
@@ -458,30 +499,35 @@ impl SchedulerConfig {
 }
 
 impl Scheduler {
+    /// Gives a victim's blocks back: to the host pool when it fits there (the copies join the
+    /// plan), else dropped for a recompute.
     fn preempt(
         &mut self,
         mut seq: SeqState,
-        space: &mut dyn BlockSpace,
-    ) -> Result<(SeqId, Preemption), SchedulerError> {
+        space: &mut BlockPools,
+        plan: &mut StepPlan,
+    ) -> Result<(), SchedulerError> {
         self.num_preemptions += 1;
         seq.num_preemptions += 1;
-        // A sequence still in its prompt has little to save; only swap what was decoded.
-        let how = if !seq.blocks.is_empty() && space.host_num_free() >= seq.blocks.len() {
-            seq.host_blocks = space.swap_out(&seq.blocks)?;
-            seq.blocks.clear();
-            seq.num_registered = 0;
+        seq.num_registered = 0;
+        let how = if !seq.blocks.is_empty() && space.host.num_free() >= seq.blocks.len() {
+            let copies = space.swap_out(&seq.blocks)?;
+            seq.host_blocks = copies.iter().map(|c| c.to).collect();
+            plan.swap_out.extend(copies);
             seq.status = SeqStatus::Swapped;
-            self.swapped.push_front(seq.clone());
             Preemption::Swap
         } else {
-            space.free_all(&seq.blocks)?;
-            seq.blocks.clear();
-            seq.num_registered = 0;
+            space.device.free_all(&seq.blocks)?;
             seq.num_computed = 0;
             seq.status = SeqStatus::Waiting;
-            self.waiting.push_front(seq.clone());
             Preemption::Recompute
         };
-        Ok((seq.id, how))
+        seq.blocks.clear();
+        plan.preempted.push((seq.id, how));
+        match how {
+            Preemption::Swap => self.swapped.push_front(seq),
+            Preemption::Recompute => self.waiting.push_front(seq),
+        }
+        Ok(())
     }
 }

@@ -2,7 +2,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{BlockAllocator, BlockId, KvError};
+use super::pools::check_held;
+use super::{BlockAllocator, BlockCopy, BlockId, BlockPools, KvError};
 
 /// How keys and values are stored (vLLM's `--kv-cache-dtype`). Attention always computes in
 /// f32; a 16-bit cache rounds each key and value once, when it is written, which halves the
@@ -67,7 +68,6 @@ impl KvCacheConfig {
 struct Pool {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
-    allocator: BlockAllocator,
 }
 
 impl Pool {
@@ -80,11 +80,7 @@ impl Pool {
         let v = (0..cfg.num_layers)
             .map(|_| mk())
             .collect::<Result<_, _>>()?;
-        Ok(Self {
-            k,
-            v,
-            allocator: BlockAllocator::new(num_blocks),
-        })
+        Ok(Self { k, v })
     }
 
     /// Every layer's key and value tensors, viewed as one row per block.
@@ -122,11 +118,13 @@ fn zeroed(shape: (usize, usize), dtype: DType, device: &Device) -> candle_core::
 }
 
 /// The paged KV cache: device pools indexed by per-sequence block tables, and a host pool that
-/// preempted sequences are swapped out to.
+/// preempted sequences are swapped out to. Which blocks are whose is [`BlockPools`]' business;
+/// the cache holds the tensors and runs the copies a step's plan names.
 #[derive(Debug)]
 pub struct KvCache {
     cfg: KvCacheConfig,
     device: Device,
+    pools: BlockPools,
     gpu: Pool,
     host: Pool,
 }
@@ -136,6 +134,7 @@ impl KvCache {
         Ok(Self {
             cfg,
             device: device.clone(),
+            pools: BlockPools::new(cfg.num_blocks, cfg.num_host_blocks),
             gpu: Pool::new(&cfg, cfg.num_blocks, device)?,
             host: Pool::new(&cfg, cfg.num_host_blocks, &Device::Cpu)?,
         })
@@ -149,18 +148,27 @@ impl KvCache {
         &self.device
     }
 
+    /// Both pools' bookkeeping, which the scheduler plans with.
+    pub fn pools(&self) -> &BlockPools {
+        &self.pools
+    }
+
+    pub fn pools_mut(&mut self) -> &mut BlockPools {
+        &mut self.pools
+    }
+
     /// Device-side allocator: used/free counts and allocation for block tables.
     pub fn allocator(&self) -> &BlockAllocator {
-        &self.gpu.allocator
+        &self.pools.device
     }
 
     pub fn allocator_mut(&mut self) -> &mut BlockAllocator {
-        &mut self.gpu.allocator
+        &mut self.pools.device
     }
 
     /// Host swap pool allocator (for the `cpu_cache_usage_perc` gauge).
     pub fn host_allocator(&self) -> &BlockAllocator {
-        &self.host.allocator
+        &self.pools.host
     }
 
     /// Key and value slot tensors of one layer, `[num_slots, kv_dim]`.
@@ -172,57 +180,28 @@ impl KvCache {
         self.cfg.block_size * self.cfg.kv_dim()
     }
 
-    /// Copies `blocks` out to newly allocated host blocks (all layers, keys and values) and
-    /// frees them on the device. Returns the host block ids, in the same order.
-    pub fn swap_out(&mut self, blocks: &[BlockId]) -> Result<Vec<BlockId>, KvError> {
-        if !self.host.allocator.can_allocate(blocks.len()) {
-            return Err(KvError::OutOfSwapBlocks {
-                requested: blocks.len(),
-                free: self.host.allocator.num_free(),
-            });
-        }
-        self.check_used(&self.gpu.allocator, blocks)?;
-        let host_ids = self.host.allocator.allocate_n(blocks.len())?;
-        let copied = copy_blocks(
+    /// Runs a plan's swap-outs: device blocks to host blocks, every layer, keys and values.
+    pub fn copy_out(&self, copies: &[BlockCopy]) -> Result<(), KvError> {
+        check_held(&self.pools.host, &targets(copies))?;
+        copy_blocks(
             &self.gpu,
-            blocks,
             &self.host,
-            &host_ids,
+            copies,
             self.block_elems(),
             &Device::Cpu,
-        );
-        if let Err(e) = copied {
-            self.host.allocator.free_all(&host_ids)?;
-            return Err(e);
-        }
-        self.gpu.allocator.free_all(blocks)?;
-        Ok(host_ids)
+        )
     }
 
-    /// Copies host `blocks` back into newly allocated device blocks and frees the host blocks.
-    /// Returns the device block ids, in the same order.
-    pub fn swap_in(&mut self, host_blocks: &[BlockId]) -> Result<Vec<BlockId>, KvError> {
-        self.check_used(&self.host.allocator, host_blocks)?;
-        let ids = self.gpu.allocator.allocate_n(host_blocks.len())?;
-        let copied = copy_blocks(
+    /// Runs a plan's swap-ins: host blocks back to device blocks.
+    pub fn copy_in(&self, copies: &[BlockCopy]) -> Result<(), KvError> {
+        check_held(&self.pools.device, &targets(copies))?;
+        copy_blocks(
             &self.host,
-            host_blocks,
             &self.gpu,
-            &ids,
+            copies,
             self.block_elems(),
             &self.device,
-        );
-        if let Err(e) = copied {
-            self.gpu.allocator.free_all(&ids)?;
-            return Err(e);
-        }
-        self.host.allocator.free_all(host_blocks)?;
-        Ok(ids)
-    }
-
-    /// Frees host blocks of a swapped sequence that will not come back (an aborted request).
-    pub fn free_host(&mut self, host_blocks: &[BlockId]) -> Result<(), KvError> {
-        self.host.allocator.free_all(host_blocks)
+        )
     }
 
     /// One block's keys and values for one layer, as f32 (for tests and debugging).
@@ -231,7 +210,7 @@ impl KvCache {
         layer: usize,
         block: BlockId,
     ) -> Result<(Vec<f32>, Vec<f32>), KvError> {
-        self.check_used(&self.gpu.allocator, &[block])?;
+        check_held(&self.pools.device, &[block])?;
         let bs = self.cfg.block_size;
         let read = |t: &Tensor| -> Result<Vec<f32>, KvError> {
             Ok(t.narrow(0, block as usize * bs, bs)?
@@ -241,39 +220,31 @@ impl KvCache {
         };
         Ok((read(&self.gpu.k[layer])?, read(&self.gpu.v[layer])?))
     }
-
-    fn check_used(&self, alloc: &BlockAllocator, blocks: &[BlockId]) -> Result<(), KvError> {
-        for &id in blocks {
-            if !alloc.is_used(id) {
-                return Err(KvError::InvalidBlock {
-                    id,
-                    num_blocks: alloc.num_blocks(),
-                });
-            }
-        }
-        Ok(())
-    }
 }
 
-/// Copies block rows `src_ids` of every layer of `src` into rows `dst_ids` of `dst`.
+fn targets(copies: &[BlockCopy]) -> Vec<BlockId> {
+    copies.iter().map(|c| c.to).collect()
+}
+
+/// Copies block rows `from` of every layer of `src` into rows `to` of `dst`.
 fn copy_blocks(
     src: &Pool,
-    src_ids: &[BlockId],
     dst: &Pool,
-    dst_ids: &[BlockId],
+    copies: &[BlockCopy],
     block_elems: usize,
     dst_device: &Device,
 ) -> Result<(), KvError> {
-    if src_ids.is_empty() {
+    if copies.is_empty() {
         return Ok(());
     }
     let src_views = src.block_views(block_elems)?;
     let dst_views = dst.block_views(block_elems)?;
-    let idx = Tensor::from_slice(src_ids, src_ids.len(), src_views[0].device())?;
+    let from: Vec<BlockId> = copies.iter().map(|c| c.from).collect();
+    let idx = Tensor::from_slice(&from, from.len(), src_views[0].device())?;
     for (s, d) in src_views.iter().zip(dst_views.iter()) {
         let rows = s.index_select(&idx, 0)?.to_device(dst_device)?;
-        for (i, &dst_id) in dst_ids.iter().enumerate() {
-            d.slice_set(&rows.narrow(0, i, 1)?, 0, dst_id as usize)?;
+        for (i, c) in copies.iter().enumerate() {
+            d.slice_set(&rows.narrow(0, i, 1)?, 0, c.to as usize)?;
         }
     }
     Ok(())

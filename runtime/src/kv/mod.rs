@@ -4,13 +4,13 @@
 
 mod allocator;
 mod cache;
+mod pools;
 mod prefix;
-mod space;
 
 pub use allocator::{BlockAllocator, BlockId, blocks_for_tokens};
 pub use cache::{CacheDtype, KvCache, KvCacheConfig, KvShape};
+pub use pools::{BlockCopy, BlockPools};
 pub use prefix::{BlockHash, BlockHasher};
-pub use space::BlockSpace;
 
 /// Errors of the KV cache. Exhaustion is an ordinary, recoverable condition: the scheduler
 /// reacts to it by waiting or preempting.

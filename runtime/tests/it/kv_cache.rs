@@ -1,7 +1,7 @@
 //! Block pools and the host swap pool, on synthetic data (no model).
 
 use candle_core::{DType, Device, Tensor};
-use ferrite_runtime::kv::{KvCache, KvCacheConfig, KvError};
+use ferrite_runtime::kv::{BlockCopy, KvCache, KvCacheConfig, KvError};
 
 fn cfg(num_blocks: usize, host: usize) -> KvCacheConfig {
     KvCacheConfig {
@@ -47,7 +47,9 @@ fn swap_out_and_back_in_preserves_contents() {
     }
     let before: Vec<_> = blocks.iter().map(|&b| contents(&cache, b)).collect();
 
-    let host = cache.swap_out(&blocks).expect("swap out");
+    let out = cache.pools_mut().swap_out(&blocks).expect("swap out");
+    cache.copy_out(&out).expect("copy out");
+    let host: Vec<u32> = out.iter().map(|c| c.to).collect();
     assert_eq!(
         cache.allocator().num_used(),
         0,
@@ -61,7 +63,7 @@ fn swap_out_and_back_in_preserves_contents() {
         fill(&cache, b, 9.0);
     }
     assert!(matches!(
-        cache.swap_in(&host),
+        cache.pools_mut().swap_in(&host),
         Err(KvError::OutOfBlocks { .. })
     ));
     assert_eq!(
@@ -71,9 +73,10 @@ fn swap_out_and_back_in_preserves_contents() {
     );
     cache.allocator_mut().free_all(&other).expect("free");
 
-    let back = cache.swap_in(&host).expect("swap in");
+    let back = cache.pools_mut().swap_in(&host).expect("swap in");
+    cache.copy_in(&back).expect("copy in");
     assert_eq!(cache.host_allocator().num_used(), 0);
-    let after: Vec<_> = back.iter().map(|&b| contents(&cache, b)).collect();
+    let after: Vec<_> = back.iter().map(|c| contents(&cache, c.to)).collect();
     assert_eq!(before, after, "contents changed across swap");
 }
 
@@ -82,7 +85,7 @@ fn swap_out_reports_a_full_host_pool_and_changes_nothing() {
     let mut cache = KvCache::new(cfg(4, 1), &Device::Cpu).expect("cache");
     let blocks = cache.allocator_mut().allocate_n(2).expect("alloc");
     assert_eq!(
-        cache.swap_out(&blocks),
+        cache.pools_mut().swap_out(&blocks),
         Err(KvError::OutOfSwapBlocks {
             requested: 2,
             free: 1
@@ -96,12 +99,21 @@ fn swap_out_reports_a_full_host_pool_and_changes_nothing() {
 fn swapping_unallocated_blocks_is_an_error() {
     let mut cache = KvCache::new(cfg(4, 4), &Device::Cpu).expect("cache");
     assert!(matches!(
-        cache.swap_out(&[2]),
+        cache.pools_mut().swap_out(&[2]),
         Err(KvError::InvalidBlock { id: 2, .. })
     ));
     assert!(matches!(
-        cache.swap_in(&[0]),
+        cache.pools_mut().swap_in(&[0]),
         Err(KvError::InvalidBlock { id: 0, .. })
+    ));
+    // A copy into a block nobody holds would write over free (or cached) contents.
+    assert!(matches!(
+        cache.copy_out(&[BlockCopy { from: 0, to: 1 }]),
+        Err(KvError::InvalidBlock { id: 1, .. })
+    ));
+    assert!(matches!(
+        cache.copy_in(&[BlockCopy { from: 0, to: 3 }]),
+        Err(KvError::InvalidBlock { id: 3, .. })
     ));
     assert!(matches!(
         cache.read_block(0, 3),

@@ -10,9 +10,9 @@ use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 
 use ferrite_runtime::engine::scheduler::{
-    Preemption, Scheduler, SchedulerConfig, SeqId, SeqStatus, StepPlan,
+    Preemption, Scheduler, SchedulerConfig, SeqId, SeqOutput, SeqStatus, StepPlan,
 };
-use ferrite_runtime::kv::{BlockAllocator, BlockId, BlockSpace, KvError};
+use ferrite_runtime::kv::{BlockCopy, BlockId, BlockPools};
 use proptest::prelude::*;
 
 fn cfg() -> SchedulerConfig {
@@ -47,11 +47,11 @@ fn prefix_ids(tokens: &[u32]) -> Vec<u64> {
     out
 }
 
-/// Drives a scheduler the way the engine does: commit each plan, then append a token (or
-/// finish) for every sequence whose step sampled.
+/// Drives a scheduler the way the engine does: schedule, run the plan's copies and the step,
+/// then hand back an output for every sequence whose step sampled.
 struct Sim {
     sched: Scheduler,
-    space: CountingBlocks,
+    space: BlockPools,
     /// Tokens left to generate per sequence.
     left: HashMap<SeqId, usize>,
     generated: HashMap<SeqId, usize>,
@@ -68,7 +68,7 @@ impl Sim {
     fn new(cfg: SchedulerConfig, blocks: usize, host: usize) -> Self {
         Self {
             sched: Scheduler::new(cfg, blocks).expect("config"),
-            space: CountingBlocks::new(blocks, host),
+            space: BlockPools::new(blocks, host),
             left: HashMap::new(),
             generated: HashMap::new(),
             plans: Vec::new(),
@@ -100,69 +100,84 @@ impl Sim {
     }
 
     fn step(&mut self) -> StepPlan {
-        let tables: HashMap<SeqId, (Vec<BlockId>, Vec<BlockId>)> = self
-            .tokens
-            .keys()
-            .filter_map(|&id| self.sched.get(id))
-            .map(|q| (q.id, (q.blocks.clone(), q.host_blocks.clone())))
-            .collect();
         let plan = self.sched.schedule(&mut self.space).expect("schedule");
-        self.swap(&plan, &tables);
+        self.swap(&plan);
         let c = *self.sched.config();
         assert!(plan.num_tokens() <= c.max_num_batched_tokens);
         assert!(self.sched.num_running() <= c.max_num_seqs);
         self.execute(&plan);
         self.check_ref_counts();
-        self.sched.commit(&plan);
-        for s in &plan.scheduled {
-            if !s.samples {
-                continue;
-            }
+        let mut outputs = Vec::new();
+        for s in plan.scheduled.iter().filter(|s| s.samples) {
             *self.generated.entry(s.id).or_default() += 1;
             let left = self.left.get_mut(&s.id).expect("known");
             *left -= 1;
-            if *left == 0 {
-                self.sched.finish(s.id, &mut self.space).expect("finish");
-                self.tokens.remove(&s.id);
-            } else {
-                let toks = self.tokens.get_mut(&s.id).expect("live");
-                // Generated tokens repeat across sequences, so decode blocks can match too.
-                let t = (toks.len() % 7) as u32;
-                toks.push(t);
-                self.sched.append_token(s.id, t).expect("append");
+            let toks = self.tokens.get_mut(&s.id).expect("live");
+            // Generated tokens repeat across sequences, so decode blocks can match too.
+            let token = (toks.len() % 7) as u32;
+            let finished = *left == 0;
+            if !finished {
+                toks.push(token);
             }
+            outputs.push(SeqOutput {
+                id: s.id,
+                token,
+                finished,
+            });
+        }
+        let ended = self
+            .sched
+            .update_from_output(&plan, &outputs, &mut self.space)
+            .expect("update");
+        let want: Vec<SeqId> = outputs
+            .iter()
+            .filter(|o| o.finished)
+            .map(|o| o.id)
+            .collect();
+        let got: Vec<SeqId> = ended.iter().map(|q| q.id).collect();
+        assert_eq!(got, want, "the finished outputs end, and only they");
+        for id in got {
+            self.tokens.remove(&id);
         }
         self.plans.push(plan.clone());
         plan
     }
 
-    /// The cache's part of a plan: swapped-out blocks are copied to the host pool, swapped-in
-    /// ones back to their new device blocks.
-    fn swap(&mut self, plan: &StepPlan, before: &HashMap<SeqId, (Vec<BlockId>, Vec<BlockId>)>) {
+    /// The cache's part of a plan, as the engine runs it before the forward: the swap-outs'
+    /// copies to the host pool, then the swap-ins' back to their new device blocks. A copy the
+    /// plan lacks or gets wrong shows up as a wrong read in [`Sim::execute`].
+    fn swap(&mut self, plan: &StepPlan) {
         let bs = self.sched.config().block_size;
         let copy = |from: &HashMap<(BlockId, usize), u64>,
                     to: &mut HashMap<(BlockId, usize), u64>,
-                    src: &[BlockId],
-                    dst: &[BlockId]| {
-            for (&a, &b) in src.iter().zip(dst) {
+                    copies: &[BlockCopy]| {
+            for c in copies {
                 for o in 0..bs {
-                    match from.get(&(a, o)) {
-                        Some(&v) => to.insert((b, o), v),
-                        None => to.remove(&(b, o)),
+                    match from.get(&(c.from, o)) {
+                        Some(&v) => to.insert((c.to, o), v),
+                        None => to.remove(&(c.to, o)),
                     };
                 }
             }
         };
-        for &(id, how) in &plan.preempted {
-            if how == Preemption::Swap {
-                let host = &self.sched.get(id).expect("swapped").host_blocks;
-                copy(&self.slots, &mut self.host_slots, &before[&id].0, host);
-            }
-        }
-        for id in &plan.swapped_in {
-            let device = &self.sched.get(*id).expect("swapped in").blocks;
-            copy(&self.host_slots, &mut self.slots, &before[id].1, device);
-        }
+        copy(&self.slots, &mut self.host_slots, &plan.swap_out);
+        copy(&self.host_slots, &mut self.slots, &plan.swap_in);
+        let swapped: usize = (plan.preempted.iter())
+            .filter(|p| p.1 == Preemption::Swap)
+            .map(|p| self.sched.get(p.0).expect("swapped").host_blocks.len())
+            .sum();
+        assert_eq!(
+            plan.swap_out.len(),
+            swapped,
+            "one copy per swapped-out block"
+        );
+        let back: usize = (plan.swapped_in.iter())
+            .map(|id| self.sched.get(*id).expect("swapped in").blocks.len())
+            .sum();
+        assert!(
+            plan.swap_in.len() <= back,
+            "swap-in copies only into the sequence's blocks"
+        );
     }
 
     /// The model's part: write every scheduled token's slot (no slot twice in a step), then
@@ -729,55 +744,5 @@ proptest! {
         if !caching {
             prop_assert_eq!(sim.space.device.num_cached(), 0);
         }
-    }
-}
-
-/// Bookkeeping-only block space: the same allocation rules as `KvCache` without tensors, so
-/// the scheduler runs on synthetic sequences.
-#[derive(Debug, Clone)]
-pub struct CountingBlocks {
-    pub device: BlockAllocator,
-    pub host: BlockAllocator,
-}
-
-impl CountingBlocks {
-    pub fn new(device_blocks: usize, host_blocks: usize) -> Self {
-        Self {
-            device: BlockAllocator::new(device_blocks),
-            host: BlockAllocator::new(host_blocks),
-        }
-    }
-}
-
-impl BlockSpace for CountingBlocks {
-    fn device(&self) -> &BlockAllocator {
-        &self.device
-    }
-    fn device_mut(&mut self) -> &mut BlockAllocator {
-        &mut self.device
-    }
-    fn host_num_free(&self) -> usize {
-        self.host.num_free()
-    }
-    fn swap_out(&mut self, ids: &[BlockId]) -> Result<Vec<BlockId>, KvError> {
-        if !self.host.can_allocate(ids.len()) {
-            return Err(KvError::OutOfSwapBlocks {
-                requested: ids.len(),
-                free: self.host.num_free(),
-            });
-        }
-        self.device.free_all(ids)?;
-        self.host.allocate_n(ids.len())
-    }
-    fn swap_in(&mut self, host_ids: &[BlockId]) -> Result<Vec<BlockId>, KvError> {
-        let ids = self.device.allocate_n(host_ids.len())?;
-        if let Err(e) = self.host.free_all(host_ids) {
-            self.device.free_all(&ids)?;
-            return Err(e);
-        }
-        Ok(ids)
-    }
-    fn free_host(&mut self, host_ids: &[BlockId]) -> Result<(), KvError> {
-        self.host.free_all(host_ids)
     }
 }

@@ -34,7 +34,9 @@ fn generate(m: &LoadedModel, cache: &mut KvCache, prompt: &[u32], swap: bool) ->
     let mut len = prompt.len();
     while out.len() < NEW_TOKENS {
         if swap && out.len() == SWAP_AT {
-            let host = cache.swap_out(&blocks).expect("swap out");
+            let out = cache.pools_mut().swap_out(&blocks).expect("swap out");
+            cache.copy_out(&out).expect("copy out");
+            let host: Vec<BlockId> = out.iter().map(|c| c.to).collect();
             // Another sequence takes every free block and writes its own keys and values.
             let mut other = Vec::new();
             let filler: Vec<u32> = (0..(cache.allocator().num_free() * 16) as u32)
@@ -48,7 +50,9 @@ fn generate(m: &LoadedModel, cache: &mut KvCache, prompt: &[u32], swap: bool) ->
             let (kept, rest): (Vec<BlockId>, Vec<BlockId>) =
                 other.iter().partition(|b| old.contains(b));
             cache.allocator_mut().free_all(&rest).expect("free");
-            blocks = cache.swap_in(&host).expect("swap in");
+            let back = cache.pools_mut().swap_in(&host).expect("swap in");
+            cache.copy_in(&back).expect("copy in");
+            blocks = back.iter().map(|c| c.to).collect();
             cache.allocator_mut().free_all(&kept).expect("free kept");
             assert_ne!(
                 blocks, old,
