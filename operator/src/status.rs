@@ -31,11 +31,11 @@ pub struct AutoscaleView {
     pub last_scale_time: Option<Time>,
     pub metrics: Option<CurrentMetrics>,
     /// `ScalingActive`.
-    pub active: (bool, Finding),
+    pub active: Verdict,
     /// `ScalingLimited` (Builtin mode only).
-    pub limited: Option<(bool, Finding)>,
+    pub limited: Option<Verdict>,
     /// `ScaledToZero` (only with minReplicas 0).
-    pub scaled_to_zero: Option<(bool, Finding)>,
+    pub scaled_to_zero: Option<Verdict>,
 }
 
 impl AutoscaleView {
@@ -54,6 +54,9 @@ impl AutoscaleView {
         }
     }
 }
+
+/// A condition's truth and why.
+pub type Verdict = (bool, Finding);
 
 /// A reason and a human-readable message for a condition.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -278,32 +281,70 @@ pub fn compute(
     let r = obs.deployment.map(rollout).unwrap_or_default();
     let replica_failure = obs.deployment.and_then(replica_failure);
     let pod_failure = obs.pod_failure.clone().or(replica_failure);
-    let degraded = obs
-        .blocked
-        .clone()
-        .or_else(|| pod_failure.clone())
-        .or_else(|| {
-            r.stalled.then(|| {
-                Finding::new(
-                    "ProgressDeadlineExceeded",
-                    "the Deployment's rollout exceeded its progress deadline",
-                )
-            })
-        });
-    let ready = if let Some(conflict) = &obs.served_name_conflict {
-        (false, conflict.clone())
-    } else if obs.deployment.is_none() {
+    let make = |type_: &str, (ok, f): Verdict| {
+        let status = if ok { "True" } else { "False" };
+        let last = previous
+            .and_then(|p| p.conditions.iter().find(|c| c.type_ == type_))
+            .filter(|c| c.status == status)
+            .map_or_else(|| now.clone(), |c| c.last_transition_time.clone());
+        Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: f.reason,
+            message: f.message,
+            observed_generation: obs.generation,
+            last_transition_time: last,
+        }
+    };
+    let mut conditions = vec![
+        make(READY, ready(obs, &r)),
+        make(PROGRESSING, progressing(obs, &r, pod_failure.as_ref())),
+        make(DEGRADED, degraded(obs, &r, pod_failure)),
+        make(MONITORING, monitoring(&obs.monitor)),
+    ];
+    let scaling = obs.autoscaling.as_ref();
+    if let Some(a) = scaling {
+        conditions.push(make(SCALING_ACTIVE, a.active.clone()));
+        if let Some(l) = &a.limited {
+            conditions.push(make(SCALING_LIMITED, l.clone()));
+        }
+        if let Some(z) = &a.scaled_to_zero {
+            conditions.push(make(SCALED_TO_ZERO, z.clone()));
+        }
+    }
+    InferenceServiceStatus {
+        conditions,
+        observed_generation: obs.generation,
+        replicas: r.replicas,
+        ready_replicas: r.ready,
+        selector: obs.selector.clone(),
+        url: obs.url.clone(),
+        desired_replicas: scaling.and_then(|a| a.desired_replicas),
+        last_scale_time: scaling.and_then(|a| a.last_scale_time.clone()),
+        current_metrics: scaling.and_then(|a| a.metrics.clone()),
+    }
+}
+
+/// `Ready`: a served-name conflict, no Deployment yet, scaled to zero, serving (possibly on
+/// the previous spec) or rolling out.
+fn ready(obs: &Observation<'_>, r: &Rollout) -> Verdict {
+    if let Some(conflict) = &obs.served_name_conflict {
+        return (false, conflict.clone());
+    }
+    if obs.deployment.is_none() {
         let f = obs
             .blocked
             .clone()
             .unwrap_or_else(|| Finding::new("Pending", "the Deployment does not exist yet"));
-        (false, f)
-    } else if obs.desired_replicas == 0 {
-        (
+        return (false, f);
+    }
+    if obs.desired_replicas == 0 {
+        return (
             false,
             Finding::new("ScaledToZero", "no replicas are wanted"),
-        )
-    } else if r.ready >= 1 && r.complete {
+        );
+    }
+    if r.ready >= 1 && r.complete {
         let mut message = format!(
             "{}/{} replicas ready, serving at {}",
             r.ready,
@@ -313,36 +354,60 @@ pub fn compute(
         if let Some(b) = &obs.blocked {
             message = format!("{message}; still on the previous spec: {}", b.message);
         }
-        (true, Finding::new("Available", message))
-    } else {
-        (
-            false,
-            Finding::new(
-                "RolloutInProgress",
-                format!("{}/{} replicas ready", r.ready, obs.desired_replicas),
-            ),
-        )
-    };
-    let progressing = if let Some(b) = &obs.blocked {
-        (false, b.clone())
-    } else if r.stalled {
-        (
+        return (true, Finding::new("Available", message));
+    }
+    (
+        false,
+        Finding::new(
+            "RolloutInProgress",
+            format!("{}/{} replicas ready", r.ready, obs.desired_replicas),
+        ),
+    )
+}
+
+/// `Progressing`: true while a rollout is under way; false when blocked, stuck or complete.
+fn progressing(obs: &Observation<'_>, r: &Rollout, pod_failure: Option<&Finding>) -> Verdict {
+    if let Some(b) = &obs.blocked {
+        return (false, b.clone());
+    }
+    if r.stalled {
+        return (
             false,
             Finding::new("ProgressDeadlineExceeded", "the rollout is stuck"),
-        )
-    } else if obs.deployment.is_some() && r.complete {
-        (
+        );
+    }
+    if obs.deployment.is_some() && r.complete {
+        return (
             false,
             Finding::new("RolloutComplete", "the rollout is complete"),
-        )
-    } else {
-        let why = pod_failure.as_ref().map_or_else(
-            || format!("{}/{} replicas ready", r.ready, obs.desired_replicas),
-            |f| f.message.clone(),
         );
-        (true, Finding::new("RollingOut", why))
-    };
-    let monitor = match &obs.monitor {
+    }
+    let why = pod_failure.map_or_else(
+        || format!("{}/{} replicas ready", r.ready, obs.desired_replicas),
+        |f| f.message.clone(),
+    );
+    (true, Finding::new("RollingOut", why))
+}
+
+/// `Degraded`: the first of a blocked spec, a failing pod or ReplicaSet, a stuck rollout.
+fn degraded(obs: &Observation<'_>, r: &Rollout, pod_failure: Option<Finding>) -> Verdict {
+    let found = obs.blocked.clone().or(pod_failure).or_else(|| {
+        r.stalled.then(|| {
+            Finding::new(
+                "ProgressDeadlineExceeded",
+                "the Deployment's rollout exceeded its progress deadline",
+            )
+        })
+    });
+    match found {
+        Some(f) => (true, f),
+        None => (false, Finding::new("AsExpected", "no problems found")),
+    }
+}
+
+/// `Monitoring`: whether the ServiceMonitor is in place, and why not.
+fn monitoring(monitor: &MonitorState) -> Verdict {
+    match monitor {
         MonitorState::Applied => (
             true,
             Finding::new("ServiceMonitorApplied", "the ServiceMonitor is in place"),
@@ -380,51 +445,5 @@ pub fn compute(
                 format!("no ServiceMonitor: the spec is not applied: {why}"),
             ),
         ),
-    };
-    let degraded = match degraded {
-        Some(f) => (true, f),
-        None => (false, Finding::new("AsExpected", "no problems found")),
-    };
-    let make = |type_: &str, (ok, f): (bool, Finding)| {
-        let status = if ok { "True" } else { "False" };
-        let last = previous
-            .and_then(|p| p.conditions.iter().find(|c| c.type_ == type_))
-            .filter(|c| c.status == status)
-            .map_or_else(|| now.clone(), |c| c.last_transition_time.clone());
-        Condition {
-            type_: type_.into(),
-            status: status.into(),
-            reason: f.reason,
-            message: f.message,
-            observed_generation: obs.generation,
-            last_transition_time: last,
-        }
-    };
-    let mut conditions = vec![
-        make(READY, ready),
-        make(PROGRESSING, progressing),
-        make(DEGRADED, degraded),
-        make(MONITORING, monitor),
-    ];
-    let scaling = obs.autoscaling.as_ref();
-    if let Some(a) = scaling {
-        conditions.push(make(SCALING_ACTIVE, a.active.clone()));
-        if let Some(l) = &a.limited {
-            conditions.push(make(SCALING_LIMITED, l.clone()));
-        }
-        if let Some(z) = &a.scaled_to_zero {
-            conditions.push(make(SCALED_TO_ZERO, z.clone()));
-        }
-    }
-    InferenceServiceStatus {
-        conditions,
-        observed_generation: obs.generation,
-        replicas: r.replicas,
-        ready_replicas: r.ready,
-        selector: obs.selector.clone(),
-        url: obs.url.clone(),
-        desired_replicas: scaling.and_then(|a| a.desired_replicas),
-        last_scale_time: scaling.and_then(|a| a.last_scale_time.clone()),
-        current_metrics: scaling.and_then(|a| a.metrics.clone()),
     }
 }

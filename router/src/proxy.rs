@@ -28,12 +28,13 @@ use tokio::sync::OwnedSemaphorePermit;
 use crate::candidates::candidates;
 use crate::limits::{LimitConfig, Limits, Refusal};
 use crate::load::{Loads, Open};
+use crate::members::Endpoint;
 use crate::metrics::Metrics;
 use crate::parse::{self, Parsed};
 use crate::policy::{self, Replica, Request};
 use crate::recent::RecentKeys;
 use crate::registry::{Registry, Service};
-use crate::ring::Rings;
+use crate::ring::{Ring, Rings};
 use crate::wake::{self, Wakes};
 
 /// The router's settings.
@@ -341,11 +342,8 @@ async fn attempt(
     open_slot: OwnedSemaphorePermit,
 ) -> Response {
     let model = svc.model.as_str();
-    let policy_label = svc.policy.as_str();
-    let key = parsed.key.as_deref();
-    let work = parsed.work;
     // Asked once per request (a retry is the same request).
-    let known = key.is_some_and(|k| app.recent.seen(k));
+    let known = parsed.key.as_deref().is_some_and(|k| app.recent.seen(k));
     // A chat stream opens with the role event before its first token.
     let preamble = u64::from(parts.uri.path().ends_with("/chat/completions"));
     let path = parts
@@ -356,47 +354,16 @@ async fn attempt(
     let ring = app.rings.get(&svc.id(), &names);
     let mut tried: Option<String> = None;
     for attempt in 0..2 {
-        let candidates = candidates(&svc.endpoints, tried.as_deref(), |e| {
-            app.loads.is_set_aside(&e.base_url)
-        });
-        let replicas: Vec<Replica> = candidates
-            .iter()
-            .map(|e| Replica {
-                name: e.name.clone(),
-                load: app.loads.get(&e.base_url),
-            })
-            .collect();
-        let request = Request {
-            key,
-            work: work.total(),
-            turn: app.turn.fetch_add(1, Ordering::Relaxed),
-            known,
-        };
-        let Some(d) = policy::pick(svc.policy, &ring, &replicas, request, app.config.epsilon)
-        else {
+        let Some(ep) = pick(app, svc, &ring, parsed, known, tried.as_deref()) else {
             break;
         };
-        let ep = candidates[d.index];
-        app.metrics
-            .decisions
-            .with_label_values(&[model, policy_label, d.affinity.as_str()])
-            .inc();
-        let open = app.loads.open(&ep.base_url, work, preamble);
-        let in_flight = app.metrics.in_flight.with_label_values(&[model, &ep.name]);
-        in_flight.inc();
-        let gauge = GaugeGuard(in_flight);
+        let open = app.loads.open(&ep.base_url, parsed.work, preamble);
+        let gauge = GaugeGuard::inc(app.metrics.in_flight.with_label_values(&[model, &ep.name]));
         let started = Instant::now();
         let url = format!("{}{}", ep.base_url, path);
         let result = send(app, &parts.method, &url, &parts.headers, body.clone()).await;
-        let retry_reason = match &result {
-            Err(e) if e.is_connect() => {
-                app.loads.set_aside(&ep.base_url, app.config.set_aside);
-                Some("connect")
-            }
-            Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE => Some("unavailable"),
-            _ => None,
-        };
-        if let (Some(reason), 0) = (retry_reason, attempt)
+        if let Some(reason) = retry_reason(app, ep, &result)
+            && attempt == 0
             && svc.endpoints.len() > 1
         {
             tracing::info!(model, pod = %ep.name, reason, "retrying on another replica");
@@ -415,10 +382,7 @@ async fn attempt(
             Ok(resp) => resp,
             Err(e) => {
                 tracing::warn!(model, pod = %ep.name, error = %e, "replica unreachable");
-                app.metrics
-                    .requests
-                    .with_label_values(&[model, policy_label, "upstream_error"])
-                    .inc();
+                count_request(app, svc, "upstream_error");
                 return error(
                     StatusCode::BAD_GATEWAY,
                     "upstream_error",
@@ -427,45 +391,127 @@ async fn attempt(
                 );
             }
         };
-        let outcome = if resp.status().is_success() {
-            "success"
-        } else if resp.status().is_client_error() {
-            "client_error"
-        } else {
-            "upstream_error"
-        };
-        app.metrics
-            .requests
-            .with_label_values(&[model, policy_label, outcome])
-            .inc();
-        let (parts, incoming) = resp.into_parts();
-        let event_stream = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        let tracked = Tracked {
-            inner: incoming,
+        count_request(app, svc, outcome(resp.status()));
+        let tracking = Tracking {
             open,
-            event_stream,
-            _gauge: gauge,
-            _slot: open_slot,
+            gauge,
+            open_slot,
             started,
-            duration: Some(app.metrics.upstream_duration.with_label_values(&[model])),
-            broken: event_stream.then(|| BrokenStream {
-                counter: app.metrics.broken_streams.with_label_values(&[model]),
-                replica: ep.name.clone(),
-                model: model.to_string(),
-            }),
-            ended: false,
         };
-        return Response::from_parts(parts, Body::new(tracked));
+        return relay(app, svc, ep, resp, tracking);
     }
+    count_request(app, svc, "upstream_error");
+    unavailable(format!("no replica of `{model}` answered"), 1)
+}
+
+/// The replica the service's policy picks among those not tried and not set aside, counted
+/// as a routing decision.
+fn pick<'a>(
+    app: &App,
+    svc: &'a Service,
+    ring: &Ring,
+    parsed: &Parsed,
+    known: bool,
+    tried: Option<&str>,
+) -> Option<&'a Endpoint> {
+    let candidates = candidates(&svc.endpoints, tried, |e| {
+        app.loads.is_set_aside(&e.base_url)
+    });
+    let replicas: Vec<Replica> = candidates
+        .iter()
+        .map(|e| Replica {
+            name: e.name.clone(),
+            load: app.loads.get(&e.base_url),
+        })
+        .collect();
+    let request = Request {
+        key: parsed.key.as_deref(),
+        work: parsed.work.total(),
+        turn: app.turn.fetch_add(1, Ordering::Relaxed),
+        known,
+    };
+    let d = policy::pick(svc.policy, ring, &replicas, request, app.config.epsilon)?;
+    app.metrics
+        .decisions
+        .with_label_values(&[&svc.model, svc.policy.as_str(), d.affinity.as_str()])
+        .inc();
+    Some(candidates[d.index])
+}
+
+/// Why a replica's answer is worth one try elsewhere: it refused the connection (it then sits
+/// out a while) or answered 503, so it did not start on the request.
+fn retry_reason(
+    app: &App,
+    ep: &Endpoint,
+    result: &Result<hyper::Response<Incoming>, SendError>,
+) -> Option<&'static str> {
+    match result {
+        Err(e) if e.is_connect() => {
+            app.loads.set_aside(&ep.base_url, app.config.set_aside);
+            Some("connect")
+        }
+        Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE => Some("unavailable"),
+        _ => None,
+    }
+}
+
+/// The `outcome` label of a replica's answer.
+fn outcome(status: StatusCode) -> &'static str {
+    if status.is_success() {
+        "success"
+    } else if status.is_client_error() {
+        "client_error"
+    } else {
+        "upstream_error"
+    }
+}
+
+fn count_request(app: &App, svc: &Service, outcome: &str) {
     app.metrics
         .requests
-        .with_label_values(&[model, policy_label, "upstream_error"])
+        .with_label_values(&[&svc.model, svc.policy.as_str(), outcome])
         .inc();
-    unavailable(format!("no replica of `{model}` answered"), 1)
+}
+
+/// What stays with a request while its replica answers.
+struct Tracking {
+    open: Open,
+    gauge: GaugeGuard,
+    open_slot: OwnedSemaphorePermit,
+    started: Instant,
+}
+
+/// Passes the replica's response on, its body tracked until it ends.
+fn relay(
+    app: &App,
+    svc: &Service,
+    ep: &Endpoint,
+    resp: hyper::Response<Incoming>,
+    t: Tracking,
+) -> Response {
+    let model = svc.model.as_str();
+    let (parts, incoming) = resp.into_parts();
+    let event_stream = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let tracked = Tracked {
+        inner: incoming,
+        open: t.open,
+        event_stream,
+        _gauge: t.gauge,
+        _slot: t.open_slot,
+        started: t.started,
+        duration: Some(app.metrics.upstream_duration.with_label_values(&[model])),
+        broken: event_stream.then(|| BrokenStream {
+            counter: app.metrics.broken_streams.with_label_values(&[model]),
+            replica: ep.name.clone(),
+            model: model.to_string(),
+        }),
+        ended: false,
+    };
+    Response::from_parts(parts, Body::new(tracked))
 }
 
 /// Headers passed to the replica: what the OpenAI API reads; hop-by-hop headers stay here.
@@ -576,6 +622,13 @@ async fn wake(app: &App, svc: &Service) {
 
 /// Decrements a gauge when dropped.
 struct GaugeGuard(prometheus::IntGauge);
+
+impl GaugeGuard {
+    fn inc(gauge: prometheus::IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
 
 impl Drop for GaugeGuard {
     fn drop(&mut self) {

@@ -151,6 +151,20 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// Scaled to zero with nothing to read: it stays there.
+    fn asleep(signals: Signals) -> Self {
+        Decision {
+            desired: 0,
+            recommendation: 0,
+            driver: None,
+            signals,
+            limit: None,
+            no_data: false,
+            panic: false,
+            idle: true,
+        }
+    }
+
     /// A one-line reason for events and logs.
     pub fn describe(&self, current: i32) -> String {
         let mut parts = Vec::new();
@@ -180,6 +194,63 @@ impl Decision {
     }
 }
 
+/// What one evaluation has established before it limits the change.
+#[derive(Debug, Clone, Copy)]
+struct Evaluation {
+    now: Duration,
+    current: i32,
+    /// Clamped to `[lower, max_replicas]`.
+    recommendation: i32,
+    lower: i32,
+    /// The queue is beyond its panic threshold in this evaluation.
+    panicking_now: bool,
+    /// In panic mode (now or within the scale-down window since).
+    panic: bool,
+    /// The first evaluation's time and count.
+    start: (Duration, i32),
+}
+
+/// The highest replica count any signal with a target asks for, and the signal, when it asks
+/// for a change; `None` when no signal could be computed.
+fn recommend(
+    policy: &Policy,
+    samples: &[PodSample],
+    signals: &Signals,
+    current: i32,
+) -> (Option<i32>, Option<Driver>) {
+    let mut driver = None;
+    let mut raw: Option<i32> = None;
+    let per_signal = [
+        (Driver::Queue, policy.queue_target),
+        (Driver::KvCache, policy.kv_target),
+    ];
+    for (signal, target) in per_signal {
+        let Some(target) = target else { continue };
+        let values: Vec<Option<f64>> = samples
+            .iter()
+            .filter_map(|s| match s {
+                PodSample::Ready(m) => Some(match signal {
+                    Driver::Queue => Some(m.waiting),
+                    Driver::KvCache => m.kv_usage,
+                }),
+                PodSample::Missing => Some(None),
+                PodSample::Unready => None,
+            })
+            .collect();
+        let Some(r) = replicas_for(&values, signals.unready, target, current, policy.tolerance)
+        else {
+            continue;
+        };
+        if raw.is_none_or(|best| r > best) {
+            raw = Some(r);
+            if r != current {
+                driver = Some(signal);
+            }
+        }
+    }
+    (raw, driver)
+}
+
 /// What the autoscaler remembers between evaluations of one InferenceService.
 #[derive(Debug, Clone, Default)]
 pub struct ScalerState {
@@ -206,8 +277,71 @@ impl ScalerState {
         samples: &[PodSample],
     ) -> Decision {
         let signals = Signals::of(samples);
-        let floor = policy.min_replicas.max(1);
-        // Idle tracking: every pod that reported is empty, and at least one reported.
+        let idle = self.track_idle(policy, now, &signals);
+        // Scaled to zero: nothing to scrape; only an outside write (kubectl scale, an
+        // activator) wakes it.
+        if policy.min_replicas == 0
+            && current == 0
+            && signals.reporting == 0
+            && signals.missing == 0
+        {
+            return Decision::asleep(signals);
+        }
+        let (raw, driver) = recommend(policy, samples, &signals, current);
+        let mut unclamped = raw.unwrap_or(current);
+        if signals.missing > 0 {
+            // A pod we could not read may be the busy one: never scale down on partial data.
+            unclamped = unclamped.max(current);
+        }
+        let lower = if idle { 0 } else { policy.min_replicas.max(1) };
+        let upper = policy.max_replicas.max(lower);
+        let recommendation = unclamped.clamp(lower, upper);
+        let clamped = match unclamped.cmp(&recommendation) {
+            std::cmp::Ordering::Greater => Some(Limit::TooMany),
+            std::cmp::Ordering::Less => Some(Limit::TooFew),
+            std::cmp::Ordering::Equal => None,
+        };
+        let (panicking_now, panic) = self.track_panic(policy, now, &signals);
+        let start = self.remember(policy, now, current, recommendation);
+        let e = Evaluation {
+            now,
+            current,
+            recommendation,
+            lower,
+            panicking_now,
+            panic,
+            start,
+        };
+        // Idle for the whole timeout is its own window: straight to zero.
+        let (held, held_by) = if idle {
+            (0, None)
+        } else {
+            self.hold(policy, &e)
+        };
+        // Never act against the raw direction, and never leave the bounds.
+        let desired = held.clamp(lower, upper);
+        if desired != current {
+            self.changes.push_back((now, desired - current));
+        }
+        Decision {
+            desired,
+            recommendation,
+            driver,
+            signals,
+            limit: if desired == recommendation {
+                clamped
+            } else {
+                held_by.or(clamped)
+            },
+            no_data: raw.is_none(),
+            panic,
+            idle,
+        }
+    }
+
+    /// Whether the service has been idle for its idle timeout (only with `min_replicas == 0`):
+    /// every pod reported and none has work, continuously since `idle_since`.
+    fn track_idle(&mut self, policy: &Policy, now: Duration, signals: &Signals) -> bool {
         let idle_now = signals.reporting > 0
             && signals.missing == 0
             && signals.waiting == 0.0
@@ -217,84 +351,17 @@ impl ScalerState {
         } else if signals.reporting > 0 || signals.missing > 0 {
             self.idle_since = None;
         }
-        let idle = policy.min_replicas == 0
+        policy.min_replicas == 0
             && policy
                 .idle_timeout
                 .zip(self.idle_since)
-                .is_some_and(|(timeout, since)| now.saturating_sub(since) >= timeout);
+                .is_some_and(|(timeout, since)| now.saturating_sub(since) >= timeout)
+    }
 
-        // Scaled to zero: nothing to scrape; only an outside write (kubectl scale, an
-        // activator) wakes it.
-        if policy.min_replicas == 0
-            && current == 0
-            && signals.reporting == 0
-            && signals.missing == 0
-        {
-            return Decision {
-                desired: 0,
-                recommendation: 0,
-                driver: None,
-                signals,
-                limit: None,
-                no_data: false,
-                panic: false,
-                idle: policy.min_replicas == 0,
-            };
-        }
-
-        let mut driver = None;
-        let mut raw: Option<i32> = None;
-        let per_signal = [
-            (
-                Driver::Queue,
-                policy.queue_target,
-                signals.queue_per_replica,
-            ),
-            (Driver::KvCache, policy.kv_target, signals.kv_usage),
-        ];
-        for (signal, target, _) in per_signal {
-            let Some(target) = target else { continue };
-            let values: Vec<Option<f64>> = samples
-                .iter()
-                .filter_map(|s| match s {
-                    PodSample::Ready(m) => Some(match signal {
-                        Driver::Queue => Some(m.waiting),
-                        Driver::KvCache => m.kv_usage,
-                    }),
-                    PodSample::Missing => Some(None),
-                    PodSample::Unready => None,
-                })
-                .collect();
-            let Some(r) = replicas_for(&values, signals.unready, target, current, policy.tolerance)
-            else {
-                continue;
-            };
-            if raw.is_none_or(|best| r > best) {
-                raw = Some(r);
-                if r != current {
-                    driver = Some(signal);
-                }
-            }
-        }
-        let no_data = raw.is_none();
-        let mut unclamped = raw.unwrap_or(current);
-        if signals.missing > 0 {
-            // A pod we could not read may be the busy one: never scale down on partial data.
-            unclamped = unclamped.max(current);
-        }
-        let lower = if idle { 0 } else { floor };
-        let recommendation = unclamped.clamp(lower, policy.max_replicas.max(lower));
-        let clamped = if unclamped > recommendation {
-            Some(Limit::TooMany)
-        } else if unclamped < recommendation {
-            Some(Limit::TooFew)
-        } else {
-            None
-        };
-        let mut limit = clamped;
-
-        // Panic: a queue far beyond its target skips the up window and the rate limit, and
-        // holds scale-down for the scale-down window.
+    /// Panic: a queue far beyond its target skips the up window and the rate limit, and
+    /// holds scale-down for the scale-down window. Returns (beyond the threshold now, in
+    /// panic mode).
+    fn track_panic(&mut self, policy: &Policy, now: Duration, signals: &Signals) -> (bool, bool) {
         let panicking_now = matches!(
             (policy.panic_threshold, policy.queue_target, signals.queue_per_replica),
             (Some(p), Some(t), Some(q)) if q >= p * t
@@ -303,9 +370,19 @@ impl ScalerState {
             self.panic_until = Some(now + policy.scale_down_window);
         }
         let panic = self.panic_until.is_some_and(|until| now < until);
+        (panicking_now, panic)
+    }
 
-        // A fresh state (a new task, an operator restart) starts its scale-down window holding
-        // the current count, as HPA does, so a restart never skips the window.
+    /// Records the recommendation and forgets what has left both windows. Returns the first
+    /// evaluation's time and count: a fresh state (a new task, an operator restart) starts its
+    /// scale-down window holding the current count, as HPA does, so a restart never skips it.
+    fn remember(
+        &mut self,
+        policy: &Policy,
+        now: Duration,
+        current: i32,
+        recommendation: i32,
+    ) -> (Duration, i32) {
         let start = *self.started.get_or_insert((now, current));
         self.recommendations.push_back((now, recommendation));
         let keep = policy.scale_up_window.max(policy.scale_down_window);
@@ -323,87 +400,77 @@ impl ScalerState {
         {
             self.changes.pop_front();
         }
+        start
+    }
 
-        let mut desired = if idle {
-            // Idle for the whole timeout is its own window: straight to zero.
-            0
-        } else {
-            let within = |w: Duration| {
-                self.recommendations
-                    .iter()
-                    .filter(move |(t, _)| now.saturating_sub(*t) <= w)
-                    .map(|(_, r)| *r)
-            };
-            // Scale up only to what every recommendation in the up window supports; scale
-            // down only to what every recommendation in the down window allows.
-            let up_to = if panicking_now {
-                recommendation
+    /// The count the stabilization windows and the rate policies allow, and which of them held
+    /// it (the last to act).
+    fn hold(&self, policy: &Policy, e: &Evaluation) -> (i32, Option<Limit>) {
+        let stabilized = self.stabilize(policy, e);
+        let stabilized_by =
+            (stabilized != e.recommendation).then_some(if e.recommendation > e.current {
+                Limit::ScaleUpStabilized
             } else {
-                within(policy.scale_up_window)
-                    .min()
-                    .unwrap_or(recommendation)
-            };
-            let held_from_start =
-                (now.saturating_sub(start.0) < policy.scale_down_window).then_some(start.1);
-            let down_to = within(policy.scale_down_window)
-                .chain(held_from_start)
-                .max()
-                .unwrap_or(recommendation);
-            let stabilized = if up_to > current {
-                up_to
-            } else if down_to < current {
-                down_to
-            } else {
-                current
-            };
-            if stabilized != recommendation {
-                limit = Some(if recommendation > current {
-                    Limit::ScaleUpStabilized
-                } else {
-                    Limit::ScaleDownStabilized
-                });
-            }
-            let mut d = stabilized;
-            if d > current && !panicking_now {
-                let limit_to = self.up_limit(policy, current);
-                if d > limit_to {
-                    d = limit_to;
-                    limit = Some(Limit::ScaleUpRate);
-                }
-            }
-            if d < current {
-                if panic {
-                    d = current;
-                    limit = Some(Limit::Panic);
-                } else {
-                    let limit_to = self.down_limit(policy, current).max(lower);
-                    if d < limit_to {
-                        d = limit_to;
-                        limit = Some(Limit::ScaleDownRate);
-                    }
-                }
-            }
-            d
+                Limit::ScaleDownStabilized
+            });
+        let (d, rate) = self.rate_limit(policy, e, stabilized);
+        (d, rate.or(stabilized_by))
+    }
+
+    /// Scale up only to what every recommendation in the up window supports; scale down only
+    /// to what every recommendation in the down window allows.
+    fn stabilize(&self, policy: &Policy, e: &Evaluation) -> i32 {
+        let now = e.now;
+        let within = |w: Duration| {
+            self.recommendations
+                .iter()
+                .filter(move |(t, _)| now.saturating_sub(*t) <= w)
+                .map(|(_, r)| *r)
         };
-        // Never act against the raw direction, and never leave the bounds.
-        desired = desired.clamp(lower, policy.max_replicas.max(lower));
-        if desired != current {
-            self.changes.push_back((now, desired - current));
+        let up_to = if e.panicking_now {
+            e.recommendation
+        } else {
+            within(policy.scale_up_window)
+                .min()
+                .unwrap_or(e.recommendation)
+        };
+        let held_from_start =
+            (now.saturating_sub(e.start.0) < policy.scale_down_window).then_some(e.start.1);
+        let down_to = within(policy.scale_down_window)
+            .chain(held_from_start)
+            .max()
+            .unwrap_or(e.recommendation);
+        if up_to > e.current {
+            up_to
+        } else if down_to < e.current {
+            down_to
+        } else {
+            e.current
         }
-        Decision {
-            desired,
-            recommendation,
-            driver,
-            signals,
-            limit: if desired == recommendation {
-                clamped
-            } else {
-                limit
-            },
-            no_data,
-            panic,
-            idle,
+    }
+
+    /// The per-minute rate policies (up unless panicking; down unless in panic mode, which
+    /// holds the count). The up limit counts from the count 60 s ago, so after a panic jump it
+    /// can fall below the current count; the down rules then apply to what it left.
+    fn rate_limit(&self, policy: &Policy, e: &Evaluation, d: i32) -> (i32, Option<Limit>) {
+        let (mut d, mut limit) = (d, None);
+        if d > e.current && !e.panicking_now {
+            let limit_to = self.up_limit(policy, e.current);
+            if d > limit_to {
+                d = limit_to;
+                limit = Some(Limit::ScaleUpRate);
+            }
         }
+        if d < e.current {
+            if e.panic {
+                return (e.current, Some(Limit::Panic));
+            }
+            let limit_to = self.down_limit(policy, e.current).max(e.lower);
+            if d < limit_to {
+                return (limit_to, Some(Limit::ScaleDownRate));
+            }
+        }
+        (d, limit)
     }
 
     /// The replica count 60 s ago, from the changes made since.

@@ -24,7 +24,7 @@ use super::algorithm::{Decision, Policy, ScalerState};
 use super::store::{Key, SignalStore, Snapshot};
 use crate::cache::{Caches, Touch, Triggers};
 use crate::config::FIELD_MANAGER;
-use crate::status::{AutoscaleView, Finding};
+use crate::status::{AutoscaleView, Finding, Verdict};
 use crate::telemetry::AutoscalerMetrics;
 use ferrite_api::crd::{AutoscalingMode, CurrentMetrics, InferenceService};
 use ferrite_api::scrape::{PodResult, Scraper, pod_targets};
@@ -464,7 +464,7 @@ fn current_metrics(s: &Signals) -> CurrentMetrics {
 }
 
 /// `ScalingActive`: whether the signals could be read.
-fn active(signals: &Signals, results: &[PodResult]) -> (bool, Finding) {
+fn active(signals: &Signals, results: &[PodResult]) -> Verdict {
     if signals.reporting > 0 {
         let failed = results.iter().filter(|r| r.error.is_some()).count();
         let mut message = format!("read the metrics of {} ready pod(s)", signals.reporting);

@@ -276,12 +276,39 @@ fn volume_mount(name: &str, path: &str) -> VolumeMount {
 
 pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployment {
     let (isvc, owner) = (&*v.isvc, &v.owner);
-    let kind = isvc.spec.runtime.kind;
-    let security = container_security(kind);
     let model = model_mount(isvc, &v.model);
     let server_args = args(isvc, &model, v.kv_cache_bytes);
-    let port = isvc.port();
+    let (container, volumes) = server_container(isvc, config, model, server_args);
+    let pod = pod_spec(isvc, container, volumes);
+    Deployment {
+        metadata: owner.meta(owner.name.clone(), &BTreeMap::new()),
+        spec: Some(DeploymentSpec {
+            replicas: Some(isvc.desired_replicas()),
+            selector: LabelSelector {
+                match_labels: Some(owner.selector_labels()),
+                ..LabelSelector::default()
+            },
+            strategy: Some(strategy(isvc)),
+            template: PodTemplateSpec {
+                metadata: Some(pod_meta(v)),
+                spec: Some(pod),
+            },
+            ..DeploymentSpec::default()
+        }),
+        ..Deployment::default()
+    }
+}
 
+/// The server container and the pod's volumes: a writable `/tmp`, vLLM's shared memory, the
+/// model's and the user's.
+fn server_container(
+    isvc: &InferenceService,
+    config: &OperatorConfig,
+    model: ModelMount,
+    server_args: Vec<String>,
+) -> (Container, Vec<Volume>) {
+    let kind = isvc.spec.runtime.kind;
+    let p = &isvc.spec.pod;
     let mut volumes = vec![empty_dir("tmp", false)];
     let mut mounts = vec![volume_mount("tmp", "/tmp")];
     let mut env = vec![EnvVar {
@@ -299,30 +326,26 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
     mounts.extend(model.mounts);
     env.extend(model.env);
     env.extend(isvc.spec.runtime.env.iter().cloned());
-    let p = &isvc.spec.pod;
     volumes.extend(p.volumes.iter().cloned());
     mounts.extend(p.volume_mounts.iter().cloned());
-
+    // The model's Secret first: a key the user also sets through pod.envFrom wins.
+    let env_from: Vec<_> = model
+        .env_from
+        .into_iter()
+        .chain(p.env_from.clone())
+        .collect();
     let container = Container {
         name: "server".into(),
         image: Some(image(isvc, config)),
         args: Some(server_args),
         ports: Some(vec![ContainerPort {
             name: Some("http".into()),
-            container_port: port,
+            container_port: isvc.port(),
             protocol: Some("TCP".into()),
             ..ContainerPort::default()
         }]),
         env: Some(env),
-        env_from: {
-            // The model's Secret first: a key the user also sets through pod.envFrom wins.
-            let from: Vec<_> = model
-                .env_from
-                .into_iter()
-                .chain(p.env_from.clone())
-                .collect();
-            (!from.is_empty()).then_some(from)
-        },
+        env_from: (!env_from.is_empty()).then_some(env_from),
         // A container that fails to start says why: ferrite-server writes the reason
         // (ModelDownloadFailed, ...) to the message file, and anything else shows its last log
         // lines.
@@ -338,17 +361,23 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
         )),
         readiness_probe: Some(http_probe("/health", 5, 3, p.probes.readiness.as_ref())),
         liveness_probe: Some(http_probe("/health", 10, 6, p.probes.liveness.as_ref())),
-        security_context: Some(security),
+        security_context: Some(container_security(kind)),
         volume_mounts: Some(mounts),
         ..Container::default()
     };
+    (container, volumes)
+}
 
-    let uid = match kind {
+/// The pod around the container: who it runs as, its drain time, and the user's pod and
+/// scheduling settings.
+fn pod_spec(isvc: &InferenceService, container: Container, volumes: Vec<Volume>) -> PodSpec {
+    let p = &isvc.spec.pod;
+    let s = &isvc.spec.scheduling;
+    let uid = match isvc.spec.runtime.kind {
         RuntimeKind::Ferrite => FERRITE_UID,
         RuntimeKind::Vllm => VLLM_UID,
     };
-    let s = &isvc.spec.scheduling;
-    let pod = PodSpec {
+    PodSpec {
         containers: vec![container],
         volumes: Some(volumes),
         termination_grace_period_seconds: Some(
@@ -380,37 +409,25 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
         priority_class_name: s.priority_class_name.clone(),
         runtime_class_name: s.runtime_class_name.clone(),
         ..PodSpec::default()
-    };
+    }
+}
 
-    // The user's labels over the operator's, except the selector's (the schema refuses them).
-    let mut pod_labels = owner.labels();
-    pod_labels.extend(p.labels.clone());
-    pod_labels.extend(owner.selector_labels());
+/// The pod template's labels (the user's over the operator's, except the selector's, which
+/// the schema refuses) and annotations (Prometheus' scrape hints, then the user's).
+fn pod_meta(v: &Validated<'_>) -> ObjectMeta {
+    let (p, owner) = (&v.isvc.spec.pod, &v.owner);
+    let mut labels = owner.labels();
+    labels.extend(p.labels.clone());
+    labels.extend(owner.selector_labels());
     let mut annotations = BTreeMap::from([
         ("prometheus.io/scrape".to_string(), "true".to_string()),
-        ("prometheus.io/port".to_string(), port.to_string()),
+        ("prometheus.io/port".to_string(), v.isvc.port().to_string()),
         ("prometheus.io/path".to_string(), "/metrics".to_string()),
     ]);
     annotations.extend(p.annotations.clone());
-    Deployment {
-        metadata: owner.meta(owner.name.clone(), &BTreeMap::new()),
-        spec: Some(DeploymentSpec {
-            replicas: Some(isvc.desired_replicas()),
-            selector: LabelSelector {
-                match_labels: Some(owner.selector_labels()),
-                ..LabelSelector::default()
-            },
-            strategy: Some(strategy(isvc)),
-            template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(pod_labels),
-                    annotations: Some(annotations),
-                    ..ObjectMeta::default()
-                }),
-                spec: Some(pod),
-            },
-            ..DeploymentSpec::default()
-        }),
-        ..Deployment::default()
+    ObjectMeta {
+        labels: Some(labels),
+        annotations: Some(annotations),
+        ..ObjectMeta::default()
     }
 }

@@ -11,13 +11,14 @@ use serde_json::Value;
 use super::completions::token_text;
 use super::error::ApiError;
 use super::extract::JsonBody;
-use super::generate::{self, Generation, StreamItem, TokenLogprob};
+use super::generate::{self, ChoiceOutput, StreamItem, TokenLogprob};
 use super::protocol::{ChatCompletionRequest, Content, Message};
 use super::response::{
     ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessage, ChatTokenLogprob, Envelope,
     Head,
 };
 use super::state::{AppState, Serving};
+use super::validate::{self, Generation};
 
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
@@ -26,6 +27,45 @@ pub async fn chat_completions(
     let arrival = std::time::Instant::now();
     let serving = state.serving()?;
     state.check_model(req.model.as_deref())?;
+    refuse_unsupported(&req)?;
+    let want = wanted_logprobs(&req)?;
+    let n = validate::choices_per_prompt(&req.sampling)?;
+    let seqs = validate::request_sequences(&state, 1, n)?;
+    let messages = std::mem::take(&mut req.messages);
+    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+    let prompt = state
+        .blocking(move |s| chat_prompt(s, &messages, add_generation_prompt))
+        .await?;
+    let requested = req.max_completion_tokens.or(req.max_tokens);
+    let max_tokens =
+        validate::max_tokens_for(prompt.len(), requested, None, serving.max_model_len)?;
+    let g = Generation::new(
+        &req.sampling,
+        want,
+        n,
+        vec![prompt],
+        vec![max_tokens],
+        serving.vocab_size,
+    )?;
+    generate::admit(&state, serving, seqs)?;
+    let receivers = generate::submit(serving, &g, arrival)?;
+    let head = Head::new("chatcmpl", &state.served_model_name);
+    match validate::stream_mode(&req.sampling) {
+        Some(include_usage) => {
+            let render = chunk_renderer(state.clone(), head);
+            let sse = generate::sse(receivers, g.n, include_usage, want.is_some(), render);
+            Ok(sse.into_response())
+        }
+        None => {
+            let (choices, usage) = generate::collect(receivers, g.n).await?;
+            let choices = whole_choices(&serving.tokenizer, choices, want);
+            Ok(Json(head.wrap("chat.completion", choices, Some(usage))).into_response())
+        }
+    }
+}
+
+/// Tools and structured outputs are refused by name rather than ignored.
+fn refuse_unsupported(req: &ChatCompletionRequest) -> Result<(), ApiError> {
     if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::invalid_param(
             "tools",
@@ -40,101 +80,90 @@ pub async fn chat_completions(
             "only response_format {\"type\": \"text\"} is supported",
         ));
     }
+    Ok(())
+}
+
+/// `Some(top)` when the client asked for logprobs, with `top` alternatives per token.
+fn wanted_logprobs(req: &ChatCompletionRequest) -> Result<Option<usize>, ApiError> {
     let want_logprobs = req.logprobs.unwrap_or(false);
-    let top = generate::logprobs_count("top_logprobs", req.top_logprobs)?;
+    let top = validate::logprobs_count("top_logprobs", req.top_logprobs)?;
     if top.is_some_and(|k| k > 0) && !want_logprobs {
         return Err(ApiError::invalid_param(
             "top_logprobs",
             "top_logprobs requires logprobs to be true",
         ));
     }
-    let want = want_logprobs.then(|| top.unwrap_or(0));
-    let n = generate::choices_per_prompt(&req.sampling)?;
-    let seqs = generate::request_sequences(&state, 1, n)?;
-    let messages = std::mem::take(&mut req.messages);
-    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
-    let prompt = state
-        .blocking(move |s| chat_prompt(s, &messages, add_generation_prompt))
-        .await?;
-    let vocab = serving.vocab_size;
-    let requested = req.max_completion_tokens.or(req.max_tokens);
-    let max_tokens =
-        generate::max_tokens_for(prompt.len(), requested, None, serving.max_model_len)?;
-    let (stop, stop_token_ids) = generate::stops(&req.sampling, vocab)?;
-    let g = Generation {
-        sampling: generate::sampling_params(&req.sampling, want, vocab)?,
-        n,
-        max_tokens: vec![max_tokens],
-        stop,
-        stop_token_ids,
-        ignore_eos: req.sampling.ignore_eos.unwrap_or(false),
-        prompts: vec![prompt],
-    };
-    generate::admit(&state, serving, seqs)?;
-    let receivers = generate::submit(serving, &g, arrival)?;
-    let head = Head::new("chatcmpl", &state.served_model_name);
+    Ok(want_logprobs.then(|| top.unwrap_or(0)))
+}
 
-    if let Some(include_usage) = generate::stream_mode(&req.sampling) {
-        let st = state.clone();
-        let render = move |item: StreamItem| -> Option<Envelope<ChatChunkChoice>> {
-            let tok = &st.loaded()?.tokenizer;
-            let chunk = |choices, usage| head.wrap("chat.completion.chunk", choices, usage);
-            match item {
-                StreamItem::Start(i) => Some(chunk(
-                    vec![ChatChunkChoice {
-                        index: i,
-                        delta: ChatDelta {
-                            role: Some("assistant"),
-                            content: Some(String::new()),
-                        },
-                        logprobs: None,
-                        finish_reason: None,
-                    }],
-                    None,
-                )),
-                StreamItem::Delta {
-                    index,
-                    text,
-                    logprob,
-                    finish,
-                } => {
-                    let content = (!text.is_empty() || finish.is_none()).then_some(text);
-                    Some(chunk(
-                        vec![ChatChunkChoice {
-                            index,
-                            delta: ChatDelta {
-                                role: None,
-                                content,
-                            },
-                            logprobs: logprob.map(|l| logprobs(tok, &[l])),
-                            finish_reason: finish.map(FinishReason::as_str),
-                        }],
-                        None,
-                    ))
-                }
-                StreamItem::Usage(u) => Some(chunk(Vec::new(), Some(u))),
-            }
+/// Turns each stream item into a `chat.completion.chunk`: the assistant role first, then the
+/// content deltas, then (when asked) the usage.
+fn chunk_renderer(
+    state: Arc<AppState>,
+    head: Head,
+) -> impl FnMut(StreamItem) -> Option<Envelope<ChatChunkChoice>> + Send + 'static {
+    move |item: StreamItem| {
+        let tok = &state.loaded()?.tokenizer;
+        let chunk = |choice: Option<ChatChunkChoice>, usage| {
+            head.wrap("chat.completion.chunk", choice.into_iter().collect(), usage)
         };
-        return Ok(
-            generate::sse(receivers, g.n, include_usage, want.is_some(), render).into_response(),
-        );
+        match item {
+            StreamItem::Start(index) => Some(chunk(
+                Some(ChatChunkChoice {
+                    index,
+                    delta: ChatDelta {
+                        role: Some("assistant"),
+                        content: Some(String::new()),
+                    },
+                    logprobs: None,
+                    finish_reason: None,
+                }),
+                None,
+            )),
+            StreamItem::Delta {
+                index,
+                text,
+                logprob,
+                finish,
+            } => {
+                let content = (!text.is_empty() || finish.is_none()).then_some(text);
+                Some(chunk(
+                    Some(ChatChunkChoice {
+                        index,
+                        delta: ChatDelta {
+                            role: None,
+                            content,
+                        },
+                        logprobs: logprob.map(|l| logprobs(tok, &[l])),
+                        finish_reason: finish.map(FinishReason::as_str),
+                    }),
+                    None,
+                ))
+            }
+            StreamItem::Usage(u) => Some(chunk(None, Some(u))),
+        }
     }
+}
 
-    let (choices, usage) = generate::collect(receivers, g.n).await?;
-    let choices = choices
+/// The choices of a whole `chat.completion`.
+fn whole_choices(
+    tok: &Tokenizer,
+    choices: Vec<ChoiceOutput>,
+    want: Option<usize>,
+) -> Vec<ChatChoice> {
+    choices
         .into_iter()
         .enumerate()
         .map(|(i, c)| ChatChoice {
             index: i,
-            logprobs: want.map(|_| logprobs(&serving.tokenizer, &c.logprobs)),
+            logprobs: want.map(|_| logprobs(tok, &c.logprobs)),
             message: ChatMessage {
                 role: "assistant",
                 content: c.text,
             },
             finish_reason: c.finish_reason.map(FinishReason::as_str),
         })
-        .collect();
-    Ok(Json(head.wrap("chat.completion", choices, Some(usage))).into_response())
+        .collect()
 }
 
 /// Messages as the chat template wants them: text content only.

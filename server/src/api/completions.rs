@@ -9,10 +9,11 @@ use ferrite_runtime::model::Tokenizer;
 
 use super::error::ApiError;
 use super::extract::JsonBody;
-use super::generate::{self, Generation, StreamItem, TokenLogprob};
+use super::generate::{self, ChoiceOutput, StreamItem, TokenLogprob};
 use super::protocol::{CompletionRequest, Prompt};
 use super::response::{CompletionChoice, CompletionLogprobs, Envelope, Head};
 use super::state::AppState;
+use super::validate::{self, Generation};
 
 /// The `object` of completion responses and chunks alike.
 const OBJECT: &str = "text_completion";
@@ -27,20 +28,10 @@ pub async fn completions(
     let arrival = std::time::Instant::now();
     let serving = state.serving()?;
     state.check_model(req.model.as_deref())?;
-    if req.suffix.is_some() {
-        return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
-    }
-    let want_logprobs = generate::logprobs_count("logprobs", req.logprobs)?;
-    let echo = req.echo.unwrap_or(false);
-    if echo && want_logprobs.is_some() {
-        return Err(ApiError::invalid_param(
-            "echo",
-            "echo together with logprobs (prompt logprobs) is not supported",
-        ));
-    }
+    let want = wanted_logprobs(&req)?;
     let vocab = serving.vocab_size;
-    let n = generate::choices_per_prompt(&req.sampling)?;
-    let seqs = generate::request_sequences(&state, req.prompt.count(), n)?;
+    let n = validate::choices_per_prompt(&req.sampling)?;
+    let seqs = validate::request_sequences(&state, req.prompt.count(), n)?;
     let prompt = req.prompt;
     let prompts = state
         .blocking(move |s| tokenize_prompts(&s.tokenizer, prompt, vocab))
@@ -48,94 +39,117 @@ pub async fn completions(
     let max_tokens = prompts
         .iter()
         .map(|p| {
-            generate::max_tokens_for(
-                p.len(),
-                req.max_tokens,
-                Some(DEFAULT_MAX_TOKENS),
-                serving.max_model_len,
-            )
+            let default = Some(DEFAULT_MAX_TOKENS);
+            validate::max_tokens_for(p.len(), req.max_tokens, default, serving.max_model_len)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let (stop, stop_token_ids) = generate::stops(&req.sampling, vocab)?;
-    let g = Generation {
-        sampling: generate::sampling_params(&req.sampling, want_logprobs, vocab)?,
-        n,
-        max_tokens,
-        stop,
-        stop_token_ids,
-        ignore_eos: req.sampling.ignore_eos.unwrap_or(false),
-        prompts,
-    };
+    let g = Generation::new(&req.sampling, want, n, prompts, max_tokens, vocab)?;
     generate::admit(&state, serving, seqs)?;
-    let echoes: Vec<String> = if echo {
-        g.prompts
-            .iter()
-            .map(|p| serving.tokenizer.decode(p, false).unwrap_or_default())
-            .collect()
-    } else {
-        Vec::new()
-    };
+    let echoes = echoes(&serving.tokenizer, &g, req.echo.unwrap_or(false));
     let receivers = generate::submit(serving, &g, arrival)?;
     let head = Head::new("cmpl", &state.served_model_name);
-
-    if let Some(include_usage) = generate::stream_mode(&req.sampling) {
-        let st = state.clone();
-        let n = g.n;
-        let render = move |item: StreamItem| -> Option<Envelope<CompletionChoice>> {
-            let tok = &st.loaded()?.tokenizer;
-            let choice = |index, text: &str, logprobs, finish: Option<FinishReason>| {
-                vec![CompletionChoice {
-                    index,
-                    text: text.to_string(),
-                    logprobs,
-                    finish_reason: finish.map(FinishReason::as_str),
-                }]
-            };
-            match item {
-                StreamItem::Start(i) => {
-                    let text = echoes.get(i / n)?;
-                    Some(head.wrap(OBJECT, choice(i, text, None, None), None))
-                }
-                StreamItem::Delta {
-                    index,
-                    text,
-                    logprob,
-                    finish,
-                } => {
-                    let lp = logprob.map(|l| logprobs(tok, &[l], 0));
-                    Some(head.wrap(OBJECT, choice(index, &text, lp, finish), None))
-                }
-                StreamItem::Usage(u) => Some(head.wrap(OBJECT, Vec::new(), Some(u))),
-            }
-        };
-        return Ok(generate::sse(
-            receivers,
-            g.n,
-            include_usage,
-            want_logprobs.is_some(),
-            render,
-        )
-        .into_response());
+    match validate::stream_mode(&req.sampling) {
+        Some(include_usage) => {
+            let render = chunk_renderer(state.clone(), head, echoes, g.n);
+            let sse = generate::sse(receivers, g.n, include_usage, want.is_some(), render);
+            Ok(sse.into_response())
+        }
+        None => {
+            let (choices, usage) = generate::collect(receivers, g.n).await?;
+            let choices = whole_choices(&serving.tokenizer, choices, &echoes, g.n, want);
+            Ok(Json(head.wrap(OBJECT, choices, Some(usage))).into_response())
+        }
     }
+}
 
-    let (choices, usage) = generate::collect(receivers, g.n).await?;
-    let choices = choices
+/// `Some(top)` when the client asked for logprobs; `suffix` and `echo` with logprobs (prompt
+/// logprobs) are refused by name.
+fn wanted_logprobs(req: &CompletionRequest) -> Result<Option<usize>, ApiError> {
+    if req.suffix.is_some() {
+        return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
+    }
+    let want = validate::logprobs_count("logprobs", req.logprobs)?;
+    if req.echo.unwrap_or(false) && want.is_some() {
+        return Err(ApiError::invalid_param(
+            "echo",
+            "echo together with logprobs (prompt logprobs) is not supported",
+        ));
+    }
+    Ok(want)
+}
+
+/// With `echo`, each prompt's text, which its choices start with; else nothing.
+fn echoes(tok: &Tokenizer, g: &Generation, echo: bool) -> Vec<String> {
+    if !echo {
+        return Vec::new();
+    }
+    g.prompts
+        .iter()
+        .map(|p| tok.decode(p, false).unwrap_or_default())
+        .collect()
+}
+
+/// Turns each stream item into a `text_completion` chunk: the echoed prompt first (when
+/// asked), then the text deltas, then (when asked) the usage. Choice `i` is of prompt `i / n`.
+fn chunk_renderer(
+    state: Arc<AppState>,
+    head: Head,
+    echoes: Vec<String>,
+    n: usize,
+) -> impl FnMut(StreamItem) -> Option<Envelope<CompletionChoice>> + Send + 'static {
+    move |item: StreamItem| {
+        let tok = &state.loaded()?.tokenizer;
+        let choice = |index, text: &str, logprobs, finish: Option<FinishReason>| {
+            vec![CompletionChoice {
+                index,
+                text: text.to_string(),
+                logprobs,
+                finish_reason: finish.map(FinishReason::as_str),
+            }]
+        };
+        match item {
+            StreamItem::Start(i) => {
+                let text = echoes.get(i / n)?;
+                Some(head.wrap(OBJECT, choice(i, text, None, None), None))
+            }
+            StreamItem::Delta {
+                index,
+                text,
+                logprob,
+                finish,
+            } => {
+                let lp = logprob.map(|l| logprobs(tok, &[l], 0));
+                Some(head.wrap(OBJECT, choice(index, &text, lp, finish), None))
+            }
+            StreamItem::Usage(u) => Some(head.wrap(OBJECT, Vec::new(), Some(u))),
+        }
+    }
+}
+
+/// The choices of a whole response, each after its prompt's echo.
+fn whole_choices(
+    tok: &Tokenizer,
+    choices: Vec<ChoiceOutput>,
+    echoes: &[String],
+    n: usize,
+    want: Option<usize>,
+) -> Vec<CompletionChoice> {
+    choices
         .into_iter()
         .enumerate()
         .map(|(i, c)| {
-            let text = match echoes.get(i / g.n) {
+            let text = match echoes.get(i / n) {
                 Some(e) => format!("{e}{}", c.text),
                 None => c.text,
             };
             CompletionChoice {
                 index: i,
                 text,
-                logprobs: want_logprobs.map(|_| logprobs(&serving.tokenizer, &c.logprobs, 0)),
+                logprobs: want.map(|_| logprobs(tok, &c.logprobs, 0)),
                 finish_reason: c.finish_reason.map(FinishReason::as_str),
             }
         })
-        .collect();
-    Ok(Json(head.wrap(OBJECT, choices, Some(usage))).into_response())
+        .collect()
 }
 
 /// A token as text, for logprobs (undecodable bytes show as U+FFFD, as in OpenAI's API).

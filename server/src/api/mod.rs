@@ -10,6 +10,7 @@ pub mod protocol;
 pub mod response;
 pub mod state;
 pub mod tokenize;
+pub mod validate;
 
 use std::sync::Arc;
 use std::time::Duration;
