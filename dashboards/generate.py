@@ -4,7 +4,7 @@
 The JSON files are the product (the operator and the Helm chart ship them as they are); this
 script is how they are kept consistent: one selector, one datasource reference, one way to write
 a percentile. Edit here, run `python3 dashboards/generate.py`, commit both. `--check` exits 1 if
-the committed files differ from what this script writes (operator/tests/it/dashboards.rs runs it).
+the committed files differ from what this script writes (tests/it/dashboards.rs runs it).
 
 Aggregation across replicas follows docs/metrics.md: queue and running are summed, KV-cache
 usage is averaged, latencies are histogram_quantile over `sum by (le)` of the bucket rates.

@@ -3,7 +3,7 @@
 
     dashboard-preview.py DATA_DIR OUT_DIR
 
-DATA_DIR holds what operator/tests/it/dashboards.rs writes with FERRITE_DASHBOARD_PREVIEW_DIR set:
+DATA_DIR holds what tests/it/dashboards.rs writes with FERRITE_DASHBOARD_PREVIEW_DIR set:
 each dashboard's JSON with every target's Prometheus range result under `preview`. For each
 dashboard this writes OUT_DIR/NAME.html (panels as SVG: time series, stats, heatmaps) and
 OUT_DIR/NAME.size ("WIDTH,HEIGHT" for the screenshot). No Grafana runs here; this shows the

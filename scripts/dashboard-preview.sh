@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates docs/dashboards-{overview,realtime,autoscaling}.png. There is no Grafana here, so:
-# runs the live dashboards test (operator/tests/it/dashboards.rs: a real Prometheus scraping two
+# runs the live dashboards test (tests/it/dashboards.rs: a real Prometheus scraping two
 # loaded ferrite-servers and the operator) with FERRITE_DASHBOARD_PREVIEW_DIR set, so it saves
 # every panel's query result; renders each dashboard's grid with those results as HTML
 # (scripts/dashboard-preview.py); screenshots the pages with headless Chromium.
@@ -21,7 +21,7 @@ fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 FERRITE_DASHBOARD_PREVIEW_DIR="$work/data" cargo nextest run --workspace \
-  -E 'package(ferrite-operator) & binary(it) & test(/^dashboards::every_panel_query/)' --no-capture
+  -E 'package(ferrite-tests) & binary(it) & test(/^dashboards::every_panel_query/)' --no-capture
 python3 scripts/dashboard-preview.py "$work/data" "$work/html"
 for d in overview realtime autoscaling; do
   size="$(cat "$work/html/$d.size")"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copies what the Helm chart ships from its sources: the generated CRDs (crds/) and the
-# dashboards and alerts (dashboards/). operator/tests/it/chart.rs fails when a copy drifts.
+# dashboards and alerts (dashboards/). tests/it/chart.rs fails when a copy drifts.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 chart="$root/charts/ferrite-operator"

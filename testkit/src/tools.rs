@@ -28,3 +28,9 @@ pub fn tool_path(env: &str, script: &str) -> String {
 pub fn python() -> String {
     tool_path("FERRITE_TEST_PYTHON", "python-env.sh")
 }
+
+/// The npm packages the manifest and dashboard validators load (`FERRITE_NODE_MODULES`, else
+/// `scripts/node-env.sh`).
+pub fn node_modules() -> String {
+    tool_path("FERRITE_NODE_MODULES", "node-env.sh")
+}

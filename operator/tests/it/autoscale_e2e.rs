@@ -2,11 +2,10 @@
 //! queues, the recommendation rises; the load ends, the window passes, and it falls. The pod
 //! list is given directly, as pod discovery hands it over in the operator.
 
-use crate::common;
-
 use std::time::{Duration, Instant};
 
-use common::servers::{Load, free_port, start_server, wait_healthy};
+use ferrite_testkit::process::free_port;
+use ferrite_testkit::server::{Load, start_server};
 
 use ferrite_api::scrape::{PodTarget, Scraper};
 use ferrite_api::signal::PodSample;
@@ -25,7 +24,7 @@ struct Step {
 fn recommendation_follows_real_queues_up_and_back_down() {
     let mut servers = [start_server(), start_server()];
     for s in &mut servers {
-        wait_healthy(s);
+        s.wait_ready();
     }
     // Two ready pods, and one still starting: it is listed but not scraped.
     let mut targets: Vec<PodTarget> = servers

@@ -3,12 +3,10 @@
 //! pruning, deletion, the ServiceMonitor CRD absent and present, API errors and bad input.
 //! Reads come from the caches, so a script holds only discovery and writes.
 
-use crate::common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::apiserver::{
+use crate::apiserver::{
     self, Reply, Step, Transcript, deleted, echo, not_found, ok, status_reply, step,
 };
 use ferrite_api::crd::InferenceService;

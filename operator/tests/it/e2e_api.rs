@@ -4,11 +4,8 @@
 //! `kubectl explain` describes every field; and the operator's ServiceAccount may not do what
 //! it has no business doing.
 
-use crate::common;
-
-use common::e2e::{Applier, install, yaml_docs};
-use common::validate::root;
-use ferrite_testkit::kube::Cluster;
+use ferrite_testkit::e2e::{Applier, install, yaml_docs};
+use ferrite_testkit::kube::{Cluster, workspace_root};
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
@@ -30,14 +27,16 @@ async fn dry_run(api: &Api<DynamicObject>, obj: &Value) -> Result<(), String> {
 }
 
 fn crd_schema() -> Value {
-    let text = std::fs::read_to_string(root().join("crds/inferenceservice.yaml")).expect("CRD");
+    let text =
+        std::fs::read_to_string(workspace_root().join("crds/inferenceservice.yaml")).expect("CRD");
     let crd = yaml_docs(&text).remove(0);
     crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone()
 }
 
 /// examples/full.yaml's spec: every section present, so any one field can be spoiled alone.
 fn full_spec() -> Value {
-    let text = std::fs::read_to_string(root().join("examples/full.yaml")).expect("example");
+    let text =
+        std::fs::read_to_string(workspace_root().join("examples/full.yaml")).expect("example");
     yaml_docs(&text).remove(0)["spec"].clone()
 }
 
@@ -126,11 +125,11 @@ async fn the_api_server_rejects_every_invalid_field_with_its_message() {
     let client = cluster.client().await;
     let mut applier = Applier::new(client.clone()).await;
     applier
-        .apply_file(&root().join("crds/inferenceservice.yaml"))
+        .apply_file(&workspace_root().join("crds/inferenceservice.yaml"))
         .await;
-    common::e2e::wait_crd(&client, "inferenceservices.ferrite.dev").await;
+    ferrite_testkit::e2e::wait_crd(&client, "inferenceservices.ferrite.dev").await;
     let ns = cluster.namespace("cel").await;
-    let api = common::e2e::isvc_api(&client, &ns);
+    let api = ferrite_testkit::e2e::isvc_api(&client, &ns);
     let object = |spec: Value| {
         json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceService",
                "metadata": {"name": "valid", "namespace": ns}, "spec": spec})
@@ -139,8 +138,8 @@ async fn the_api_server_rejects_every_invalid_field_with_its_message() {
         .await
         .expect("the full example is valid");
 
-    let cases =
-        std::fs::read_to_string(root().join("operator/tests/cel/invalid.yaml")).expect("CEL cases");
+    let cases = std::fs::read_to_string(workspace_root().join("tests/cel/invalid.yaml"))
+        .expect("CEL cases");
     let cases: Vec<Value> = serde_yaml_ng::from_str(&cases).expect("YAML");
     assert!(cases.len() >= 7);
     for case in &cases {
@@ -191,9 +190,9 @@ async fn the_published_schema_describes_every_field() {
     let client = cluster.client().await;
     Applier::new(client.clone())
         .await
-        .apply_file(&root().join("crds/inferenceservice.yaml"))
+        .apply_file(&workspace_root().join("crds/inferenceservice.yaml"))
         .await;
-    common::e2e::wait_crd(&client, "inferenceservices.ferrite.dev").await;
+    ferrite_testkit::e2e::wait_crd(&client, "inferenceservices.ferrite.dev").await;
     let get = async |path: &str| -> Option<Value> {
         let req = http::Request::get(path).body(Vec::new()).ok()?;
         serde_json::from_str(&client.request_text(req).await.ok()?).ok()

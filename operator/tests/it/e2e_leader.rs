@@ -4,11 +4,9 @@
 //! exit, /healthz failing first) instead of leaving it idle; and a standby serves the same
 //! External Metrics API as the leader.
 
-use crate::common;
-
 use std::time::{Duration, Instant};
 
-use common::e2e::{Applier, Operator, Release, condition, install, isvc};
+use ferrite_testkit::e2e::{Applier, Operator, Release, condition, install, isvc};
 use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -23,7 +21,7 @@ const LEASE: Duration = Duration::from_secs(15);
 const RETRY: Duration = Duration::from_secs(2);
 
 fn lease_name(release: &Release) -> String {
-    let args = common::chart::operator_args(&release.docs);
+    let args = ferrite_testkit::chart::operator_args(&release.docs);
     args.iter()
         .find_map(|a| a.strip_prefix("--lease-name="))
         .expect("--lease-name")
@@ -220,9 +218,9 @@ async fn an_api_server_outage_ends_the_leader_instead_of_idling_it() {
 /// autoscaler series (so dashboards summing over operator pods count once) until it leads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_serves_the_same_external_metrics_as_the_leader() {
-    use common::e2e::{external_client, pods_ready};
-    use common::servers::ready_server;
+    use ferrite_testkit::e2e::{external_client, pods_ready};
     use ferrite_testkit::process::free_port;
+    use ferrite_testkit::server::ready_server;
     let Some(cluster) = Cluster::start().await else {
         return;
     };

@@ -5,15 +5,12 @@
 //! and children that cannot be created show as Degraded; a missing claim blocks until it
 //! appears.
 
-use crate::common;
-
 use std::time::Duration;
 
-use common::e2e::{
+use ferrite_testkit::e2e::{
     Applier, Operator, condition, get_isvc, install, install_service_monitor_crd, yaml_docs,
 };
-use common::validate::root;
-use ferrite_testkit::kube::{Cluster, Options};
+use ferrite_testkit::kube::{Cluster, Options, workspace_root};
 use ferrite_testkit::process::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
@@ -86,7 +83,8 @@ fn examples(ns: &str) -> Vec<Value> {
     ["minimal.yaml", "full.yaml"]
         .iter()
         .flat_map(|f| {
-            let text = std::fs::read_to_string(root().join("examples").join(f)).expect("example");
+            let text = std::fs::read_to_string(workspace_root().join("examples").join(f))
+                .expect("example");
             yaml_docs(&text)
         })
         .map(|mut d| {
@@ -327,7 +325,7 @@ async fn with_the_service_monitor_crd_monitors_are_made_and_pruned() {
     assert_eq!(full["spec"]["endpoints"][0]["interval"], "10s");
 
     // Monitoring off: the ServiceMonitor goes, the condition follows.
-    common::e2e::isvc_api(&client, &ns)
+    ferrite_testkit::e2e::isvc_api(&client, &ns)
         .patch(
             "smollm2",
             &PatchParams::default(),
@@ -394,7 +392,7 @@ async fn children_are_healed_restored_and_garbage_collected() {
     let ns = cluster.namespace("heal").await;
     let mut applier = Applier::new(client.clone()).await;
     applier
-        .apply(&common::e2e::isvc(
+        .apply(&ferrite_testkit::e2e::isvc(
             &ns,
             "chat",
             json!({"model": {"source": "/models/smol.gguf"}}),
@@ -441,7 +439,7 @@ async fn children_are_healed_restored_and_garbage_collected() {
     );
 
     // Deleting the InferenceService garbage-collects every child.
-    common::e2e::isvc_api(&client, &ns)
+    ferrite_testkit::e2e::isvc_api(&client, &ns)
         .delete("chat", &Default::default())
         .await
         .expect("delete InferenceService");
@@ -508,7 +506,7 @@ async fn pods_and_children_that_cannot_be_created_show_as_degraded() {
     let ns = cluster.namespace("degraded").await;
     let mut applier = Applier::new(client.clone()).await;
     applier
-        .apply(&common::e2e::isvc(
+        .apply(&ferrite_testkit::e2e::isvc(
             &ns,
             "no-class",
             json!({"model": {"source": "/models/smol.gguf"},
@@ -516,9 +514,9 @@ async fn pods_and_children_that_cannot_be_created_show_as_degraded() {
         ))
         .await;
     let quota_ns = cluster.namespace("quota").await;
-    common::e2e::quota(&client, &quota_ns, json!({"pods": "0"})).await;
+    ferrite_testkit::e2e::quota(&client, &quota_ns, json!({"pods": "0"})).await;
     applier
-        .apply(&common::e2e::isvc(
+        .apply(&ferrite_testkit::e2e::isvc(
             &quota_ns,
             "over-quota",
             json!({"model": {"source": "/models/smol.gguf"}}),
@@ -557,7 +555,7 @@ async fn pods_and_children_that_cannot_be_created_show_as_degraded() {
         assert!(fillers < 14, "the Service range never filled up");
     }
     applier
-        .apply(&common::e2e::isvc(
+        .apply(&ferrite_testkit::e2e::isvc(
             &ns,
             "no-ip",
             json!({"model": {"source": "/models/smol.gguf"}}),
@@ -602,7 +600,7 @@ async fn a_missing_claim_blocks_until_it_is_created() {
     let ns = cluster.namespace("claim").await;
     let mut applier = Applier::new(client.clone()).await;
     applier
-        .apply(&common::e2e::isvc(
+        .apply(&ferrite_testkit::e2e::isvc(
             &ns,
             "chat",
             json!({"model": {"source": "pvc://weights/smol.gguf"}}),
@@ -647,7 +645,7 @@ async fn resource_profiles_from_the_chart_apply_under_the_spec() {
     let client = cluster.client().await;
     let values: Value = serde_yaml_ng::from_str(
         &std::fs::read_to_string(
-            root().join("charts/ferrite-operator/ci/resource-profiles-values.yaml"),
+            workspace_root().join("charts/ferrite-operator/ci/resource-profiles-values.yaml"),
         )
         .expect("values"),
     )
@@ -735,7 +733,7 @@ async fn a_model_download_refused_by_the_hub_shows_as_degraded() {
             "stringData": {"HF_TOKEN": "hf_expired", "HF_ENDPOINT": hub.url()}}))
         .await;
     applier
-        .apply(&common::e2e::isvc(
+        .apply(&ferrite_testkit::e2e::isvc(
             &ns,
             "gated",
             json!({"model": {"source": "hf://acme/smol/smol.gguf",

@@ -4,14 +4,14 @@
 //! (kube-controller-manager's) reading the operator's External Metrics API through the
 //! aggregation layer.
 
-use crate::common;
-
 use std::time::Duration;
 
-use common::e2e::{Applier, Operator, audited, condition, get_isvc, install, isvc, pods_ready};
-use common::servers::{Load, ready_server};
+use ferrite_testkit::e2e::{
+    Applier, Operator, audited, condition, get_isvc, install, isvc, pods_ready,
+};
 use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
+use ferrite_testkit::server::{Load, ready_server};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -92,7 +92,7 @@ async fn the_scale_subresource_works_without_spec_replicas() {
         WAIT,
         "alice to create an InferenceService (edit aggregates ours)",
         async || {
-            let api = common::e2e::isvc_api(&as_alice, &ns);
+            let api = ferrite_testkit::e2e::isvc_api(&as_alice, &ns);
             let obj: DynamicObject = serde_json::from_value(isvc(
                 &ns,
                 "chat",

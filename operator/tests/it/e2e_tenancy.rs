@@ -4,11 +4,9 @@
 //! copied from another namespace leaves the copy `Ready=False` (`ServedNameConflict`, with a
 //! Warning event) while the older claimant keeps it, until the older one goes.
 
-use crate::common;
-
 use std::time::Duration;
 
-use common::e2e::{Applier, Operator, condition, install, isvc_api};
+use ferrite_testkit::e2e::{Applier, Operator, condition, install, isvc_api};
 use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
 use k8s_openapi::api::core::v1::Service;
@@ -35,7 +33,7 @@ async fn colliding_tenants_are_refused_not_taken_over() {
             "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]}}))
         .await;
     applier
-        .apply(&common::e2e::isvc(
+        .apply(&ferrite_testkit::e2e::isvc(
             &ns,
             "web",
             json!({"model": {"source": "/models/smol.gguf"}}),
@@ -80,7 +78,7 @@ async fn colliding_tenants_are_refused_not_taken_over() {
     // A served name copied from another namespace.
     let owner_ns = cluster.namespace("zzz-owner").await;
     applier
-        .apply(&common::e2e::isvc(
+        .apply(&ferrite_testkit::e2e::isvc(
             &owner_ns,
             "llm",
             json!({"model": {"source": "/models/smol.gguf", "servedName": "shared"}}),
@@ -90,7 +88,7 @@ async fn colliding_tenants_are_refused_not_taken_over() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let copy_ns = cluster.namespace("aaa-tenant").await;
     applier
-        .apply(&common::e2e::isvc(
+        .apply(&ferrite_testkit::e2e::isvc(
             &copy_ns,
             "copy",
             json!({"model": {"source": "/models/smol.gguf", "servedName": "shared"}}),
@@ -157,7 +155,7 @@ async fn model_pods_admit_only_the_router_the_operator_and_prometheus() {
     let ns = cluster.namespace("netpol").await;
     Applier::new(client.clone())
         .await
-        .apply(&common::e2e::isvc(
+        .apply(&ferrite_testkit::e2e::isvc(
             &ns,
             "chat",
             json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"port": 8123}}),
@@ -208,7 +206,7 @@ async fn model_pods_admit_only_the_router_the_operator_and_prometheus() {
     for i in 0..2 {
         assert_eq!(
             from[i]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
-            common::chart::NAMESPACE,
+            ferrite_testkit::chart::NAMESPACE,
             "{from}"
         );
     }
@@ -235,7 +233,7 @@ fn a_peer_that_selects_nothing_is_refused_at_start() {
         (r#"[{"podSelector": {}}, {}]"#, "peer 1 selects nothing"),
         ("router", "not a JSON list of NetworkPolicyPeers"),
     ] {
-        let out = std::process::Command::new(common::e2e::operator_binary())
+        let out = std::process::Command::new(ferrite_testkit::e2e::operator_binary())
             .arg(format!("--network-policy-peers={peers}"))
             .output()
             .expect("the operator runs");

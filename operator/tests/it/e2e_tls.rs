@@ -6,16 +6,13 @@
 //! Secret with the caBundle that trusts it, renewed without a restart, and cert-manager's
 //! mounted files reread when they change.
 
-use crate::common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::e2e::{Applier, operator_binary};
-use common::validate::root;
 use ferrite_operator::certs::x509_version;
-use ferrite_testkit::kube::{Cluster, KubeUser, kubeconfig};
+use ferrite_testkit::e2e::{Applier, operator_binary};
+use ferrite_testkit::kube::{Cluster, KubeUser, kubeconfig, workspace_root};
 use ferrite_testkit::process::{Guard, TempDir, eventually, free_port};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject as _;
@@ -143,7 +140,7 @@ async fn v1_certificates_at_the_external_metrics_api_are_named() {
     };
     let mut applier = Applier::new(cluster.client().await).await;
     applier
-        .apply_file(&root().join("crds/inferenceservice.yaml"))
+        .apply_file(&workspace_root().join("crds/inferenceservice.yaml"))
         .await;
     let dir = TempDir::new("v1-external");
 
@@ -263,7 +260,9 @@ async fn v1_certificates_at_the_external_metrics_api_are_named() {
 /// same certificate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operator_issues_its_certificate_and_the_bundle_that_trusts_it() {
-    use common::e2e::{Operator, external_client, external_client_as, install, live_ca_bundle};
+    use ferrite_testkit::e2e::{
+        Operator, external_client, external_client_as, install, live_ca_bundle,
+    };
     use k8s_openapi::api::core::v1::Secret;
     let Some(cluster) = Cluster::start().await else {
         return;
@@ -276,13 +275,13 @@ async fn the_operator_issues_its_certificate_and_the_bundle_that_trusts_it() {
     )
     .await;
     assert!(
-        common::chart::one(&release.docs, "APIService")["spec"]["caBundle"].is_null(),
+        ferrite_testkit::chart::one(&release.docs, "APIService")["spec"]["caBundle"].is_null(),
         "the chart renders no caBundle"
     );
     let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
     let bundle = live_ca_bundle(&client).await;
     let secrets: kube::Api<Secret> =
-        kube::Api::namespaced(client.clone(), common::chart::NAMESPACE);
+        kube::Api::namespaced(client.clone(), ferrite_testkit::chart::NAMESPACE);
     let secret = secrets
         .get("ferrite-ferrite-operator-external-metrics-tls")
         .await
@@ -338,7 +337,7 @@ async fn the_operator_issues_its_certificate_and_the_bundle_that_trusts_it() {
         &release,
         release.external_port,
         None,
-        Some(common::tls::identity_files(&crt, &key)),
+        Some(ferrite_testkit::tls::identity_files(&crt, &key)),
     )
     .await;
     assert_eq!(status_of(&wrong_cn, &format!("{base}{metric}")), 403);
@@ -396,7 +395,7 @@ fn presented(port: u16) -> Option<String> {
 /// trusting the live bundle keeps reaching the API throughout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operator_renews_its_certificate_without_a_restart() {
-    use common::e2e::{Operator, external_client, install, live_ca_bundle};
+    use ferrite_testkit::e2e::{Operator, external_client, install, live_ca_bundle};
     let Some(cluster) = Cluster::start().await else {
         return;
     };

@@ -3,17 +3,15 @@
 //! every verb of every rule the chart grants (so the RBAC is exactly enough); and once 20
 //! InferenceServices have settled, it sends nothing but its watches and Lease renewals.
 
-use crate::common;
-
 use std::time::Duration;
 
-use common::e2e::{
+use ferrite_testkit::e2e::{
     Applier, Operator, assert_exact_rbac, audited, get_isvc, install, install_service_monitor_crd,
     isvc, pods_ready, requests,
 };
-use common::servers::{Load, ready_server};
 use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
+use ferrite_testkit::server::{Load, ready_server};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -109,7 +107,7 @@ async fn the_operator_uses_exactly_the_rbac_the_chart_grants() {
     }
 
     // Everything optional turned off: pruned.
-    let isvcs = common::e2e::isvc_api(&client, &ns);
+    let isvcs = ferrite_testkit::e2e::isvc_api(&client, &ns);
     isvcs
         .patch("everything", &PatchParams::apply("ferrite-e2e").force(), &Patch::Apply(isvc(&ns, "everything", json!({
             "model": {"source": "pvc://models/smol.gguf"}, "replicas": 1,

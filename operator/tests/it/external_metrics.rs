@@ -2,21 +2,19 @@
 //! Status errors, and TLS that a client actually verifies (server certificate and name, and
 //! client certificates when a client CA is set).
 
-use crate::common;
-
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use common::tls::{agent, agent_with, client_config};
 use ferrite_api::signal::Signals;
 use ferrite_operator::autoscale::store::{Key, SignalStore, Snapshot};
 use ferrite_operator::external_metrics::{
     CertSource, ClientAuth, ExternalMetricValueList, RequestHeader, ServerTls, TlsError,
     TlsSettings, serve_tls, service_names,
 };
+use ferrite_testkit::tls::{agent, agent_with, client_config};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
 use serde_json::Value;

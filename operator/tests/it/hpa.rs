@@ -1,8 +1,6 @@
 //! The HorizontalPodAutoscaler built for `autoscaling.mode: HPA`: its fields for each target
 //! combination and behaviour, and Kubernetes' own schema (strict) accepting it.
 
-use crate::common;
-
 use std::collections::BTreeMap;
 
 use ferrite_api::crd::InferenceService;
@@ -260,7 +258,7 @@ fn hpa_needs_namespace_and_uid() {
 /// alpha `tolerance` only from 1.33, where the field exists.
 #[test]
 fn hpa_passes_kubernetes_schemas_strictly() {
-    let dir = common::validate::temp_dir("hpa");
+    let dir = ferrite_testkit::validate::temp_dir("hpa");
     let plain: Vec<Value> = [
         json!({"mode": "HPA", "minReplicas": 1, "maxReplicas": 8,
                "targets": {"queuePerReplica": 1.5, "kvCacheUsage": 0.8}}),
@@ -275,9 +273,10 @@ fn hpa_passes_kubernetes_schemas_strictly() {
     .into_iter()
     .map(|a| serde_json::to_value(built(a)).expect("json"))
     .collect();
-    let plain_file = common::validate::write_yaml(&dir, "hpa.yaml", &plain);
+    let plain_file = ferrite_testkit::validate::write_yaml(&dir, "hpa.yaml", &plain);
     for version in ["1.29.0", "1.32.0", "1.33.0"] {
-        let (ok, out) = common::validate::kubernetes(version, std::slice::from_ref(&plain_file));
+        let (ok, out) =
+            ferrite_testkit::validate::kubernetes(version, std::slice::from_ref(&plain_file));
         assert!(ok, "{version}: {out}");
         assert_eq!(
             out.lines()
@@ -291,19 +290,20 @@ fn hpa_passes_kubernetes_schemas_strictly() {
     let tolerant = serde_json::to_value(built(json!({"mode": "HPA", "minReplicas": 1,
         "maxReplicas": 4, "targets": {"queuePerReplica": 1}, "behavior": {"tolerance": 0.05}})))
     .expect("json");
-    let tolerant_file = common::validate::write_yaml(&dir, "tolerant.yaml", &[tolerant]);
-    let (ok, out) = common::validate::kubernetes("1.33.0", std::slice::from_ref(&tolerant_file));
+    let tolerant_file = ferrite_testkit::validate::write_yaml(&dir, "tolerant.yaml", &[tolerant]);
+    let (ok, out) =
+        ferrite_testkit::validate::kubernetes("1.33.0", std::slice::from_ref(&tolerant_file));
     assert!(ok, "{out}");
     // Before 1.33 the field does not exist, so strict validation rejects it: the check can fail.
-    let (ok, out) = common::validate::kubernetes("1.32.0", &[tolerant_file]);
+    let (ok, out) = ferrite_testkit::validate::kubernetes("1.32.0", &[tolerant_file]);
     assert!(!ok, "tolerance passed the 1.32 schema: {out}");
     assert!(out.contains("tolerance"), "{out}");
 
     // A broken object is rejected too (maxReplicas must be an integer).
     let mut broken = plain[0].clone();
     broken["spec"]["maxReplicas"] = json!("many");
-    let bad = common::validate::write_yaml(&dir, "bad.yaml", &[broken]);
-    let (ok, out) = common::validate::kubernetes("1.32.0", &[bad]);
+    let bad = ferrite_testkit::validate::write_yaml(&dir, "bad.yaml", &[broken]);
+    let (ok, out) = ferrite_testkit::validate::kubernetes("1.32.0", &[bad]);
     assert!(!ok, "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }

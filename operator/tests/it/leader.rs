@@ -2,11 +2,9 @@
 //! namespace per test), including a takeover from a holder that died without letting go; and
 //! a lost race answered by 409, against a scripted server.
 
-use crate::common;
-
 use std::time::Duration;
 
-use common::apiserver::{self, ok, status_reply, step};
+use crate::apiserver::{self, ok, status_reply, step};
 use ferrite_operator::leader::{LeaderElector, LeaseSettings, Role};
 use ferrite_testkit::kube::Cluster;
 use http::{Method, StatusCode};

@@ -3,12 +3,11 @@
 //! schema (jsonschema), and ServiceMonitors pass the Prometheus Operator's (npm
 //! `@kubernetes-models/prometheus-operator`).
 
-use crate::common;
-
-use common::validate::{custom_resources, root, temp_dir, validate, write_yaml};
 use ferrite_api::crd::InferenceService;
 use ferrite_operator::build::{ClusterCapabilities, Desired, build};
 use ferrite_operator::config::{Dashboard, OperatorConfig};
+use ferrite_testkit::kube::workspace_root;
+use ferrite_testkit::validate::{custom_resources, temp_dir, validate, write_yaml};
 use serde_json::{Value, json};
 
 fn objects(d: &Desired) -> Vec<Value> {
@@ -53,7 +52,8 @@ fn built_objects_pass_kubernetes_schemas_strictly() {
         (
             "full",
             serde_yaml_ng::from_str::<Value>(
-                &std::fs::read_to_string(root().join("examples/full.yaml")).expect("full.yaml"),
+                &std::fs::read_to_string(workspace_root().join("examples/full.yaml"))
+                    .expect("full.yaml"),
             )
             .expect("yaml")["spec"]
                 .clone(),
@@ -104,10 +104,10 @@ fn built_objects_pass_kubernetes_schemas_strictly() {
 
 #[test]
 fn examples_pass_the_generated_crd_schema() {
-    let crd = root().join("crds/inferenceservice.yaml");
+    let crd = workspace_root().join("crds/inferenceservice.yaml");
     let examples = [
-        root().join("examples/minimal.yaml"),
-        root().join("examples/full.yaml"),
+        workspace_root().join("examples/minimal.yaml"),
+        workspace_root().join("examples/full.yaml"),
     ];
     let (ok, out) = validate("crd", crd.to_str().expect("utf-8"), &examples);
     assert!(ok, "{out}");

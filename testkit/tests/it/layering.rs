@@ -1,8 +1,9 @@
 //! The workspace's layering (docs/architecture.md), checked on what cargo resolves and on the
 //! sources: a break fails here, not in review.
 //! - `ferrite-runtime` pulls in no HTTP, no Prometheus, no Kubernetes and no tokio networking;
-//! - no production crate depends on a sibling above it, nor on `ferrite-testkit`; the router,
-//!   operator and server meet only in `ferrite-api`, and the server takes it without `kube`;
+//! - no production crate depends on a sibling above it, nor on `ferrite-testkit` or the
+//!   workspace's suites (`ferrite-tests`); the router, operator and server meet only in
+//!   `ferrite-api`, and the server takes it without `kube`;
 //! - inside the runtime, `kv` imports neither `model` nor `engine`, and `model` does not import
 //!   `engine`; inside the server, `metrics` does not import `api`;
 //! - in no crate do the top-level modules import each other in a circle, nor any two modules
@@ -197,7 +198,10 @@ fn production_crates_depend_only_downward_and_never_on_test_support() {
     ];
     for (krate, above) in cases {
         let deps = g.closure_names(krate);
-        for a in above.iter().chain(&["ferrite-testkit", "ferrite-bench"]) {
+        for a in above
+            .iter()
+            .chain(&["ferrite-testkit", "ferrite-bench", "ferrite-tests"])
+        {
             assert!(!deps.contains(*a), "{krate} depends on {a}");
         }
     }
@@ -212,7 +216,8 @@ fn production_crates_depend_only_downward_and_never_on_test_support() {
         );
     }
     // The operator's `test-support` (hand-filled watch caches) is only ever a dev-dependency's
-    // feature: no crate builds it into a binary or library.
+    // feature: no crate builds it into a binary or library. The workspace's suites run the
+    // binaries and need it not at all, as a dev-dependency either.
     for p in g.packages.values() {
         for d in p["dependencies"].as_array().into_iter().flatten() {
             let asks = d["features"]
@@ -222,6 +227,11 @@ fn production_crates_depend_only_downward_and_never_on_test_support() {
                 !(asks && d["kind"].is_null()),
                 "{} takes {}'s test-support as a normal dependency",
                 p["name"],
+                d["name"]
+            );
+            assert!(
+                !(asks && p["name"] == "ferrite-tests"),
+                "ferrite-tests takes {}'s test-support",
                 d["name"]
             );
         }
@@ -550,7 +560,8 @@ fn file_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
     graph
 }
 
-/// The `src/` folder of every crate of the workspace, as cargo lists its members.
+/// The `src/` folder of every crate of the workspace that has one, as cargo lists its members
+/// (`ferrite-tests` is test binaries only).
 fn workspace_sources() -> Vec<PathBuf> {
     let meta = metadata();
     let members: BTreeSet<&str> = meta["workspace_members"]
@@ -571,6 +582,7 @@ fn workspace_sources() -> Vec<PathBuf> {
                     .join("src"),
             )
         })
+        .filter(|src| src.is_dir())
         .collect()
 }
 

@@ -10,18 +10,19 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use ferrite_testkit::kube::{Cluster, Options};
-use ferrite_testkit::process::{Guard, TempDir, eventually, free_port};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;
 use kube::discovery::{ApiCapabilities, ApiResource, Discovery, Scope};
 use serde_json::{Value, json};
 
-use super::chart::{
+use crate::chart::{
     NAMESPACE, granted, one_component, operator_deployment, render_values, router_deployment,
 };
-use super::validate::root;
+use crate::kube::{Cluster, Options, workspace_root};
+use crate::process::{Guard, TempDir, eventually, free_port};
+use crate::server::workspace_binary;
+use crate::tls::{Identity, client_config, identity_files};
 
 /// Field manager of the objects a test applies (not the operator's).
 const TEST_MANAGER: &str = "ferrite-e2e";
@@ -30,6 +31,13 @@ const TEST_MANAGER: &str = "ferrite-e2e";
 pub struct Applier {
     client: kube::Client,
     discovery: Discovery,
+}
+
+impl std::fmt::Debug for Applier {
+    /// Neither the client nor the discovery cache is `Debug`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Applier").finish_non_exhaustive()
+    }
 }
 
 impl Applier {
@@ -159,6 +167,7 @@ pub fn audited() -> Options {
 }
 
 /// The chart as installed into a cluster.
+#[derive(Debug)]
 pub struct Release {
     pub docs: Vec<Value>,
     /// Where the operator's External Metrics API listens (the APIService reaches it there).
@@ -235,7 +244,7 @@ pub async fn install(cluster: &Cluster, values: &Value, tag: &str) -> Release {
         .apply(&json!({"apiVersion": "v1", "kind": "Namespace",
                         "metadata": {"name": NAMESPACE}}))
         .await;
-    for entry in std::fs::read_dir(root().join("crds")).expect("crds/") {
+    for entry in std::fs::read_dir(workspace_root().join("crds")).expect("crds/") {
         let path = entry.expect("crds/ entry").path();
         applier.apply_file(&path).await;
     }
@@ -266,6 +275,7 @@ pub async fn install(cluster: &Cluster, values: &Value, tag: &str) -> Release {
 }
 
 /// A running operator process.
+#[derive(Debug)]
 pub struct Operator {
     pub guard: Guard,
     pub identity: String,
@@ -505,14 +515,17 @@ impl Operator {
     }
 }
 
-/// The operator binary: `FERRITE_OPERATOR_BIN`, else the one cargo built for this test run.
+/// The operator binary: `FERRITE_OPERATOR_BIN`, else the workspace's, built beside the tests
+/// (the operator's own tests build it; `cargo nextest run --workspace` builds it for every
+/// suite).
 pub fn operator_binary() -> PathBuf {
     std::env::var_os("FERRITE_OPERATOR_BIN")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ferrite-operator")))
+        .unwrap_or_else(|| workspace_binary("ferrite-operator"))
 }
 
 /// A running ferrite-router process, run as the chart's router Deployment would run it.
+#[derive(Debug)]
 pub struct Router {
     pub guard: Guard,
     /// `http://127.0.0.1:port`: its `--addr`, moved to loopback.
@@ -569,7 +582,7 @@ impl Router {
 pub fn router_binary() -> PathBuf {
     std::env::var_os("FERRITE_ROUTER_BIN")
         .map(PathBuf::from)
-        .unwrap_or_else(|| ferrite_testkit::server::workspace_binary("ferrite-router"))
+        .unwrap_or_else(|| workspace_binary("ferrite-router"))
 }
 
 /// The APIService's live `caBundle` (PEM), once the operator has set it.
@@ -607,8 +620,8 @@ pub async fn external_client(
 }
 
 /// The cluster's front-proxy client certificate chain and key (CN `front-proxy-client`).
-pub fn front_proxy_identity(cluster: &Cluster) -> super::tls::Identity {
-    super::tls::identity_files(
+pub fn front_proxy_identity(cluster: &Cluster) -> Identity {
+    identity_files(
         &cluster.pki_file("front-proxy-client.crt"),
         &cluster.pki_file("front-proxy-client.key"),
     )
@@ -620,7 +633,7 @@ pub async fn external_client_as(
     release: &Release,
     port: u16,
     host: Option<&str>,
-    identity: Option<super::tls::Identity>,
+    identity: Option<Identity>,
 ) -> (ureq::Agent, String) {
     let client = cluster.client().await;
     let ca = live_ca_bundle(&client).await;
@@ -635,9 +648,7 @@ pub async fn external_client_as(
         Ok(vec![std::net::SocketAddr::from(([127, 0, 0, 1], port))])
     };
     let agent = ureq::AgentBuilder::new()
-        .tls_config(std::sync::Arc::new(super::tls::client_config(
-            &ca, identity,
-        )))
+        .tls_config(std::sync::Arc::new(client_config(&ca, identity)))
         .resolver(resolve)
         .timeout(Duration::from_secs(5))
         .build();

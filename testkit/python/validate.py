@@ -1,4 +1,4 @@
-"""Validates manifests with real schemas; used by operator/tests/it/manifests.rs.
+"""Validates manifests with real schemas; used by testkit/src/validate.rs.
 
   validate.py k8s VERSION FILE...   every document against Kubernetes VERSION (kubernetes-validate, strict)
   validate.py crd CRD FILE...       every document against the CRD's openAPIV3Schema (jsonschema)

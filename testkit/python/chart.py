@@ -1,4 +1,4 @@
-"""Drives the real Helm SDK (PyPI helm-python-sdk, Helm v4's Go code) for operator/tests/it/chart.rs.
+"""Drives the real Helm SDK (PyPI helm-python-sdk, Helm v4's Go code) for testkit/src/chart.rs.
 
   chart.py render CHART VALUES NAMESPACE OUT   render templates (as `helm install`) into OUT, one
                                                multi-document YAML; prints a line per object

@@ -2,16 +2,11 @@
 //! client-side with kube's CEL evaluator, as no API server can run here), and the examples are
 //! accepted.
 
-use std::path::PathBuf;
-
 use ferrite_api::crd::{InferenceService, crd_yaml};
+use ferrite_testkit::kube::workspace_root;
 use kube::CustomResourceExt;
 use kube::core::cel::Validator;
 use serde_json::Value;
-
-fn root() -> PathBuf {
-    ferrite_testkit::kube::workspace_root()
-}
 
 fn schema() -> Value {
     let crd = InferenceService::crd();
@@ -24,13 +19,14 @@ fn schema() -> Value {
 }
 
 fn yaml(path: &str) -> Value {
-    let text = std::fs::read_to_string(root().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let text = std::fs::read_to_string(workspace_root().join(path))
+        .unwrap_or_else(|e| panic!("{path}: {e}"));
     serde_yaml_ng::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
 #[test]
 fn committed_crd_is_current() {
-    let committed = std::fs::read_to_string(root().join("crds/inferenceservice.yaml"))
+    let committed = std::fs::read_to_string(workspace_root().join("crds/inferenceservice.yaml"))
         .expect("crds/inferenceservice.yaml");
     assert!(
         committed == crd_yaml().expect("yaml"),
@@ -42,7 +38,7 @@ fn committed_crd_is_current() {
 #[test]
 fn cel_rules_reject_each_invalid_example_with_its_message() {
     let schema = schema();
-    let cases = yaml("operator/tests/cel/invalid.yaml");
+    let cases = yaml("tests/cel/invalid.yaml");
     let cases = cases.as_array().expect("a list of cases");
     assert!(cases.len() >= 7);
     let v = Validator::new();

@@ -7,17 +7,16 @@
 //! suites: its RBAC against the operator's audited traffic (e2e_traffic), its APIService and
 //! certificate through the aggregator (e2e_scale, e2e_tls).
 
-use crate::common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use common::chart::{
+use ferrite_testkit::chart::{
     NAMESPACE, chart_dir, container_args, find, find_component, granted, helm, notes, one,
     one_component, operator_args, operator_deployment, path_str, render, render_text, router_args,
     router_deployment,
 };
-use common::validate::{custom_resources, kubernetes, root, temp_dir};
+use ferrite_testkit::kube::workspace_root;
+use ferrite_testkit::validate::{custom_resources, kubernetes, temp_dir};
 use serde_json::{Value, json};
 
 /// Kinds whose schemas come from their CRDs' npm models, not from Kubernetes.
@@ -69,20 +68,20 @@ fn the_chart_ships_the_generated_crds_and_the_dashboards_byte_for_byte() {
     let loaded = temp_dir("chart-crds").join("crds");
     let (ok, text) = helm(&["crds", path_str(&chart_dir()), path_str(&loaded)]);
     assert!(ok, "Helm could not load the chart's CRDs:\n{text}");
-    let source = files(&root().join("crds"), "yaml");
+    let source = files(&workspace_root().join("crds"), "yaml");
     assert!(!source.is_empty(), "crds/ is empty");
     assert_eq!(
         files(&loaded, "yaml"),
         source,
         "the chart's CRDs differ from crds/: {fix}"
     );
-    let dashboards = files(&root().join("dashboards"), "json");
+    let dashboards = files(&workspace_root().join("dashboards"), "json");
     assert_eq!(
         files(&chart_dir().join("files/dashboards"), "json"),
         dashboards,
         "the chart's dashboards differ from dashboards/: {fix}"
     );
-    let alerts = root().join("dashboards/alerts.yaml");
+    let alerts = workspace_root().join("dashboards/alerts.yaml");
     let copy = chart_dir().join("files/alerts.yaml");
     assert_eq!(
         std::fs::read(&copy).ok(),
@@ -208,7 +207,7 @@ fn check_value_set(tag: &str, docs: &[Value]) {
         .into_iter()
         .filter(|c| c["metadata"]["labels"]["grafana_dashboard"] == "1")
         .collect();
-    let dashboard_count = files(&root().join("dashboards"), "json").len();
+    let dashboard_count = files(&workspace_root().join("dashboards"), "json").len();
     match tag {
         "default" => {
             assert_eq!(deployment["spec"]["replicas"], 1);
@@ -386,7 +385,7 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 "{args:?}"
             );
             let alerts: Value = serde_yaml_ng::from_str(
-                &std::fs::read_to_string(root().join("dashboards/alerts.yaml"))
+                &std::fs::read_to_string(workspace_root().join("dashboards/alerts.yaml"))
                     .expect("dashboards/alerts.yaml"),
             )
             .expect("alerts.yaml parses");
@@ -849,13 +848,13 @@ fn check_selectors(tag: &str, docs: &[Value]) {
     }
 }
 
-/// `operator/tests/chart-values/invalid-*.yaml`: each starts with `# expect: MESSAGE`, a part of
+/// `tests/chart-values/invalid-*.yaml`: each starts with `# expect: MESSAGE`, a part of
 /// what Helm must answer.
 #[test]
 fn wrong_values_are_refused_with_a_message_naming_the_key() {
-    let dir = root().join("operator/tests/chart-values");
+    let dir = workspace_root().join("tests/chart-values");
     let mut cases: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .expect("operator/tests/chart-values")
+        .expect("tests/chart-values")
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
             p.file_name()

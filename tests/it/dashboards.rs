@@ -13,8 +13,6 @@
 //! With `FERRITE_DASHBOARD_PREVIEW_DIR` set, the live test also writes each dashboard with its
 //! panels' query results there, for `scripts/dashboard-preview.sh`.
 
-use crate::common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -23,12 +21,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::e2e::{Applier, Operator, install, isvc, pods_ready_at};
-use common::servers::{Server, free_port, start_server_at, wait_healthy};
-use common::validate::{root, run_validator, tool_path};
-use ferrite_testkit::kube::Cluster;
-use ferrite_testkit::process::{Guard, TempDir};
+use ferrite_testkit::e2e::{Applier, Operator, install, isvc, pods_ready_at};
+use ferrite_testkit::kube::{Cluster, workspace_root};
+use ferrite_testkit::process::{Guard, TempDir, free_port};
 use ferrite_testkit::prometheus::{Prometheus, tool, unix_now};
+use ferrite_testkit::server::{Server, start_server_at};
+use ferrite_testkit::tools::{node_modules, python};
+use ferrite_testkit::validate::run_validator;
 use serde_json::{Value, json};
 
 const DASHBOARDS: [&str; 3] = ["overview", "realtime", "autoscaling"];
@@ -43,7 +42,7 @@ const PROMETHEUS_SERIES: [&str; 1] = ["up"];
 const DATASOURCE: &str = "${datasource}";
 
 fn dashboards_dir() -> PathBuf {
-    root().join("dashboards")
+    workspace_root().join("dashboards")
 }
 
 fn load(name: &str) -> Value {
@@ -384,7 +383,7 @@ fn the_scanner_finds_metric_names_and_their_aggregation() {
 
 #[test]
 fn the_dashboards_are_what_generate_py_writes() {
-    let python = tool_path("FERRITE_TEST_PYTHON", "python-env.sh");
+    let python = python();
     let (ok, out) = run_validator(
         Command::new(python)
             .arg(dashboards_dir().join("generate.py"))
@@ -702,14 +701,14 @@ fn the_operators_copy_presets_the_model_name_variable() {
 
 #[test]
 fn the_dashboards_validate_against_grafanas_schema() {
-    let modules = tool_path("FERRITE_NODE_MODULES", "node-env.sh");
+    let modules = node_modules();
     let files: Vec<PathBuf> = DASHBOARDS
         .iter()
         .map(|n| dashboards_dir().join(format!("{n}.json")))
         .collect();
     let (ok, out) = run_validator(
         Command::new("node")
-            .arg(root().join("operator/tests/node/validate-grafana-dashboard.mjs"))
+            .arg(workspace_root().join("tests/node/validate-grafana-dashboard.mjs"))
             .arg(&modules)
             .args(&files),
     );
@@ -721,7 +720,7 @@ fn the_dashboards_validate_against_grafanas_schema() {
     );
 
     // The validator does reject what Grafana's schema forbids.
-    let dir = common::validate::temp_dir("dashboards");
+    let dir = ferrite_testkit::validate::temp_dir("dashboards");
     let mut bad = load("overview");
     bad["panels"][1]["gridPos"]["w"] = json!("wide");
     bad["templating"]["list"][1]["hide"] = json!(7);
@@ -729,7 +728,7 @@ fn the_dashboards_validate_against_grafanas_schema() {
     std::fs::write(&bad_file, bad.to_string()).expect("write");
     let (ok, out) = run_validator(
         Command::new("node")
-            .arg(root().join("operator/tests/node/validate-grafana-dashboard.mjs"))
+            .arg(workspace_root().join("tests/node/validate-grafana-dashboard.mjs"))
             .arg(&modules)
             .arg(&bad_file),
     );
@@ -819,7 +818,7 @@ fn start_replica(host: &str, port: u16) -> Server {
 
 fn wait_ready(servers: &mut [Server]) {
     for s in servers {
-        wait_healthy(s);
+        s.wait_ready();
     }
 }
 
@@ -897,7 +896,7 @@ fn get_text(url: &str) -> String {
 /// answers (its watch caches have listed).
 fn start_router(cluster: &Cluster, ns: &str, port: u16, log: &Path) -> Guard {
     let file = std::fs::File::create(log).expect("router log");
-    let mut cmd = Command::new(ferrite_testkit::server::workspace_binary("ferrite-router"));
+    let mut cmd = Command::new(ferrite_testkit::e2e::router_binary());
     cmd.args([
         format!("--addr=127.0.0.1:{port}"),
         format!("--namespace={ns}"),
@@ -1039,7 +1038,7 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
                                "metadata": {"name": ns}}))
                 .await;
         }
-        common::e2e::quota(&client, "broken", json!({"services": "0"})).await;
+        ferrite_testkit::e2e::quota(&client, "broken", json!({"services": "0"})).await;
         applier.apply(&chat).await;
         applier
             .apply(&isvc(
@@ -1163,7 +1162,7 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
         // "broken" is retried with a growing backoff, so its failures thin out; an annotation
         // changed every 2 s makes it fail again at once, so the errors panel has data within
         // the load window however long setup took.
-        let broken = common::e2e::isvc_api(&client, "broken");
+        let broken = ferrite_testkit::e2e::isvc_api(&client, "broken");
         let mut poked = Instant::now();
         let mut pokes = 0u32;
         while Instant::now() < deadline && !conditions.iter().all(|c| *c) {
@@ -1352,7 +1351,7 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
 
     // Every expression parses (promtool, as recording rules) ...
     let queries = all_queries();
-    let dir = common::validate::temp_dir("dashboard-queries");
+    let dir = ferrite_testkit::validate::temp_dir("dashboard-queries");
     let mut recording = String::from("groups:\n  - name: dashboards\n    rules:\n");
     for (i, q) in queries.iter().enumerate() {
         let expr = serde_json::to_string(&substitute(&q.expr, &VALUES)).expect("json");

@@ -1,16 +1,15 @@
-//! Runs the schema validators on objects the build step and the chart make:
-//! operator/tests/python/validate.py (Kubernetes' own schemas through PyPI `kubernetes-validate`,
-//! strict; or a CRD's schema) and the npm models of custom resources.
+//! Runs the schema validators on objects the operator's build step and the chart make:
+//! testkit/python/validate.py (Kubernetes' own schemas through PyPI `kubernetes-validate`,
+//! strict; or a CRD's schema) and the npm models of custom resources
+//! (testkit/node/validate-crd-objects.mjs).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-pub use ferrite_testkit::tools::tool_path;
 use serde_json::Value;
 
-pub fn root() -> PathBuf {
-    ferrite_testkit::kube::workspace_root()
-}
+use crate::kube::workspace_root;
+use crate::tools::{node_modules, python};
 
 /// Runs a validator; returns (success, stdout and stderr).
 pub fn run_validator(cmd: &mut Command) -> (bool, String) {
@@ -24,21 +23,21 @@ pub fn run_validator(cmd: &mut Command) -> (bool, String) {
 /// its output has one `ok`/`FAIL` line per document.
 pub fn validate(mode: &str, target: &str, files: &[PathBuf]) -> (bool, String) {
     run_validator(
-        Command::new(tool_path("FERRITE_TEST_PYTHON", "python-env.sh"))
-            .arg(root().join("operator/tests/python/validate.py"))
+        Command::new(python())
+            .arg(workspace_root().join("testkit/python/validate.py"))
             .args([mode, target])
             .args(files),
     )
 }
 
 /// Validates custom resources (one JSON object per file) with their CRDs' npm models
-/// (operator/tests/node/validate-crd-objects.mjs: ServiceMonitor, PrometheusRule, Certificate,
+/// (testkit/node/validate-crd-objects.mjs: ServiceMonitor, PrometheusRule, Certificate,
 /// Issuer); its output has one `ok FILE KIND` or `invalid FILE: why` line per file.
 pub fn custom_resources(files: &[PathBuf]) -> (bool, String) {
     run_validator(
         Command::new("node")
-            .arg(root().join("operator/tests/node/validate-crd-objects.mjs"))
-            .arg(tool_path("FERRITE_NODE_MODULES", "node-env.sh"))
+            .arg(workspace_root().join("testkit/node/validate-crd-objects.mjs"))
+            .arg(node_modules())
             .args(files),
     )
 }

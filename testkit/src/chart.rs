@@ -1,5 +1,5 @@
-//! Rendering the Helm chart with the real Helm SDK (operator/tests/python/chart.py), for the
-//! chart's own tests and for installing it into a test cluster.
+//! Rendering the Helm chart with the real Helm SDK (testkit/python/chart.py), for the chart's
+//! own tests (tests/it/chart.rs) and for installing it into a test cluster ([`crate::e2e`]).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -7,20 +7,22 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use super::validate::{root, run_validator, temp_dir, tool_path};
+use crate::kube::workspace_root;
+use crate::tools::python;
+use crate::validate::{run_validator, temp_dir};
 
 /// The release's namespace in every rendering.
 pub const NAMESPACE: &str = "ferrite-system";
 
 pub fn chart_dir() -> PathBuf {
-    root().join("charts/ferrite-operator")
+    workspace_root().join("charts/ferrite-operator")
 }
 
-/// Runs operator/tests/python/chart.py with the project's Python (which has the Helm SDK).
+/// Runs testkit/python/chart.py with the project's Python (which has the Helm SDK).
 pub fn helm(args: &[&str]) -> (bool, String) {
     run_validator(
-        Command::new(tool_path("FERRITE_TEST_PYTHON", "python-env.sh"))
-            .arg(root().join("operator/tests/python/chart.py"))
+        Command::new(python())
+            .arg(workspace_root().join("testkit/python/chart.py"))
             .args(args),
     )
 }

@@ -13,22 +13,20 @@
 //! With pods, it turns Ready at 127.0.0.1 where a real ferrite-server listens and the request
 //! succeeds.
 //!
-//! The binary is the workspace's (`cargo build -p ferrite-router`, or `FERRITE_ROUTER_BIN`);
-//! `cargo nextest run --workspace` builds it.
-
-use crate::common;
+//! The binaries are the workspace's (`cargo build -p ferrite-router -p ferrite-operator
+//! -p ferrite-server`, or `FERRITE_ROUTER_BIN`, `FERRITE_OPERATOR_BIN`); `cargo nextest run
+//! --workspace` builds them.
 
 use std::time::Duration;
 
-use common::chart::router_args;
-use common::e2e::{
+use ferrite_testkit::chart::router_args;
+use ferrite_testkit::e2e::{
     Operator, Router, assert_exact_rbac, audited, bind_pods, get_isvc, install, isvc, isvc_api,
     pods_ready,
 };
-use common::servers::ready_server;
 use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
-use ferrite_testkit::server::post_json;
+use ferrite_testkit::server::{post_json, ready_server};
 use kube::api::{Patch, PatchParams};
 use serde_json::{Value, json};
 
@@ -112,7 +110,7 @@ async fn cold_start_through_the_router(
     assert_eq!(args.iter().any(|a| a == "--no-wake"), !wake, "{args:?}");
     let _operator = Operator::launch(&cluster, &release, "op-0", &[]).await;
     let (_server, port) = ready_server().await;
-    common::e2e::create(
+    ferrite_testkit::e2e::create(
         &client,
         &isvc(
             &ns,

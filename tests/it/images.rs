@@ -5,12 +5,12 @@
 //! CUDA image builds with the `cuda` feature and CI's PyPI toolchain for sm_80 and sm_90, and
 //! runs with the CUDA runtime libraries and no compiler.
 
-use crate::common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::validate::{root, run_validator, temp_dir, tool_path};
+use ferrite_testkit::kube::workspace_root;
+use ferrite_testkit::tools::python;
+use ferrite_testkit::validate::{run_validator, temp_dir};
 
 const DOCKERFILES: [&str; 4] = [
     "operator/Dockerfile",
@@ -31,7 +31,7 @@ const OCI_LABELS: [&str; 8] = [
 ];
 
 fn hadolint() -> PathBuf {
-    let python = PathBuf::from(tool_path("FERRITE_TEST_PYTHON", "python-env.sh"));
+    let python = PathBuf::from(python());
     let bin = python.with_file_name("hadolint");
     assert!(
         bin.exists(),
@@ -101,13 +101,13 @@ fn args_of<'a>(stage: &'a [Instruction], keyword: &str) -> Vec<&'a str> {
 }
 
 fn read(file: &str) -> String {
-    std::fs::read_to_string(root().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"))
+    std::fs::read_to_string(workspace_root().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
 #[test]
 fn hadolint_finds_nothing_in_the_dockerfiles_and_does_flag_a_bad_one() {
     for file in DOCKERFILES {
-        let (ok, out) = lint(&root().join(file));
+        let (ok, out) = lint(&workspace_root().join(file));
         assert!(ok, "hadolint {file}:\n{out}");
     }
     // The same linter on a Dockerfile with known faults: it must speak up.
@@ -186,7 +186,7 @@ fn each_image_is_multi_stage_non_root_labelled_and_portable() {
         }
         // BuildKit reads `<Dockerfile>.dockerignore`: the context leaves out the target
         // directory and the models.
-        let ignore = std::fs::read_to_string(root().join(format!("{file}.dockerignore")))
+        let ignore = std::fs::read_to_string(workspace_root().join(format!("{file}.dockerignore")))
             .unwrap_or_else(|e| panic!("{file}.dockerignore: {e}"));
         for path in ["target/", "models/"] {
             assert!(

@@ -117,13 +117,6 @@ pub fn echo() -> Reply {
     })
 }
 
-/// A list of `items` of `kind`.
-pub fn list(kind: &str, items: Vec<Value>) -> Reply {
-    let v = json!({"apiVersion": "v1", "kind": format!("{kind}List"),
-                   "metadata": {"resourceVersion": "1"}, "items": items});
-    ok(v)
-}
-
 /// A mock client and the task answering it from `script`.
 pub fn start(script: Vec<Step>) -> (Client, tokio::task::JoinHandle<Transcript>) {
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
