@@ -245,6 +245,9 @@ fn main() -> Result<()> {
         rayon_threads(),
         args.device
     );
+    if device.is_cpu() {
+        println!("CPU kernels: {}", ferrite_runtime::kernels::cpu_paths());
+    }
     if !device.is_cpu() {
         return gpu_decode(&loaded, &path, &mut cache, &args);
     }

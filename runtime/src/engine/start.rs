@@ -169,6 +169,9 @@ fn load(config: &EngineConfig) -> Result<LoadedModel, StartError> {
         secs = t0.elapsed().as_secs_f64(),
         "model loaded"
     );
+    if loaded.model.device().is_cpu() {
+        info!(paths = %crate::kernels::cpu_paths(), "CPU kernels");
+    }
     Ok(loaded)
 }
 

@@ -70,6 +70,33 @@ pub(crate) fn isa_or_skip(test: &str, isa: &str, present: bool) -> bool {
     present
 }
 
+/// Whether this CPU has AVX2 and FMA (always false off x86-64): what the AVX2 attention tile,
+/// SwiGLU and activation quantizer need.
+pub(crate) fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// What each CPU kernel runs on this machine, chosen once at run time: the start-up log and
+/// the benchmarks print it, so a figure always names its path.
+pub fn cpu_paths() -> String {
+    let vector = if has_avx512f() {
+        "AVX-512F"
+    } else if has_avx2_fma() {
+        "AVX2+FMA"
+    } else {
+        "portable"
+    };
+    format!(
+        "int8 GEMM {:?}; attention tile, SwiGLU and activation quantizer {vector}",
+        Isa::best()
+    )
+}
+
 /// Whether this CPU has AVX-512F (always false off x86-64): what the AVX-512 attention tile
 /// and its tests ask.
 pub(crate) fn has_avx512f() -> bool {

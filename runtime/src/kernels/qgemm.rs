@@ -89,14 +89,17 @@ pub enum QuantError {
 
 /// Symmetric 8-bit quantization of up to [`QK`] values; the rest of `q` is zeroed.
 ///
-/// It runs on every activation row of every matmul, so AVX-512 does it in two vectors where
-/// present; the portable loops compile to scalar code (a sequential `max` fold and saturating
-/// casts). Both round half to even and give the same bytes and scale.
+/// It runs on every activation row of every matmul, so AVX-512 does it in two vectors and AVX2
+/// in four where present; the portable loops compile to scalar code (a sequential `max` fold
+/// and saturating casts). All round half to even and give the same bytes and scale.
 fn quantize_sym(x: &[f32], q: &mut [i8; QK]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F is present.
         return unsafe { x86::quantize_sym(x, q) };
+    } else if super::has_avx2_fma() {
+        // SAFETY: AVX2 is present.
+        return unsafe { x86::quantize_sym_avx2(x, q) };
     }
     quantize_sym_portable(x, q)
 }
@@ -557,6 +560,60 @@ mod x86 {
         d
     }
 
+    /// [`super::quantize_sym_portable`] in four 256-bit vectors, operation for operation (the
+    /// maximum is exact in any order).
+    #[target_feature(enable = "avx2")]
+    pub(super) fn quantize_sym_avx2(x: &[f32], q: &mut [i8; QK]) -> f32 {
+        // Zero-padded on the stack, as the portable path does: `vmaskmovps` would skip the
+        // lanes past `x`, but emulators (QEMU) still touch their memory.
+        let mut padded = [0f32; QK];
+        let n = x.len().min(QK);
+        padded[..n].copy_from_slice(&x[..n]);
+        // SAFETY: `padded` holds 4 × 8 floats.
+        let v: [__m256; 4] =
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(padded.as_ptr().add(8 * i)) });
+        let zero = _mm256_setzero_ps();
+        let poison = v
+            .iter()
+            .fold(zero, |p, &e| _mm256_add_ps(p, _mm256_mul_ps(e, zero)));
+        let poisoned = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(poison, poison)) != 0;
+        let sign = _mm256_set1_ps(-0.0);
+        let m = v
+            .iter()
+            .fold(zero, |m, &e| _mm256_max_ps(m, _mm256_andnot_ps(sign, e)));
+        let m = _mm256_max_ps(m, _mm256_permute2f128_ps::<1>(m, m));
+        let m = _mm256_max_ps(m, _mm256_permute_ps::<0b01_00_11_10>(m));
+        let amax = _mm256_cvtss_f32(_mm256_max_ps(m, _mm256_permute_ps::<0b10_11_00_01>(m)));
+        let Some((d, inv)) = quant_scale(poisoned, amax) else {
+            *q = [0; QK];
+            return if poisoned { f32::NAN } else { 0.0 };
+        };
+        let (inv, lo, hi) = (
+            _mm256_set1_ps(inv),
+            _mm256_set1_ps(-127.0),
+            _mm256_set1_ps(127.0),
+        );
+        let ints = v.map(|e| {
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(e, inv),
+            );
+            _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+        });
+        // The packs interleave 128-bit lanes: dwords come out as v0a v1a v2a v3a v0b v1b v2b
+        // v3b (a, b: each vector's halves), which the permutation puts back in order.
+        let words = (
+            _mm256_packs_epi32(ints[0], ints[1]),
+            _mm256_packs_epi32(ints[2], ints[3]),
+        );
+        let bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(words.0, words.1),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+        );
+        // SAFETY: `q` holds 32 bytes.
+        unsafe { _mm256_storeu_si256(q.as_mut_ptr().cast(), bytes) };
+        d
+    }
+
     /// Four consecutive activation bytes broadcast to every i32 lane.
     #[target_feature(enable = "avx512f")]
     #[inline]
@@ -900,19 +957,27 @@ mod tests {
         }
     }
 
-    /// The AVX-512 block quantizer gives the portable one's bytes and scale: ragged lengths,
-    /// ties at .5 after scaling, zeros, infinities and NaN. Skipped (one line) where this CPU
-    /// has no AVX-512, which then quantizes with the portable code.
+    /// The AVX-512 and AVX2 block quantizers give the portable one's bytes and scale: ragged
+    /// lengths, ties at .5 after scaling, zeros, infinities and NaN. Each is skipped (one line)
+    /// where this CPU lacks it.
+    #[cfg(target_arch = "x86_64")]
     #[test]
-    fn vector_quantizer_matches_portable() {
-        if !crate::kernels::isa_or_skip(
-            "vector_quantizer_matches_portable",
-            "AVX-512F",
-            crate::kernels::has_avx512f(),
-        ) {
-            return;
+    fn vector_quantizers_match_portable() {
+        type Quantizer = unsafe fn(&[f32], &mut [i8; QK]) -> f32;
+        let avx2 = crate::kernels::has_avx2_fma();
+        let paths: [(&str, bool, Quantizer); 2] = [
+            ("AVX-512F", crate::kernels::has_avx512f(), x86::quantize_sym),
+            ("AVX2", avx2, x86::quantize_sym_avx2),
+        ];
+        for (isa, present, quantize) in paths {
+            if crate::kernels::isa_or_skip("vector_quantizers_match_portable", isa, present) {
+                check_quantizer(quantize);
+            }
         }
-        #[cfg(target_arch = "x86_64")]
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn check_quantizer(quantize: unsafe fn(&[f32], &mut [i8; QK]) -> f32) {
         proptest!(|(
             len in 0usize..=QK,
             scale in prop::sample::select(vec![1e-30f32, 1e-3, 1.0, 254.0, 1e30]),
@@ -927,8 +992,8 @@ mod tests {
             }
             let (mut a, mut b) = ([1i8; QK], [2i8; QK]);
             let da = quantize_sym_portable(&x, &mut a);
-            // SAFETY: AVX-512F is present (checked above).
-            let db = unsafe { x86::quantize_sym(&x, &mut b) };
+            // SAFETY: the caller checked that this CPU has the quantizer's features.
+            let db = unsafe { quantize(&x, &mut b) };
             prop_assert_eq!(da.to_bits(), db.to_bits());
             prop_assert_eq!(a, b);
         });

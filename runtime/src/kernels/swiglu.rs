@@ -2,8 +2,8 @@
 //!
 //! Candle runs it as three passes over strided views of the fused gate/up projection (SiLU
 //! through libm's `expf`, a copy, a multiply), which took about a tenth of a prefill. Here it is
-//! one pass per row with [`exp_approx`] and, on AVX-512, 16 lanes at a time doing the same
-//! operations, so both paths give the same bits. Each element depends on its own inputs only,
+//! one pass per row with [`exp_approx`] and, on AVX-512 or AVX2, 16 or 8 lanes at a time doing
+//! the same operations, so every path gives the same bits. Each element depends on its own inputs only,
 //! so a row's result never depends on the batch.
 
 use std::mem::MaybeUninit;
@@ -43,7 +43,7 @@ fn swiglu_into(gate_up: &[f32], ffn: usize, out: &mut [MaybeUninit<f32>]) {
     );
     assert_eq!(out.len() * 2, gate_up.len(), "output is not half the input");
     #[cfg(target_arch = "x86_64")]
-    let avx512 = std::arch::is_x86_feature_detected!("avx512f");
+    let (avx512, avx2) = (super::has_avx512f(), super::has_avx2_fma());
     out.par_chunks_mut(ffn)
         .zip(gate_up.par_chunks(2 * ffn))
         .with_min_len(PAR_ROWS)
@@ -53,6 +53,10 @@ fn swiglu_into(gate_up: &[f32], ffn: usize, out: &mut [MaybeUninit<f32>]) {
             if avx512 {
                 // SAFETY: AVX-512F is present.
                 unsafe { x86::row(g, u, o) };
+                return;
+            } else if avx2 {
+                // SAFETY: AVX2 and FMA are present.
+                unsafe { x86::row_avx2(g, u, o) };
                 return;
             }
             row_portable(g, u, o);
@@ -71,7 +75,7 @@ mod x86 {
     use std::mem::MaybeUninit;
 
     use super::EXP_MAX;
-    use crate::kernels::exp::x86::exp16;
+    use crate::kernels::exp::x86::{exp8, exp16};
 
     /// [`super::silu_mul`] 16 lanes at a time (IEEE division and the same exponential, so the
     /// same bits); a masked tail instead of a scalar loop.
@@ -96,6 +100,50 @@ mod x86 {
             }
             i += 16;
         }
+    }
+
+    /// [`row`] on AVX2: 8 lanes, the same operations; the tail goes through a zero-padded
+    /// copy (`vmaskmovps` would skip the lanes past the row, but emulators still touch them).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn row_avx2(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
+        let n = o.len().min(g.len()).min(u.len());
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: lanes i..i + 8 are inside all three rows.
+            unsafe {
+                let r = silu_mul8(
+                    _mm256_loadu_ps(g.as_ptr().add(i)),
+                    _mm256_loadu_ps(u.as_ptr().add(i)),
+                );
+                _mm256_storeu_ps(o.as_mut_ptr().add(i).cast::<f32>(), r);
+            }
+            i += 8;
+        }
+        if i < n {
+            let k = n - i;
+            let (mut gt, mut ut, mut ot) = ([0f32; 8], [0f32; 8], [0f32; 8]);
+            gt[..k].copy_from_slice(&g[i..n]);
+            ut[..k].copy_from_slice(&u[i..n]);
+            // SAFETY: each buffer holds 8 floats.
+            unsafe {
+                let r = silu_mul8(_mm256_loadu_ps(gt.as_ptr()), _mm256_loadu_ps(ut.as_ptr()));
+                _mm256_storeu_ps(ot.as_mut_ptr(), r);
+            }
+            for (o, &v) in o[i..n].iter_mut().zip(&ot) {
+                o.write(v);
+            }
+        }
+    }
+
+    /// [`super::silu_mul`] on 8 lanes: IEEE division and the same exponential.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn silu_mul8(x: __m256, up: __m256) -> __m256 {
+        // -x, clamped like `(-x).min(EXP_MAX)`.
+        let neg = _mm256_sub_ps(_mm256_setzero_ps(), x);
+        let e = exp8(_mm256_min_ps(_mm256_set1_ps(EXP_MAX), neg));
+        let s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0), e));
+        _mm256_mul_ps(s, up)
     }
 }
 
@@ -155,6 +203,28 @@ mod tests {
         ) {
             let gate_up = ferrite_testkit::random::values(rows * 2 * ffn, seed, 20.0);
             let out = swiglu(&gate_up, ffn);
+            #[cfg(target_arch = "x86_64")]
+            {
+                // Every vector path this CPU has, not only the one dispatch picks.
+                let (g, u) = gate_up[..2 * ffn].split_at(ffn);
+                let mut want = vec![MaybeUninit::uninit(); ffn];
+                row_portable(g, u, &mut want);
+                // SAFETY: `row_portable` wrote every element.
+                let want: Vec<u32> = want.iter().map(|v| unsafe { v.assume_init() }.to_bits()).collect();
+                let run = |f: unsafe fn(&[f32], &[f32], &mut [MaybeUninit<f32>])| {
+                    let mut o = vec![MaybeUninit::uninit(); ffn];
+                    // SAFETY: callers check the CPU has the path's features.
+                    unsafe { f(g, u, &mut o) };
+                    // SAFETY: the row function wrote every element.
+                    o.iter().map(|v| unsafe { v.assume_init() }.to_bits()).collect::<Vec<u32>>()
+                };
+                if crate::kernels::has_avx2_fma() {
+                    prop_assert_eq!(run(x86::row_avx2), want.clone());
+                }
+                if crate::kernels::has_avx512f() {
+                    prop_assert_eq!(run(x86::row), want);
+                }
+            }
             for r in 0..rows {
                 let gu = &gate_up[r * 2 * ffn..(r + 1) * 2 * ffn];
                 let want: Vec<f32> = gu[..ffn].iter().zip(&gu[ffn..]).map(|(&x, &u)| silu_mul(x, u)).collect();

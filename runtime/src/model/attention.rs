@@ -306,7 +306,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{Chunk, KC, KvElem, Rows, exp_approx};
-    use crate::kernels::exp::x86::exp16;
+    use crate::kernels::exp::x86::{exp8, exp16};
 
     /// [`super::micro_tile`] in 512-bit vectors: the portable path's operations lane for lane
     /// (fused multiply-adds in the same order, the same halving trees, the same exponential).
@@ -374,6 +374,124 @@ mod x86 {
                 }
             }
         }
+    }
+
+    /// [`micro_tile`] on AVX2: each row's 16 scores in two 256-bit halves (lanes 0..8 and
+    /// 8..16), the same operations lane for lane, so the same bits as the portable path.
+    // Rows and halves index several register arrays at once; iterators would hide that.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn micro_tile_avx2<const R: usize>(c: &Chunk, s: Rows) {
+        let hd = c.hd;
+        assert!(hd.is_multiple_of(KC) && c.q.len() >= R * hd && s.out.len() >= R * hd);
+        assert!(c.kt.len() >= hd * KC && c.vs.len() >= KC * hd && s.m.len() >= R);
+        let mut sc = [[_mm256_setzero_ps(); 2]; R];
+        for d in 0..hd {
+            // SAFETY: d < hd, so the KC floats at d * KC are inside `kt` (asserted above).
+            let kd = unsafe {
+                let p = c.kt.as_ptr().add(d * KC);
+                [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
+            };
+            for (i, si) in sc.iter_mut().enumerate() {
+                let qd = _mm256_set1_ps(c.q[i * hd + d]);
+                for h in 0..2 {
+                    si[h] = _mm256_fmadd_ps(qd, kd[h], si[h]);
+                }
+            }
+        }
+        let lanes = [
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15),
+        ];
+        let mut e = [[0f32; KC]; R];
+        let mut alpha = [0f32; R];
+        let (mut jmin, mut jmax) = (KC, 0);
+        for i in 0..R {
+            let Some((jlo, jhi)) = c.ranges[i] else {
+                continue;
+            };
+            (jmin, jmax) = (jmin.min(jlo), jmax.max(jhi));
+            let (above, below) = (
+                _mm256_set1_epi32(jlo as i32 - 1),
+                _mm256_set1_epi32(jhi as i32 + 1),
+            );
+            let x: [__m256; 2] = std::array::from_fn(|h| {
+                let inside = _mm256_and_si256(
+                    _mm256_cmpgt_epi32(lanes[h], above),
+                    _mm256_cmpgt_epi32(below, lanes[h]),
+                );
+                _mm256_blendv_ps(
+                    _mm256_set1_ps(f32::NEG_INFINITY),
+                    _mm256_mul_ps(sc[i][h], _mm256_set1_ps(c.scale)),
+                    _mm256_castsi256_ps(inside),
+                )
+            });
+            let mx = s.m[i].max(fold8(x, |a, b| _mm256_max_ps(a, b)));
+            let ei = x.map(|xh| exp8(_mm256_sub_ps(xh, _mm256_set1_ps(mx))));
+            alpha[i] = exp_approx(s.m[i] - mx);
+            s.l[i] = s.l[i].mul_add(alpha[i], fold8(ei, |a, b| _mm256_add_ps(a, b)));
+            s.m[i] = mx;
+            // SAFETY: e[i] holds KC = 2 × 8 floats.
+            unsafe {
+                _mm256_storeu_ps(e[i].as_mut_ptr(), ei[0]);
+                _mm256_storeu_ps(e[i].as_mut_ptr().add(8), ei[1]);
+            }
+        }
+        if jmin > jmax {
+            return;
+        }
+        for ci in 0..hd / KC {
+            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            for i in 0..R {
+                if c.ranges[i].is_some() {
+                    let a = _mm256_set1_ps(alpha[i]);
+                    for h in 0..2 {
+                        // SAFETY: row i's lanes ci * KC.. are inside `out` (asserted above).
+                        let o = unsafe {
+                            _mm256_loadu_ps(s.out.as_ptr().add(i * hd + ci * KC + 8 * h))
+                        };
+                        acc[i][h] = _mm256_mul_ps(o, a);
+                    }
+                }
+            }
+            for j in jmin..=jmax {
+                // SAFETY: j < KC, so value j's lanes ci * KC.. are inside `vs`.
+                let v = unsafe {
+                    let p = c.vs.as_ptr().add(j * hd + ci * KC);
+                    [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
+                };
+                for (ai, ei) in acc.iter_mut().zip(&e) {
+                    let pj = _mm256_set1_ps(ei[j]);
+                    for h in 0..2 {
+                        ai[h] = _mm256_fmadd_ps(pj, v[h], ai[h]);
+                    }
+                }
+            }
+            for (i, ai) in acc.iter().enumerate() {
+                if c.ranges[i].is_some() {
+                    for h in 0..2 {
+                        // SAFETY: as for the load above.
+                        unsafe {
+                            _mm256_storeu_ps(
+                                s.out.as_mut_ptr().add(i * hd + ci * KC + 8 * h),
+                                ai[h],
+                            )
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// The portable halving tree over two 8-lane halves: lanes j and j + 8 (the halves), then
+    /// j + 4 (the 128-bit lanes), j + 2, j + 1.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn fold8(v: [__m256; 2], f: impl Fn(__m256, __m256) -> __m256) -> f32 {
+        let v = f(v[0], v[1]);
+        let v = f(v, _mm256_permute2f128_ps::<1>(v, v));
+        let v = f(v, _mm256_permute_ps::<0b01_00_11_10>(v));
+        _mm256_cvtss_f32(f(v, _mm256_permute_ps::<0b10_11_00_01>(v)))
     }
 
     /// The portable halving tree (lanes j and j + 8, then j + 4, j + 2, j + 1) with `f`.
@@ -558,7 +676,7 @@ fn tile_with<T: KvElem>(
     }
     let kt = refill(kt, hd * KC, 0.0);
     let avx512 = crate::kernels::has_avx512f();
-    let vector = avx512 && hd.is_multiple_of(KC);
+    let path = TilePath::best(hd);
     // The chunk's values widened to f32 once, `[KC][hd]`, for every micro-tile of the tile.
     let vs = refill(vs, KC * hd, 0.0);
     let mut c0 = first / KC * KC;
@@ -593,7 +711,7 @@ fn tile_with<T: KvElem>(
                 l: &mut l[r..r + take],
                 out: &mut out[r * hd..(r + take) * hd],
             };
-            micro_tile(&chunk, state, vector);
+            micro_tile(&chunk, state, path);
             r += take;
         }
         c0 += KC;
@@ -625,25 +743,57 @@ struct Rows<'a> {
     out: &'a mut [f32],
 }
 
-/// One online-softmax step of a micro-tile over a chunk, with AVX-512 where `vector` says so
-/// (the compiler left the portable loops scalar: one `vfmadd231ss` per score). Both paths do
-/// the same operations in the same order for every row, whatever the other rows, so each is
-/// batch invariant and they agree bit for bit.
-fn micro_tile(c: &Chunk, s: Rows, vector: bool) {
+/// Which micro-tile a CPU runs: the vector ones need `hd` to be a multiple of [`KC`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TilePath {
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+impl TilePath {
+    fn best(hd: usize) -> TilePath {
+        if !hd.is_multiple_of(KC) {
+            return TilePath::Portable;
+        }
+        if crate::kernels::has_avx512f() {
+            return TilePath::Avx512;
+        }
+        if crate::kernels::has_avx2_fma() {
+            return TilePath::Avx2;
+        }
+        TilePath::Portable
+    }
+}
+
+/// One online-softmax step of a micro-tile over a chunk, with AVX-512 or AVX2 where `path`
+/// says so (the compiler left the portable loops scalar: one `vfmadd231ss` per score). Every
+/// path does the same operations in the same order for every row, whatever the other rows, so
+/// each is batch invariant and they agree bit for bit.
+fn micro_tile(c: &Chunk, s: Rows, path: TilePath) {
     #[cfg(target_arch = "x86_64")]
-    if vector {
-        // SAFETY: the caller checked AVX-512F, and `hd` is a multiple of KC.
-        unsafe {
-            match s.m.len() {
+    match path {
+        // SAFETY: `TilePath::best` checked AVX-512F, and that `hd` is a multiple of KC.
+        TilePath::Avx512 => unsafe {
+            return match s.m.len() {
                 1 => x86::micro_tile::<1>(c, s),
                 2 => x86::micro_tile::<2>(c, s),
                 3 => x86::micro_tile::<3>(c, s),
                 _ => x86::micro_tile::<RT>(c, s),
-            }
-        }
-        return;
+            };
+        },
+        // SAFETY: `TilePath::best` checked AVX2 and FMA, and that `hd` is a multiple of KC.
+        TilePath::Avx2 => unsafe {
+            return match s.m.len() {
+                1 => x86::micro_tile_avx2::<1>(c, s),
+                2 => x86::micro_tile_avx2::<2>(c, s),
+                3 => x86::micro_tile_avx2::<3>(c, s),
+                _ => x86::micro_tile_avx2::<RT>(c, s),
+            };
+        },
+        TilePath::Portable => {}
     }
-    let _ = vector;
+    let _ = path;
     match s.m.len() {
         1 => micro_tile_portable::<1>(c, s),
         2 => micro_tile_portable::<2>(c, s),
@@ -782,18 +932,24 @@ mod tests {
         }
     }
 
-    /// The AVX-512 micro-tile and the portable one agree bit for bit, for every row count, row
-    /// ranges inside the chunk, inactive rows, and running states from earlier chunks. Skipped
-    /// (one line) where this CPU has no AVX-512: the portable path is then all there is.
+    /// The AVX-512 and AVX2 micro-tiles agree with the portable one bit for bit, for every row
+    /// count, row ranges inside the chunk, inactive rows, and running states from earlier
+    /// chunks. Each is skipped (one line) where this CPU lacks it.
     #[test]
-    fn vector_micro_tile_matches_portable() {
-        if !crate::kernels::isa_or_skip(
-            "vector_micro_tile_matches_portable",
-            "AVX-512F",
-            crate::kernels::has_avx512f(),
-        ) {
-            return;
+    fn vector_micro_tiles_match_portable() {
+        let avx2 = crate::kernels::has_avx2_fma();
+        let paths = [
+            ("AVX-512F", crate::kernels::has_avx512f(), TilePath::Avx512),
+            ("AVX2 and FMA", avx2, TilePath::Avx2),
+        ];
+        for (isa, present, path) in paths {
+            if crate::kernels::isa_or_skip("vector_micro_tiles_match_portable", isa, present) {
+                check_micro_tile(path);
+            }
         }
+    }
+
+    fn check_micro_tile(path: TilePath) {
         proptest!(|(
             rows in 1usize..=RT,
             hd in prop::sample::select(vec![16usize, 64, 128]),
@@ -816,9 +972,9 @@ mod tests {
             let l0: Vec<f32> = values(rows, seed ^ 4, 1.0).iter().map(|x| x.abs()).collect();
             let o0 = if fresh { vec![0.0; rows * hd] } else { values(rows * hd, seed ^ 5, 1.0) };
             let mut got = Vec::new();
-            for vector in [false, true] {
+            for p in [TilePath::Portable, path] {
                 let (mut m, mut l, mut out) = (m0.clone(), l0.clone(), o0.clone());
-                micro_tile(&chunk, Rows { m: &mut m, l: &mut l, out: &mut out }, vector);
+                micro_tile(&chunk, Rows { m: &mut m, l: &mut l, out: &mut out }, p);
                 got.push((m, l, out));
             }
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
