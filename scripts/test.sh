@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check and test: formatting, clippy, and the whole workspace's tests (which fetch the
-# default model through scripts/fetch-model.sh on first use), and under CI=true the CUDA build.
+# default model through scripts/fetch-model.sh on first use), the aarch64 check, and under
+# CI=true the CUDA build.
 # Prints how long each phase took at the end (docs/ci.md has the figures).
 #
 # Clippy runs inside the test build: clippy-driver compiles the workspace's own crates, with
@@ -82,6 +83,11 @@ else
     phase "tests"
   fi
 fi
+# The runtime and the server type-checked and linted for ARM64, so that code behind
+# cfg(target_arch) cannot rot on x86-64 (scripts/check-aarch64.sh).
+echo "== aarch64 check"
+"$root/scripts/check-aarch64.sh" || status=$?
+phase "aarch64 check"
 if [ -n "$cuda_pid" ]; then
   echo "== CUDA build: waiting for it ($(date +%T))"
   if wait "$cuda_pid"; then

@@ -369,6 +369,7 @@ impl QWeights {
             (Isa::Avx512Vnni, _, 2..) => 2,
             _ => 1,
         };
+        #[cfg(target_arch = "x86_64")]
         macro_rules! shapes {
             ($f:ident) => {
                 match (rows, took) {
@@ -464,7 +465,8 @@ struct QuantRows {
     /// The same plus 128, as unsigned bytes: the left operand of `vpdpbusd` for 8-bit weights
     /// (empty for 4-bit ones). Offsetting here rather than in the kernel also sidesteps an
     /// LLVM 22 hang: with `target-cpu=native`, a vector xor of a broadcast never finished
-    /// instruction selection (`SelectionDAG::Legalize`).
+    /// instruction selection (`SelectionDAG::Legalize`). Only the x86 kernels read it.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     u: Vec<u8>,
     /// `[m][kb]` scales.
     d: Vec<f32>,

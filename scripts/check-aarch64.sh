@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Type-checks and lints ferrite-runtime and ferrite-server for ARM64 (aarch64-unknown-linux-gnu),
+# so that code behind cfg(target_arch) cannot rot on the x86-64 machines CI runs on. `cargo
+# check` links nothing; the target's standard library comes from rustup, and Debian's cross C
+# compiler builds the C parts of dependencies' build scripts (ring). Warnings fail it, as in the
+# x86-64 build (scripts/clippy-env.sh). docs/ci.md.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+target=aarch64-unknown-linux-gnu
+if ! rustup target list --installed | grep -qx "$target"; then
+  rustup target add "$target"
+fi
+if ! command -v aarch64-linux-gnu-gcc >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross
+fi
+# shellcheck source=scripts/clippy-env.sh
+source "$root/scripts/clippy-env.sh"
+cargo check --target "$target" -p ferrite-runtime -p ferrite-server --lib --bins
