@@ -17,11 +17,7 @@ if ! command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || ! command -v qemu-aarch
 fi
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 exe=$(cargo test --target "$target" -p ferrite-runtime --lib --no-run --message-format json |
-  python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        print(m["executable"])')
+  python3 "$root/scripts/test-executable.py")
 [ -n "$exe" ] || { echo "no aarch64 test binary for ferrite-runtime's library" >&2; exit 1; }
 echo "== $exe on qemu-aarch64"
 qemu-aarch64 -L /usr/aarch64-linux-gnu "$exe" --test-threads "$(nproc)" --nocapture "$@"

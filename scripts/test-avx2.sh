@@ -13,11 +13,7 @@ fi
 export RUSTFLAGS="-C target-cpu=haswell"
 export CARGO_TARGET_DIR="${FERRITE_HASWELL_TARGET:-$root/target/haswell}"
 exe=$(cargo test -p ferrite-runtime --lib --no-run --message-format json |
-  python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        print(m["executable"])')
+  python3 "$root/scripts/test-executable.py")
 [ -n "$exe" ] || { echo "no test binary for ferrite-runtime's library" >&2; exit 1; }
 echo "== $exe on qemu-x86_64 -cpu Haswell"
 # The kernels ask CPUID, which QEMU emulates; its notes on host-only CPUID bits are noise.
