@@ -245,7 +245,8 @@ impl Scheduler {
         Ok(plan)
     }
 
-    /// Tokens the plan may still add.
+    /// Tokens the plan may still add: each phase reads it once and counts down what it adds,
+    /// so a step stays linear in the sequences it schedules.
     fn budget(&self, plan: &StepPlan) -> usize {
         self.cfg.max_num_batched_tokens - plan.num_tokens()
     }
@@ -257,9 +258,10 @@ impl Scheduler {
         plan: &mut StepPlan,
     ) -> Result<(), SchedulerError> {
         let bs = self.cfg.block_size;
+        let mut budget = self.budget(plan);
         let mut i = 0;
         while i < self.running.len() {
-            let n = self.chunk(&self.running[i], self.budget(plan));
+            let n = self.chunk(&self.running[i], budget);
             if n == 0 {
                 i += 1;
                 continue;
@@ -283,6 +285,7 @@ impl Scheduler {
             }
             let seq = &mut self.running[i];
             plan.scheduled.push(self.cfg.allocate(seq, n, space)?);
+            budget -= n;
             i += 1;
         }
         Ok(())
@@ -294,9 +297,8 @@ impl Scheduler {
         space: &mut BlockPools,
         plan: &mut StepPlan,
     ) -> Result<(), SchedulerError> {
-        while let Some((n, _)) =
-            (self.swapped.front()).and_then(|f| self.admit(f, self.budget(plan), space))
-        {
+        let mut budget = self.budget(plan);
+        while let Some((n, _)) = (self.swapped.front()).and_then(|f| self.admit(f, budget, space)) {
             let mut seq = self
                 .swapped
                 .pop_front()
@@ -308,6 +310,7 @@ impl Scheduler {
             seq.status = SeqStatus::Running;
             plan.swapped_in.push(seq.id);
             plan.scheduled.push(self.cfg.allocate(&mut seq, n, space)?);
+            budget -= n;
             self.running.push(seq);
         }
         Ok(())
@@ -321,8 +324,9 @@ impl Scheduler {
         plan: &mut StepPlan,
     ) -> Result<(), SchedulerError> {
         let bs = self.cfg.block_size;
+        let mut budget = self.budget(plan);
         while let Some((n, cached)) =
-            (self.waiting.front()).and_then(|f| self.admit(f, self.budget(plan), space))
+            (self.waiting.front()).and_then(|f| self.admit(f, budget, space))
         {
             let mut seq = self
                 .waiting
@@ -344,6 +348,7 @@ impl Scheduler {
                 });
             }
             plan.scheduled.push(self.cfg.allocate(&mut seq, n, space)?);
+            budget -= n;
             self.running.push(seq);
         }
         Ok(())

@@ -94,7 +94,7 @@ pub enum QuantError {
 /// and saturating casts). All round half to even and give the same bytes and scale.
 fn quantize_sym(x: &[f32], q: &mut [i8; QK]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
+    if super::has_avx512f() {
         // SAFETY: AVX-512F is present.
         return unsafe { x86::quantize_sym(x, q) };
     } else if super::has_avx2_fma() {

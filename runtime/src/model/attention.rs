@@ -675,7 +675,6 @@ fn tile_with<T: KvElem>(
         qs[row * hd..][..hd].copy_from_slice(&q[t * nh * hd + (g * group + h) * hd..][..hd]);
     }
     let kt = refill(kt, hd * KC, 0.0);
-    let avx512 = crate::kernels::has_avx512f();
     let path = TilePath::best(hd);
     // The chunk's values widened to f32 once, `[KC][hd]`, for every micro-tile of the tile.
     let vs = refill(vs, KC * hd, 0.0);
@@ -688,7 +687,7 @@ fn tile_with<T: KvElem>(
             krows[j] = at;
             T::widen(&vc[at..][..hd], &mut vs[j * hd..][..hd]);
         }
-        transpose_keys(kc, &krows, n, hd, kt, avx512);
+        transpose_keys(kc, &krows, n, hd, kt, path == TilePath::Avx512);
         let mut r = 0;
         while r < rows {
             let take = RT.min(rows - r);
