@@ -1,13 +1,15 @@
-//! The `cuda` build compiles the paged-attention kernel to PTX with nvcc, as candle-kernels
-//! does for its own: `$NVCC` (scripts/cuda-env.sh sets it) or `nvcc` from `PATH`, for
-//! `compute_$CUDA_COMPUTE_CAP` (default 80; the driver JIT-compiles it for newer GPUs).
+//! The `cuda` build compiles ferrite's kernels (`kernels/*.cu`: paged attention, and the fused
+//! cache write and SwiGLU) to PTX with nvcc, as candle-kernels does for its own: `$NVCC`
+//! (scripts/cuda-env.sh sets it) or `nvcc` from `PATH`, for `compute_$CUDA_COMPUTE_CAP` (default 80; the driver JIT-compiles it for newer GPUs).
 //! Without the feature nothing is compiled and no CUDA toolchain is needed.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
-    println!("cargo:rerun-if-changed=kernels/paged_attention.cu");
+    for k in KERNELS {
+        println!("cargo:rerun-if-changed=kernels/{k}.cu");
+    }
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -20,18 +22,26 @@ fn main() {
         .trim()
         .trim_start_matches("sm_")
         .trim_start_matches("compute_");
-    let ptx = out.join("paged_attention.ptx");
-    let status = Command::new(&nvcc)
+    for k in KERNELS {
+        compile(&nvcc, cap, &out, k);
+    }
+}
+
+/// The kernel sources under `kernels/`, each compiled to `$OUT_DIR/<name>.ptx`.
+const KERNELS: [&str; 2] = ["paged_attention", "fused"];
+
+fn compile(nvcc: &str, cap: &str, out: &std::path::Path, name: &str) {
+    let ptx = out.join(format!("{name}.ptx"));
+    let src = format!("kernels/{name}.cu");
+    let status = Command::new(nvcc)
         .args(["--ptx", "-O3", "-std=c++17"])
         .arg(format!("-arch=compute_{cap}"))
         .arg("-o")
         .arg(&ptx)
-        .arg("kernels/paged_attention.cu")
+        .arg(&src)
         .status()
-        .unwrap_or_else(|e| {
-            panic!("running {nvcc} for kernels/paged_attention.cu: {e} (see scripts/cuda-env.sh)")
-        });
+        .unwrap_or_else(|e| panic!("running {nvcc} for {src}: {e} (see scripts/cuda-env.sh)"));
     if !status.success() {
-        panic!("{nvcc} failed on kernels/paged_attention.cu ({status})");
+        panic!("{nvcc} failed on {src} ({status})");
     }
 }

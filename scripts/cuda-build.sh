@@ -28,8 +28,10 @@ cargo build --profile cuda-ci --locked \
 echo "CUDA build took $(( $(date +%s) - start )) s"
 # The GPU code in the server binary: SASS for every CUDA_ARCHS entry and PTX of the newest (the
 # compiled kernels), PTX text for compute_$CUDA_COMPUTE_CAP (candle's modules and ferrite's
-# paged attention, whose three entry points must be there).
+# kernels, paged attention and the fused ones, whose entry points must be there).
 newest=$(printf '%s\n' $CUDA_ARCHS | sort -n | tail -1)
 python3 "$root/scripts/cuda-archs.py" "${CARGO_TARGET_DIR:-$root/target}/cuda-ci/ferrite-server" \
   --sass "${CUDA_ARCHS// /,}" --ptx "$newest" --text-ptx "$CUDA_COMPUTE_CAP" \
-  --entry paged_attention_f32 --entry paged_attention_f16 --entry paged_attention_bf16
+  --entry paged_attention_f32 --entry paged_attention_f16 --entry paged_attention_bf16 \
+  --entry rope_cache_write_f32 --entry rope_cache_write_f16 --entry rope_cache_write_bf16 \
+  --entry swiglu_f32

@@ -4,11 +4,12 @@
 # building anything:
 #   1. runtime/tests/gpu.rs and server/tests/gpu_serving.rs with FERRITE_REQUIRE_GPU=1, so
 #      nothing passes by skipping;
-#   2. bench-runtime --device cuda: decode tok/s at batch 1, 8, 32 and each step's bytes as a
-#      share of the device-to-device copy bandwidth measured in the same run;
+#   2. bench-runtime --device cuda: decode tok/s at batch 1, 8, 32 with CUDA graphs and op by
+#      op, and each step's bytes as a share of the device-to-device copy bandwidth measured in
+#      the same run; prefill tok/s of 1, 8 and 32 128-token prompts in one forward;
 #   3. bench-serve at concurrency 1, 8, 32 against llama.cpp's llama-server built with CUDA
-#      (the baseline) and ferrite-server --device cuda, same GGUF, same KV capacity, two
-#      alternating repetitions.
+#      (the baseline), ferrite-server --device cuda and the same with --enforce-eager (no CUDA
+#      graphs), same GGUF, same KV capacity, two alternating repetitions.
 # Every step has its own time limit and the run goes on past a failed step; the whole run is
 # meant to end within 8 minutes. Results go to $OUT (the device tool's output folder), else
 # .gpu-check/out: summary.txt (one line per step, then the figures), run.log (everything),
@@ -175,9 +176,10 @@ fi
 runtime_args=(--device "$device")
 [ "$mode" = dry ] && runtime_args+=(--steps 4 --batches 1,8 --prefill-len 64 --reps 1)
 for weights in auto quantized; do
+  mark=$(wc -l <"$log")
   step "bench-runtime --device $device --weights $weights" 120 "$b/bin/bench-runtime" \
     --model "$FERRITE_MODEL" --weights "$weights" "${runtime_args[@]}"
-  grep -E '^(ceiling|decode|prefill|model)' "$log" | tail -5 >>"$summary"
+  tail -n +"$((mark + 1))" "$log" | grep -E '^(ceiling|decode|prefill|model|CUDA graphs)' >>"$summary"
 done
 
 # 3. Serving against llama.cpp on the same GPU. Either server failing to start leaves the
@@ -225,13 +227,25 @@ if [ "$mode" = run ]; then
 fi
 kill -0 $fpid 2>/dev/null && [ "$kv" != 0 ] &&
   targets+=(--target "ferrite=http://127.0.0.1:18181" --pid "ferrite=$fpid")
+# The same server without CUDA graphs (vLLM's --enforce-eager): what the graphs buy.
+if [ "$mode" = run ] && [ "$kv" != 0 ]; then
+  "$b/bin/ferrite-server" --model "$FERRITE_MODEL" --device "$device" --host 127.0.0.1 \
+    --port 18182 --served-model-name default --enforce-eager >"$work/ferrite-eager.log" 2>&1 &
+  epid=$!
+  pids+=($epid)
+  if healthy 18182 $epid 120; then
+    targets+=(--target "ferrite-eager=http://127.0.0.1:18182" --pid "ferrite-eager=$epid")
+  else
+    result "FAIL ferrite-server --enforce-eager did not become healthy: see logs.tar.xz"
+  fi
+fi
 serve_args=(--concurrency 1,8,32 --repeat 2)
 [ "$mode" = dry ] && serve_args=(--concurrency 1,2 --max-tokens 8 --prompt-tokens 32)
 if [ ${#targets[@]} -gt 0 ]; then
   step "bench-serve" 240 "$b/bin/bench-serve" "${targets[@]}" --model default --timeout 60 \
     "${serve_args[@]}" --save "$out/serve.json"
   # The figures: everything bench-serve printed after its header.
-  sed -n '/== bench-serve/,$p' "$log" | grep -vE '^\[|^==' | tail -40 >>"$summary"
+  sed -n '/== bench-serve/,$p' "$log" | grep -vE '^\[|^==' | tail -80 >>"$summary"
 fi
 cleanup
 trap - EXIT

@@ -249,7 +249,7 @@ fn main() -> Result<()> {
         println!("CPU kernels: {}", ferrite_runtime::kernels::cpu_paths());
     }
     if !device.is_cpu() {
-        return gpu_decode(&loaded, &path, &mut cache, &args);
+        return gpu_decode(&mut loaded, &path, &mut cache, &args);
     }
     // What a decode step reads: the weights, about the GGUF's size.
     let weight_bytes = std::fs::metadata(&path)
@@ -301,22 +301,22 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Decode on a GPU against its memory bandwidth (module docs).
+/// Decode on a GPU against its memory bandwidth (module docs), each batch size with CUDA graphs
+/// and op by op (`--enforce-eager`), alternated; then prefill rates.
 fn gpu_decode(
-    loaded: &model::LoadedModel,
+    loaded: &mut model::LoadedModel,
     path: &std::path::Path,
     cache: &mut KvCache,
     args: &Args,
 ) -> Result<()> {
-    let m = &loaded.model;
-    let c = m.config();
-    let bandwidth = gpu_copy_bandwidth(m.device())?;
+    let c = loaded.model.config().clone();
+    let bandwidth = gpu_copy_bandwidth(loaded.model.device())?;
     println!(
         "ceiling: device-to-device copy {:.0} GB/s (reads plus writes, 1 GiB)",
         bandwidth / 1e9
     );
     // The weights as they sit on the device: dense keeps f32, quantized the GGUF's blocks.
-    let work = Work::of(c);
+    let work = Work::of(&c);
     let params = work.layer_macs + work.head_macs;
     let weight_bytes = match loaded.weight_mode {
         WeightMode::Quantized => std::fs::metadata(path).map_or(params, |f| f.len() as f64),
@@ -327,24 +327,105 @@ fn gpu_decode(
         * (c.num_layers * c.num_kv_heads * c.head_dim) as f64
         * cache.config().dtype.size_in_bytes() as f64;
     let mean_ctx = args.context as f64 + (args.steps as f64 + 1.0) / 2.0;
+    let graphs = model::llama::DEFAULT_MAX_GRAPH_BATCH;
+    let warm = Args {
+        steps: 2,
+        ..Args::parse_from(["x"])
+    };
     let mut baseline = None;
     for &b in &args.batches {
-        let rate = best(args.reps, || decode_rate(m, cache, b, args))?;
-        let base = *baseline.get_or_insert(rate);
-        let step = b as f64 / rate;
+        // Capture this size's graph before timing.
+        loaded.model.set_max_graph_batch(graphs);
+        decode_rate(&loaded.model, cache, b, &warm)?;
+        let (mut eager, mut graphed) = (0f64, 0f64);
+        for _ in 0..args.reps.max(1) {
+            loaded.model.set_max_graph_batch(0);
+            eager = eager.max(decode_rate(&loaded.model, cache, b, args)?);
+            loaded.model.set_max_graph_batch(graphs);
+            graphed = graphed.max(decode_rate(&loaded.model, cache, b, args)?);
+        }
+        let base = *baseline.get_or_insert(graphed);
         let bytes = weight_bytes + b as f64 * mean_ctx * kv_per_token;
+        for (what, rate) in [("graphs", graphed), ("eager ", eager)] {
+            let step = b as f64 / rate;
+            println!(
+                "decode batch {b:>3} {what}: {rate:>8.1} tok/s  ({:.2}x batch-{} graphs); step \
+                 {:.2} ms reads {:.0} MB: {:.0} GB/s, {:.1}% of the copy bandwidth",
+                rate / base,
+                args.batches[0],
+                step * 1e3,
+                bytes / 1e6,
+                bytes / step / 1e9,
+                100.0 * bytes / step / bandwidth,
+            );
+        }
+        println!("decode batch {b:>3}: graphs {:.2}x eager", graphed / eager);
+    }
+    match loaded.model.graph_stats() {
+        Some(s) => println!(
+            "CUDA graphs: captured sizes {:?}, {} steps replayed{}",
+            s.captured,
+            s.replays,
+            s.failed.map_or(String::new(), |e| format!(", FAILED: {e}"))
+        ),
+        None => println!("CUDA graphs: none (not built with cuda)"),
+    }
+    let vocab = c.vocab_size as u32;
+    for seqs in [1usize, 8, 32] {
+        let len = 128;
+        let rate = best(args.reps, || {
+            prefill_batch(&loaded.model, cache, seqs, len, vocab)
+        })?;
         println!(
-            "decode batch {b:>3}: {rate:>8.1} tok/s  ({:.2}x batch-{} decode); step {:.2} ms \
-             reads {:.0} MB: {:.0} GB/s, {:.1}% of the copy bandwidth",
-            rate / base,
-            args.batches[0],
-            step * 1e3,
-            bytes / 1e6,
-            bytes / step / 1e9,
-            100.0 * bytes / step / bandwidth,
+            "prefill {seqs:>2} x {len} tokens in one forward: {rate:>9.1} tok/s, {:.2} ms",
+            1e3 * (seqs * len) as f64 / rate
         );
     }
     Ok(())
+}
+
+/// Tokens/s of one forward prefilling `seqs` fresh sequences of `len` tokens each (as a server
+/// step admitting that many requests does), logits read back.
+fn prefill_batch(
+    m: &model::LlamaModel,
+    cache: &mut KvCache,
+    seqs: usize,
+    len: usize,
+    vocab: u32,
+) -> Result<f64> {
+    let prompts: Vec<Vec<u32>> = (0..seqs)
+        .map(|i| {
+            (0..len)
+                .map(|j| ((i * 7919 + j * 104729 + 13) as u32) % vocab)
+                .collect()
+        })
+        .collect();
+    let mut tables = Vec::new();
+    for _ in 0..seqs {
+        let mut s = Seq {
+            blocks: vec![],
+            len: 0,
+            next: 0,
+        };
+        grow(cache, &mut s, len)?;
+        tables.push(s.blocks);
+    }
+    let inputs: Vec<SeqInput> = prompts
+        .iter()
+        .zip(&tables)
+        .map(|(p, t)| SeqInput {
+            tokens: p,
+            start_pos: 0,
+            block_table: t,
+        })
+        .collect();
+    let start = Instant::now();
+    argmax_rows(&m.forward(&inputs, cache)?)?;
+    let secs = start.elapsed().as_secs_f64();
+    for t in &tables {
+        cache.allocator_mut().free_all(t)?;
+    }
+    Ok((seqs * len) as f64 / secs)
 }
 
 /// Bytes per second a device-to-device copy of 1 GiB moves (each byte read once and written

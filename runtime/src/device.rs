@@ -43,8 +43,39 @@ fn open_cuda(spec: &str, ordinal: usize) -> Result<Device, DeviceError> {
         // SAFETY: every tensor of this device lives and is used on its one stream, so nothing
         // needs cross-stream ordering (candle's conditions for turning tracking off).
         unsafe { cuda.disable_event_tracking() };
+        if let Err(e) = keep_freed_memory(cuda) {
+            tracing::warn!(error = %e, "could not raise the CUDA memory pool's release threshold");
+        }
     }
     Ok(device)
+}
+
+/// Keeps the memory a step frees in the device's stream-ordered pool for the next step. Every
+/// tensor is allocated from that pool (`cuMemAllocAsync`), and by default the pool hands its
+/// free memory back to the driver at each synchronisation, which every step makes when it
+/// reads its logits: the next step's allocations would then map fresh memory again.
+#[cfg(feature = "cuda")]
+fn keep_freed_memory(cuda: &candle_core::CudaDevice) -> Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let stream = cuda.cuda_stream();
+    let ctx = stream.context();
+    ctx.bind_to_thread().map_err(|e| e.to_string())?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut keep = u64::MAX;
+    // SAFETY: the out-pointer and the attribute's value (a u64 for the release threshold) are
+    // valid for the calls; the device is the context's own.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .map_err(|e| e.to_string())?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep as *mut u64).cast(),
+        )
+        .result()
+        .map_err(|e| e.to_string())
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

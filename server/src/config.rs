@@ -88,6 +88,10 @@ pub struct ServerArgs {
     /// Turn automatic prefix caching off.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+    /// Run every decode step op by op: no CUDA graphs (on a GPU, decode steps of up to 256
+    /// sequences are otherwise replayed from graphs captured on first use).
+    #[arg(long)]
+    pub enforce_eager: bool,
     /// Require `Authorization: Bearer <key>` on /v1/* (as vLLM's --api-key).
     #[arg(long, env = "FERRITE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -140,6 +144,7 @@ impl ServerArgs {
                 weight_mode: self.weights,
                 max_model_len: self.max_model_len,
                 tokenizer: self.tokenizer.clone(),
+                enforce_eager: self.enforce_eager,
             },
             kv: KvSizing {
                 block_size: self.block_size,

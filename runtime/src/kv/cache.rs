@@ -122,6 +122,9 @@ fn zeroed(shape: (usize, usize), dtype: DType, device: &Device) -> candle_core::
 /// the cache holds the tensors and runs the copies a step's plan names.
 #[derive(Debug)]
 pub struct KvCache {
+    /// Unique per cache made in this process: work captured against one cache's tensors (a
+    /// CUDA graph) must not be replayed against another's.
+    id: u64,
     cfg: KvCacheConfig,
     device: Device,
     pools: BlockPools,
@@ -131,17 +134,23 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(cfg: KvCacheConfig, device: &Device) -> Result<Self, KvError> {
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Self {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             cfg,
             device: device.clone(),
             pools: BlockPools::new(cfg.num_blocks, cfg.num_host_blocks),
-            gpu: Pool::new(&cfg, cfg.num_blocks, device)?,
+            gpu: Pool::new(&cfg, cfg.num_blocks + 1, device)?,
             host: Pool::new(&cfg, cfg.num_host_blocks, &Device::Cpu)?,
         })
     }
 
     pub fn config(&self) -> &KvCacheConfig {
         &self.cfg
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     pub fn device(&self) -> &Device {
@@ -172,6 +181,13 @@ impl KvCache {
     }
 
     /// Key and value slot tensors of one layer, `[num_slots, kv_dim]`.
+    /// A device block past the allocator's, which no sequence ever owns: the padding rows of a
+    /// captured decode step (`model::cuda_graph`) write their keys and values there. (On the
+    /// CPU it costs nothing: its pages are never touched.)
+    pub fn scratch_block(&self) -> BlockId {
+        self.cfg.num_blocks as BlockId
+    }
+
     pub fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
         (&self.gpu.k[layer], &self.gpu.v[layer])
     }

@@ -1,5 +1,5 @@
-//! The MLP's gated activation as a tensor op: [`crate::kernels::swiglu`] on CPU f32 tensors,
-//! candle's ops elsewhere (CUDA, other dtypes).
+//! The MLP's gated activation as one tensor op on f32: [`crate::kernels::swiglu`] on the CPU,
+//! `kernels/fused.cu`'s `swiglu_f32` on a GPU; candle's ops for other types.
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
@@ -7,7 +7,8 @@ use crate::kernels::swiglu;
 
 /// `silu(gate) · up` of a fused `[tokens, 2·ffn]` gate/up projection, gate columns first.
 pub fn swiglu(gate_up: &Tensor, ffn: usize) -> Result<Tensor> {
-    if gate_up.device().is_cpu() && gate_up.dtype() == candle_core::DType::F32 {
+    let fused = gate_up.device().is_cpu() || cfg!(feature = "cuda") && gate_up.device().is_cuda();
+    if fused && gate_up.dtype() == candle_core::DType::F32 {
         return gate_up.contiguous()?.apply_op1_no_bwd(&SwiGlu(ffn));
     }
     candle_nn::ops::silu(&gate_up.narrow(1, 0, ffn)?)? * gate_up.narrow(1, ffn, ffn)?
@@ -32,6 +33,51 @@ impl CustomOp1 for SwiGlu {
         };
         let out = swiglu::swiglu(x, ffn);
         Ok((CpuStorage::F32(out), Shape::from((tokens, ffn))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+
+        use super::cache_write::cuda::{MODULE, PTX};
+        let ffn = self.0;
+        let (tokens, width) = l.shape().dims2()?;
+        if width != 2 * ffn {
+            candle_core::bail!("swiglu: input has {width} columns, not 2 x {ffn}");
+        }
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("swiglu needs a contiguous input")
+        };
+        let x = s.as_cuda_slice::<f32>()?.slice(a..b);
+        let dev = s.device().clone();
+        let func = dev.get_or_load_custom_func("swiglu_f32", MODULE, PTX)?;
+        let n = tokens * ffn;
+        // SAFETY: the kernel writes every one of the n outputs.
+        let out = unsafe { dev.alloc::<f32>(n)? };
+        let (t, f, stride) = (tokens as u32, ffn as u32, width as u32);
+        let mut builder = func.builder();
+        builder.arg(&out);
+        builder.arg(&x);
+        builder.arg(&t);
+        builder.arg(&f);
+        builder.arg(&stride);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the argument list is the kernel's signature; x holds tokens rows of 2 * ffn.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev),
+            Shape::from((tokens, ffn)),
+        ))
     }
 }
 

@@ -86,11 +86,11 @@ pub(crate) mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result, Shape};
+    use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
     use half::{bf16, f16};
 
     use super::{AttnMeta, KernelTables, launch_shape};
-    use crate::model::attention_meta::Uploaded;
+    use crate::model::attention_meta::PackedTables;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx"));
     const MODULE: &str = "ferrite_paged_attention";
@@ -141,6 +141,33 @@ pub(crate) mod cuda {
         }
     }
 
+    /// The tables where the forward packed them, else uploaded once for every layer of the step
+    /// (a caller that runs attention alone).
+    fn device_tables<'m>(
+        meta: &'m AttnMeta,
+        dev: &candle_core::CudaDevice,
+    ) -> Result<&'m PackedTables> {
+        if let Some(t) = meta.device_tables.packed.get() {
+            return Ok(t);
+        }
+        let t = KernelTables::new(meta);
+        let (a, b, c) = (t.token_seq.len(), t.token_pos.len(), t.table_start.len());
+        let data = [t.token_seq, t.token_pos, t.table_start, t.tables].concat();
+        let n = data.len();
+        let packed = Tensor::from_vec(data, n, &candle_core::Device::Cuda(dev.clone()))?;
+        meta.device_tables.preset(PackedTables {
+            packed,
+            token_seq: 0..a,
+            token_pos: a..a + b,
+            table_start: a + b..a + b + c,
+            tables: a + b + c..n,
+        });
+        meta.device_tables
+            .packed
+            .get()
+            .ok_or_else(|| candle_core::Error::Msg("paged-attention: no tables".into()))
+    }
+
     fn run<C: CudaDType>(ops: &Operands, name: &str) -> Result<(CudaStorage, Shape)> {
         let Operands {
             meta,
@@ -158,19 +185,18 @@ pub(crate) mod cuda {
         let kv = contiguous::<C>(k, kl, "the key cache")?;
         let vv = contiguous::<C>(v, vl, "the value cache")?;
         meta.check_operands(qv.len(), kv.len() / (kvh * hd))?;
-        let up = match meta.device_tables.uploaded.get() {
-            Some(up) => up,
-            None => {
-                let t = KernelTables::new(meta);
-                let up = Uploaded {
-                    token_seq: dev.clone_htod(&t.token_seq)?,
-                    token_pos: dev.clone_htod(&t.token_pos)?,
-                    table_start: dev.clone_htod(&t.table_start)?,
-                    tables: dev.clone_htod(&t.tables)?,
-                };
-                meta.device_tables.uploaded.get_or_init(|| up)
-            }
+        let tables = device_tables(meta, &dev)?;
+        let (storage, layout) = tables.packed.storage_and_layout();
+        let Storage::Cuda(packed) = &*storage else {
+            candle_core::bail!("paged-attention: the kernel tables are not on the GPU")
         };
+        let packed = packed.as_cuda_slice::<u32>()?;
+        let at = |r: &std::ops::Range<usize>| {
+            let o = layout.start_offset();
+            packed.slice(o + r.start..o + r.end)
+        };
+        let (token_seq, token_pos) = (at(&tables.token_seq), at(&tables.token_pos));
+        let (table_start, flat) = (at(&tables.table_start), at(&tables.tables));
         let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         // SAFETY: every element is written by the kernel (each block writes its rows).
         let out = unsafe { dev.alloc::<f32>(tokens * nh * hd)? };
@@ -181,10 +207,10 @@ pub(crate) mod cuda {
         b.arg(&qv);
         b.arg(&kv);
         b.arg(&vv);
-        b.arg(&up.token_seq);
-        b.arg(&up.token_pos);
-        b.arg(&up.table_start);
-        b.arg(&up.tables);
+        b.arg(&token_seq);
+        b.arg(&token_pos);
+        b.arg(&table_start);
+        b.arg(&flat);
         b.arg(&num_heads);
         b.arg(&num_kv_heads);
         b.arg(&head_dim);

@@ -3,9 +3,9 @@
 //! the CUDA launch's device copy of the tables. A leaf, so the generic path (`attention`) and
 //! the CUDA launch (`attention_kernel`) both depend on it and not on each other.
 
-use candle_core::Result;
-#[cfg(feature = "cuda")]
-use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+use std::ops::Range;
+
+use candle_core::{Result, Tensor};
 
 /// Where each token of the flattened batch sits: which sequence, which position.
 #[derive(Debug, Clone)]
@@ -76,12 +76,19 @@ impl AttnMeta {
     }
 }
 
-/// The device copy of a batch's kernel tables (`attention_kernel::KernelTables`), made on the first layer's launch and reused by
-/// the others (the tables are the same for every layer of a step).
+/// Where a batch's kernel tables (`attention_kernel::KernelTables`) lie on the device: set by
+/// the forward to ranges of its packed step inputs (`step::PackedStep`), or uploaded by the
+/// first CUDA launch that finds it empty; the other layers of the step reuse it.
 #[derive(Default)]
 pub struct DeviceTables {
-    #[cfg(feature = "cuda")]
-    pub(crate) uploaded: std::sync::OnceLock<Uploaded>,
+    pub(crate) packed: std::sync::OnceLock<PackedTables>,
+}
+
+impl DeviceTables {
+    /// Points the tables at `tables` (a second call keeps the first).
+    pub fn preset(&self, tables: PackedTables) {
+        let _ = self.packed.set(tables);
+    }
 }
 
 /// A clone starts empty: the clone's tables may be changed before it is used.
@@ -97,11 +104,12 @@ impl std::fmt::Debug for DeviceTables {
     }
 }
 
-/// The tables on the device, as the CUDA kernel reads them.
-#[cfg(feature = "cuda")]
-pub(crate) struct Uploaded {
-    pub(crate) token_seq: CudaSlice<u32>,
-    pub(crate) token_pos: CudaSlice<u32>,
-    pub(crate) table_start: CudaSlice<u32>,
-    pub(crate) tables: CudaSlice<u32>,
+/// The kernel's four tables as ranges of one u32 tensor.
+#[derive(Debug, Clone)]
+pub struct PackedTables {
+    pub packed: Tensor,
+    pub token_seq: Range<usize>,
+    pub token_pos: Range<usize>,
+    pub table_start: Range<usize>,
+    pub tables: Range<usize>,
 }

@@ -4,8 +4,10 @@ use candle_core::{DType, Device, Tensor};
 
 use super::ModelError;
 use super::attention::{AttentionBackend, AttnMeta, paged_attention};
+use super::cache_write::{CacheWriter, Heads};
 use super::config::ModelConfig;
 use super::rope::Rope;
+use super::step::{PackedStep, StepTensors};
 use super::weights::LlamaWeights;
 use crate::kv::KvCache;
 
@@ -30,7 +32,15 @@ pub struct LlamaModel {
     attention: AttentionBackend,
     /// Most tokens one pass of the layers runs; larger forwards go through in slices.
     max_slice_tokens: usize,
+    /// Largest decode batch run from a CUDA graph (`cuda_graph`); 0 runs every step eagerly.
+    max_graph_batch: usize,
+    #[cfg(feature = "cuda")]
+    graphs: std::sync::Mutex<Option<super::cuda_graph::DecodeGraphs>>,
 }
+
+/// The largest decode batch a CUDA device replays from a graph by default (vLLM captures up
+/// to 512; past 256 rows a step's work outweighs its launches).
+pub const DEFAULT_MAX_GRAPH_BATCH: usize = 256;
 
 /// Tokens per slice of a CPU forward. A step of `--max-num-batched-tokens` 2048 would otherwise
 /// hold every activation at 2048 rows (the gate/up output alone is 25 MB for the default model),
@@ -61,7 +71,39 @@ impl LlamaModel {
             } else {
                 usize::MAX
             },
+            max_graph_batch: if device.is_cuda() {
+                DEFAULT_MAX_GRAPH_BATCH
+            } else {
+                0
+            },
+            #[cfg(feature = "cuda")]
+            graphs: Default::default(),
         })
+    }
+
+    /// Sets the largest decode batch replayed from a CUDA graph, at most
+    /// [`DEFAULT_MAX_GRAPH_BATCH`]; 0 runs every step eagerly (the server's `--enforce-eager`).
+    /// Graphs captured so far are kept for when it is raised again.
+    pub fn set_max_graph_batch(&mut self, rows: usize) {
+        self.max_graph_batch = if self.device.is_cuda() {
+            rows.min(DEFAULT_MAX_GRAPH_BATCH)
+        } else {
+            0
+        };
+    }
+
+    /// What the decode graphs have done (`None` before the first graph-eligible step, and in a
+    /// build without CUDA).
+    pub fn graph_stats(&self) -> Option<super::cuda_graph::GraphStats> {
+        #[cfg(feature = "cuda")]
+        if let Ok(g) = self.graphs.lock() {
+            return g.as_ref().map(|g| g.stats().clone());
+        }
+        None
+    }
+
+    pub fn attention_backend(&self) -> AttentionBackend {
+        self.attention
     }
 
     /// Sets the most tokens one pass of the layers runs (tests compare slicings; at least 1).
@@ -141,6 +183,7 @@ impl LlamaModel {
     /// sequence (after its last token), `[batch.len(), vocab]` in f32. Keys and values of every
     /// token are written to the cache.
     pub fn forward(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
+        self.check_batch(batch, cache)?;
         // Run a CPU pass on a worker of rayon's pool. Each parallel op called from outside the
         // pool sends a job there and puts the caller to sleep until it ends; one forward makes
         // ~150 such calls, and those round trips cost milliseconds per decode step. A GPU pass
@@ -148,7 +191,42 @@ impl LlamaModel {
         if self.device.is_cpu() && rayon::current_thread_index().is_none() {
             return rayon::scope(|_| self.forward_on_pool(batch, cache));
         }
+        #[cfg(feature = "cuda")]
+        if let Some(logits) = self.decode_from_graph(batch, cache)? {
+            return Ok(logits);
+        }
         self.forward_on_pool(batch, cache)
+    }
+
+    /// A decode step replayed from its CUDA graph, where one takes it.
+    #[cfg(feature = "cuda")]
+    fn decode_from_graph(
+        &self,
+        batch: &[SeqInput],
+        cache: &KvCache,
+    ) -> Result<Option<Tensor>, ModelError> {
+        use super::cuda_graph::DecodeGraphs;
+        // Graphs are captured with the attention kernel; a model set to the generic path (tests
+        // comparing the two) runs eagerly.
+        if self.max_graph_batch == 0
+            || self.attention != AttentionBackend::Auto
+            || batch.len() > self.max_graph_batch
+            || batch.iter().any(|s| s.tokens.len() != 1)
+        {
+            return Ok(None);
+        }
+        let mut graphs = self
+            .graphs
+            .lock()
+            .map_err(|_| ModelError::Tensor("the decode graphs' lock is poisoned".into()))?;
+        // Graphs hold the cache's tensors: another cache needs its own.
+        if graphs.as_ref().is_none_or(|g| g.cache_id() != cache.id()) {
+            *graphs = Some(DecodeGraphs::new(self, DEFAULT_MAX_GRAPH_BATCH, cache)?);
+        }
+        match graphs.as_mut() {
+            Some(g) => g.run(self, batch, cache),
+            None => Ok(None),
+        }
     }
 
     /// Runs the batch through the layers in slices of at most `max_slice_tokens` tokens, in
@@ -156,8 +234,6 @@ impl LlamaModel {
     /// the cache, as with chunked prefill. Every op is row-wise (the GEMMs are batch invariant
     /// and attention reads only the cache), so the logits are bitwise those of one pass.
     fn forward_on_pool(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
-        self.check_batch(batch, cache)?;
-        let eps = self.cfg.rms_norm_eps as f32;
         let mut last_hidden = Vec::new();
         for slice in slices(batch, self.max_slice_tokens) {
             let inputs: Vec<SeqInput> = slice.iter().map(|p| p.input).collect();
@@ -176,86 +252,57 @@ impl LlamaModel {
             }
         }
         // One tensor (the unsliced case) is returned as it is, without a copy.
-        let x = Tensor::cat(&last_hidden, 0)?;
-        let x = candle_nn::ops::rms_norm(&x, &self.weights.norm, eps)?;
-        Ok(self.weights.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        self.head(&Tensor::cat(&last_hidden, 0)?)
     }
 
     /// One pass of the embedding and every layer over `batch` (already checked): the hidden
     /// state after each sequence's last token, `[batch.len(), hidden]`, before the final norm.
     fn layers(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
-        let cfg = &self.cfg;
         let bs = cache.config().block_size;
-        let n_tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
-        let mut ids = Vec::with_capacity(n_tokens);
-        let mut pos = Vec::with_capacity(n_tokens);
-        let mut token_seq = Vec::with_capacity(n_tokens);
-        let mut last = Vec::with_capacity(batch.len());
-        for (i, s) in batch.iter().enumerate() {
-            for (j, &tok) in s.tokens.iter().enumerate() {
-                ids.push(tok);
-                pos.push((s.start_pos + j) as u32);
-                token_seq.push(i as u32);
-            }
-            last.push((ids.len() - 1) as u32);
-        }
-        let meta = AttnMeta {
+        let packed = PackedStep::new(batch, bs);
+        let meta = packed.meta(batch, &self.cfg, bs);
+        let step = StepTensors::new(&packed.upload(&self.device)?, &packed, &meta)?;
+        let x = self.run_layers(&step, &meta, cache)?;
+        Ok(x.index_select(&step.last, 0)?)
+    }
+
+    /// Every layer over a step's device inputs: the hidden state of every token. Nothing here
+    /// copies from the host, so a CUDA graph can capture it (`cuda_graph`).
+    pub(crate) fn run_layers(
+        &self,
+        step: &StepTensors,
+        meta: &AttnMeta,
+        cache: &KvCache,
+    ) -> Result<Tensor, ModelError> {
+        let cfg = &self.cfg;
+        let heads = Heads {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
-            block_size: bs,
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
-            sliding_window: cfg.sliding_window,
-            token_seq,
-            token_pos: pos,
-            block_tables: batch.iter().map(|s| s.block_table.to_vec()).collect(),
-            device_tables: Default::default(),
         };
-        // Cache slot of every token, from the same block-table lookup attention reads through.
-        let slots: Vec<u32> = meta
-            .token_seq
-            .iter()
-            .zip(&meta.token_pos)
-            .map(|(&seq, &p)| meta.slot(seq as usize, p as usize) as u32)
-            .collect();
-        let dev = &self.device;
-        let rope = self
-            .rope
-            .at(&Tensor::new(meta.token_pos.as_slice(), dev)?)?;
-        let kv_dim = cfg.kv_dim();
-        let slot_idx = Tensor::from_vec(slots, (n_tokens, 1), dev)?
-            .broadcast_as((n_tokens, kv_dim))?
-            .contiguous()?;
-        let cache_dtype = cache.config().dtype;
+        let writer = CacheWriter::new(&step.positions, &step.slots, &self.rope, cfg.kv_dim())?;
         let eps = cfg.rms_norm_eps as f32;
 
-        let mut x = self.weights.embed.lookup(ids, dev)?;
+        let mut x = self.weights.embed.lookup(&step.ids)?;
         for (l, w) in self.weights.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, eps)?;
             let qkv = w.qkv.forward(&h)?;
-            let q =
-                qkv.narrow(1, 0, cfg.q_dim())?
-                    .reshape((n_tokens, cfg.num_heads, cfg.head_dim))?;
-            let k = qkv.narrow(1, cfg.q_dim(), kv_dim)?.reshape((
-                n_tokens,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-            ))?;
-            let v = qkv.narrow(1, cfg.q_dim() + kv_dim, kv_dim)?;
-            let q = rope.apply(&q)?.reshape((n_tokens, cfg.q_dim()))?;
-            let k = rope.apply(&k)?.reshape((n_tokens, kv_dim))?;
             let (kc, vc) = cache.layer(l);
-            kc.scatter_set(&slot_idx, &k.to_dtype(cache_dtype)?, 0)?;
-            vc.scatter_set(&slot_idx, &v.to_dtype(cache_dtype)?.contiguous()?, 0)?;
-            let attn = paged_attention(&q, kc, vc, &meta, self.attention)?;
+            let q = writer.write(&qkv, heads, kc, vc)?;
+            let attn = paged_attention(&q, kc, vc, meta, self.attention)?;
             x = (x + w.o.forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
             let gate_up = w.gate_up.forward(&h)?;
-            let ffn = cfg.intermediate_size;
-            let act = super::activation::swiglu(&gate_up, ffn)?;
+            let act = super::activation::swiglu(&gate_up, cfg.intermediate_size)?;
             x = (x + w.down.forward(&act)?)?;
         }
-        Ok(x.index_select(&Tensor::from_vec(last, batch.len(), dev)?, 0)?)
+        Ok(x)
+    }
+
+    /// The final norm and the output head: `[rows, vocab]` f32 logits of hidden states `x`.
+    pub(crate) fn head(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        let x = candle_nn::ops::rms_norm(x, &self.weights.norm, self.cfg.rms_norm_eps as f32)?;
+        Ok(self.weights.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
 }
 

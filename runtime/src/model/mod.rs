@@ -5,13 +5,16 @@ pub mod activation;
 pub mod attention;
 pub mod attention_kernel;
 pub mod attention_meta;
+pub mod cache_write;
 pub mod chat_template;
 pub mod config;
+pub mod cuda_graph;
 pub mod driver;
 pub mod gguf;
 pub mod llama;
 pub mod rope;
 pub mod safetensors;
+pub mod step;
 pub mod tokenizer;
 pub mod weights;
 
@@ -74,6 +77,8 @@ pub struct LoadOptions {
     pub max_model_len: Option<usize>,
     /// A `tokenizer.json` overriding the one found with the model.
     pub tokenizer: Option<PathBuf>,
+    /// Run every decode step op by op, without CUDA graphs (vLLM's `--enforce-eager`).
+    pub enforce_eager: bool,
 }
 
 impl Default for LoadOptions {
@@ -83,6 +88,7 @@ impl Default for LoadOptions {
             weight_mode: WeightMode::default(),
             max_model_len: None,
             tokenizer: None,
+            enforce_eager: false,
         }
     }
 }
@@ -218,7 +224,10 @@ fn finish(
         .transpose()?;
     let eos_token_ids = tokenizer.eos_token_ids().to_vec();
     let max_len = max_len(&cfg, opts)?;
-    let model = LlamaModel::new(cfg, weights, max_len, &opts.device)?;
+    let mut model = LlamaModel::new(cfg, weights, max_len, &opts.device)?;
+    if opts.enforce_eager {
+        model.set_max_graph_batch(0);
+    }
     Ok(LoadedModel {
         model,
         tokenizer,

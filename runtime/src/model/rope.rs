@@ -65,6 +65,24 @@ impl Rope {
         })
     }
 
+    /// Tables made elsewhere (`[positions, head_dim / 2]` each; tests of the fused kernel).
+    pub fn from_tables(cos: Tensor, sin: Tensor, style: RopeStyle) -> Self {
+        Self { cos, sin, style }
+    }
+
+    /// `[positions, head_dim / 2]`: the cosine of each position's angle for each pair.
+    pub fn cos(&self) -> &Tensor {
+        &self.cos
+    }
+
+    pub fn sin(&self) -> &Tensor {
+        &self.sin
+    }
+
+    pub fn style(&self) -> RopeStyle {
+        self.style
+    }
+
     /// The tables' rows at `positions` (`[tokens]`, u32), gathered once per forward and shared
     /// by every layer's q and k (four gathers per layer otherwise: on a GPU, four launches).
     pub fn at(&self, positions: &Tensor) -> Result<RopeAt> {

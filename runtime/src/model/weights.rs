@@ -336,13 +336,13 @@ pub enum Embedding {
 
 impl Embedding {
     /// Rows `ids` as `[ids.len(), hidden]` f32 on `device`.
-    pub fn lookup(&self, ids: Vec<u32>, device: &Device) -> Result<Tensor, ModelError> {
+    /// The rows of `ids` (`[tokens]`, u32, on the model's device; a view is fine).
+    pub fn lookup(&self, ids: &Tensor) -> Result<Tensor, ModelError> {
         match self {
-            Embedding::Dense(t) => {
-                let n = ids.len();
-                Ok(t.index_select(&Tensor::from_vec(ids, n, device)?, 0)?)
-            }
+            Embedding::Dense(t) => Ok(t.index_select(ids, 0)?),
             Embedding::Packed(w) => {
+                // Packed weights live on the CPU, where reading the ids back is a copy.
+                let ids = ids.to_vec1::<u32>()?;
                 let h = w.cols();
                 if let Some(&bad) = ids.iter().find(|&&id| id as usize >= w.rows()) {
                     return Err(ModelError::InvalidBatch(format!(
@@ -354,7 +354,7 @@ impl Embedding {
                 for (row, &id) in out.chunks_exact_mut(h.max(1)).zip(&ids) {
                     w.dequantize_row(id as usize, row);
                 }
-                Ok(Tensor::from_vec(out, (ids.len(), h), device)?)
+                Ok(Tensor::from_vec(out, (ids.len(), h), &Device::Cpu)?)
             }
         }
     }

@@ -23,10 +23,17 @@ use proptest::prelude::*;
 /// The harness binary, built once per test run.
 fn harness() -> &'static Path {
     static BUILT: OnceLock<(TempDir, PathBuf)> = OnceLock::new();
-    let (_, exe) = BUILT.get_or_init(|| {
+    build(&BUILT, "harness.cpp")
+}
+
+/// `tests/cuda_shim/<source>` compiled with g++ under AddressSanitizer and UBSan, once.
+fn build<'a>(cell: &'a OnceLock<(TempDir, PathBuf)>, source: &str) -> &'a Path {
+    let (_, exe) = cell.get_or_init(|| {
         let dir = TempDir::new("cuda-shim");
         let exe = dir.path().join("harness");
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_shim/harness.cpp");
+        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/cuda_shim")
+            .join(source);
         let out = Command::new("g++")
             .args([
                 "-std=c++20",
@@ -105,11 +112,19 @@ fn run_kernel(meta: &AttnMeta, q: &[f32], kc: &Tensor, vc: &Tensor) -> Vec<f32> 
     for a in [&t.token_seq, &t.token_pos, &t.table_start, &t.tables] {
         push(&mut buf, a, |x: u32| x.to_le_bytes().to_vec());
     }
+    launch(harness(), &buf)
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// Runs `exe` on the launch `input`; returns what it wrote.
+fn launch(exe: &Path, input: &[u8]) -> Vec<u8> {
     let dir = TempDir::new("cuda-launch");
-    let (input, output) = (dir.path().join("in"), dir.path().join("out"));
-    std::fs::write(&input, &buf).expect("input");
-    let out = Command::new(harness())
-        .arg(&input)
+    let (inp, output) = (dir.path().join("in"), dir.path().join("out"));
+    std::fs::write(&inp, input).expect("input");
+    let out = Command::new(exe)
+        .arg(&inp)
         .arg(&output)
         .output()
         .expect("the harness runs");
@@ -119,11 +134,7 @@ fn run_kernel(meta: &AttnMeta, q: &[f32], kc: &Tensor, vc: &Tensor) -> Vec<f32> 
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    std::fs::read(&output)
-        .expect("output")
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
+    std::fs::read(&output).expect("output")
 }
 
 fn cpu_kernel(meta: &AttnMeta, q: &[f32], kc: &Tensor, vc: &Tensor) -> Vec<f32> {
@@ -198,4 +209,132 @@ fn tables_outside_the_pool_are_refused() {
     let err = paged_attention(&q, &kc, &kc, &meta, AttentionBackend::Auto).expect_err("refused");
     assert!(err.to_string().contains("outside the pool"), "{err}");
     assert_eq!(launch_shape(&meta).map(|s| s.grid), Some((1, 1)));
+}
+
+/// `kernels/fused.cu`, built for the CPU.
+fn fused() -> &'static Path {
+    static BUILT: OnceLock<(TempDir, PathBuf)> = OnceLock::new();
+    build(&BUILT, "fused_harness.cpp")
+}
+
+/// A tensor's values as little-endian bytes, in its own type.
+fn bytes_of(t: &Tensor) -> Vec<u8> {
+    let flat = t.flatten_all().expect("flat");
+    let mut buf = Vec::new();
+    match t.dtype() {
+        DType::F32 => push(&mut buf, &flat.to_vec1::<f32>().expect("f32"), |x| {
+            x.to_le_bytes().to_vec()
+        }),
+        DType::F16 => push(&mut buf, &flat.to_vec1::<half::f16>().expect("f16"), |x| {
+            x.to_bits().to_le_bytes().to_vec()
+        }),
+        DType::BF16 => push(
+            &mut buf,
+            &flat.to_vec1::<half::bf16>().expect("bf16"),
+            |x| x.to_bits().to_le_bytes().to_vec(),
+        ),
+        DType::U32 => push(&mut buf, &flat.to_vec1::<u32>().expect("u32"), |x| {
+            x.to_le_bytes().to_vec()
+        }),
+        other => panic!("type {other:?}"),
+    }
+    buf
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    /// The fused rotation and cache write gives what candle's ops give (the CPU build's
+    /// `CacheWriter`): the same rotated queries, and the same pools (rotated keys and the
+    /// values, rounded to the cache type, at their slots, nothing else touched), for both RoPE
+    /// pairings, GQA groups, and qkv rows read at a stride wider than the row.
+    #[test]
+    fn the_fused_rope_and_cache_write_match_candles_ops(
+        tokens in 1usize..12,
+        kv_heads in 1usize..4,
+        group in 1usize..4,
+        head_dim in prop::sample::select(vec![2usize, 8, 64]),
+        interleaved in any::<bool>(),
+        cache in prop::sample::select(vec![DType::F32, DType::F16, DType::BF16]),
+        seed in any::<u64>(),
+    ) {
+        use ferrite_runtime::model::cache_write::{CacheWriter, Heads};
+        use ferrite_runtime::model::config::RopeStyle;
+        use ferrite_runtime::model::rope::Rope;
+        let cpu = &Device::Cpu;
+        let heads = Heads { num_heads: kv_heads * group, num_kv_heads: kv_heads, head_dim };
+        let (q_dim, kv_dim) = (heads.num_heads * head_dim, kv_heads * head_dim);
+        let width = q_dim + 2 * kv_dim;
+        let (rows, table_rows, half) = (tokens + 5, 40usize, head_dim / 2);
+        let values = |n: usize, s: u64, scale| ferrite_testkit::random::values(n, s, scale);
+        let qkv = Tensor::from_vec(values(tokens * width, seed, 4.0), (tokens, width), cpu).expect("qkv");
+        let table = |s| Tensor::from_vec(values(table_rows * half, s, 1.0), (table_rows, half), cpu).expect("table");
+        let style = if interleaved { RopeStyle::Interleaved } else { RopeStyle::Half };
+        let rope = Rope::from_tables(table(seed ^ 4), table(seed ^ 5), style);
+        let positions: Vec<u32> = (0..tokens).map(|t| ((t * 7 + seed as usize) % table_rows) as u32).collect();
+        // Distinct slots in a scrambled order.
+        let slots: Vec<u32> = (0..tokens).map(|t| ((t * 3 + 2) % rows) as u32).collect();
+        let pool = |s: u64| {
+            Tensor::from_vec(values(rows * kv_dim, s, 8.0), (rows, kv_dim), cpu)
+                .and_then(|t| t.to_dtype(cache))
+                .expect("pool")
+        };
+        let (kc, vc) = (pool(seed ^ 2), pool(seed ^ 3));
+        let (pos_t, slot_t) = (
+            Tensor::new(positions.as_slice(), cpu).expect("positions"),
+            Tensor::new(slots.as_slice(), cpu).expect("slots"),
+        );
+        let mut input = Vec::new();
+        let cache_type = match cache {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            _ => 2,
+        };
+        let header = [0, tokens, heads.num_heads, kv_heads, head_dim, width, usize::from(interleaved), table_rows, rows, cache_type];
+        push(&mut input, &header, |x| (x as i32).to_le_bytes().to_vec());
+        for t in [&qkv, rope.cos(), rope.sin(), &pos_t, &slot_t, &kc, &vc] {
+            input.extend(bytes_of(t));
+        }
+        let got = launch(fused(), &input);
+
+        let writer = CacheWriter::new(&pos_t, &slot_t, &rope, kv_dim).expect("writer");
+        let q = writer.write(&qkv, heads, &kc, &vc).expect("write");
+        let mut want = bytes_of(&q.contiguous().expect("q"));
+        want.extend(bytes_of(&kc));
+        want.extend(bytes_of(&vc));
+        prop_assert_eq!(got.len(), want.len());
+        prop_assert!(got == want, "the kernel's q or pools differ from candle's ops");
+    }
+
+    /// The fused SwiGLU gives candle's `silu(gate) * up`, within an ulp or two of rounding,
+    /// reading the gate/up rows at their stride.
+    #[test]
+    fn the_fused_swiglu_is_silu_times_up(
+        tokens in 0usize..9,
+        ffn in 1usize..300,
+        extra in 0usize..5,
+        seed in any::<u64>(),
+    ) {
+        let cpu = &Device::Cpu;
+        let stride = 2 * ffn + extra;
+        let x = Tensor::from_vec(
+            ferrite_testkit::random::values(tokens * stride, seed, 12.0),
+            (tokens, stride),
+            cpu,
+        ).expect("x");
+        let mut input = Vec::new();
+        push(&mut input, &[1, tokens, ffn, stride], |v| (v as i32).to_le_bytes().to_vec());
+        input.extend(bytes_of(&x));
+        let got: Vec<f32> = launch(fused(), &input)
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let want = (candle_nn::ops::silu(&x.narrow(1, 0, ffn).expect("gate")).expect("silu")
+            * x.narrow(1, ffn, ffn).expect("up"))
+            .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+            .expect("want");
+        prop_assert_eq!(got.len(), want.len());
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            prop_assert!((a - b).abs() <= 4.0 * f32::EPSILON * b.abs().max(1e-30), "output {}: {} vs {}", i, a, b);
+        }
+    }
 }
