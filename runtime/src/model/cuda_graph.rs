@@ -15,6 +15,32 @@
 //! graphs cannot take, run eagerly; a failed capture turns the graphs off with a warning and
 //! the model goes on eagerly.
 
+/// What a decode graph captures: a model's forward over a step's device inputs. `LlamaModel`
+/// implements it, so this module does not depend on the model (the model holds the graphs).
+pub trait StepForward {
+    fn device(&self) -> &candle_core::Device;
+    fn vocab_size(&self) -> usize;
+    fn max_len(&self) -> usize;
+    /// Whether the model runs the CUDA attention kernel (graphs are captured with it).
+    fn attention_kernel(&self) -> bool;
+    /// The host-side metadata of `batch` for the model's heads.
+    fn meta(
+        &self,
+        packed: &step::PackedStep,
+        batch: &[step::SeqInput],
+        block_size: usize,
+    ) -> super::attention::AttnMeta;
+    /// `[rows, vocab]` f32 logits of every row of the step; copies nothing from the host.
+    fn step_logits(
+        &self,
+        step: &step::StepTensors,
+        meta: &super::attention::AttnMeta,
+        cache: &crate::kv::KvCache,
+    ) -> Result<candle_core::Tensor, super::ModelError>;
+}
+
+use super::step;
+
 /// The batch sizes captured, up to `max_rows`.
 pub fn sizes(max_rows: usize) -> Vec<usize> {
     let all = [1, 2, 4]
@@ -46,13 +72,11 @@ mod runner {
     use candle_core::{DType, Device, Tensor};
 
     use super::super::ModelError;
-    use super::super::attention::AttentionBackend;
     use super::super::attention_kernel::launch_shape;
-    use super::super::llama::{LlamaModel, SeqInput};
-    use super::super::step::{PackedStep, StepTensors};
+    use super::super::step::{PackedStep, SeqInput, StepTensors};
     use crate::kv::KvCache;
 
-    use super::{GraphStats, sizes};
+    use super::{GraphStats, StepForward, sizes};
 
     /// The captured graphs of one model and cache geometry, and their fixed buffers.
     pub struct DecodeGraphs {
@@ -83,7 +107,7 @@ mod runner {
     impl DecodeGraphs {
         /// Buffers for graphs of up to `max_rows` rows over `cache` (captured lazily).
         pub fn new(
-            model: &LlamaModel,
+            model: &impl StepForward,
             max_rows: usize,
             cache: &KvCache,
         ) -> Result<Self, ModelError> {
@@ -98,11 +122,7 @@ mod runner {
                 block_size,
                 cache_id: cache.id(),
                 inputs: Tensor::zeros(capacity.max(1), DType::U32, device)?,
-                logits: Tensor::zeros(
-                    (rows.max(1), model.config().vocab_size),
-                    DType::F32,
-                    device,
-                )?,
+                logits: Tensor::zeros((rows.max(1), model.vocab_size()), DType::F32, device)?,
                 graphs: BTreeMap::new(),
                 stats: GraphStats::default(),
             })
@@ -121,7 +141,7 @@ mod runner {
         /// no graph takes it (then the caller runs it eagerly).
         pub fn run(
             &mut self,
-            model: &LlamaModel,
+            model: &impl StepForward,
             batch: &[SeqInput],
             cache: &KvCache,
         ) -> Result<Option<Tensor>, ModelError> {
@@ -176,7 +196,7 @@ mod runner {
         /// Captures a step of `rows` padding sequences (their inputs are the graph's fixed places).
         fn capture(
             &self,
-            model: &LlamaModel,
+            model: &impl StepForward,
             rows: usize,
             cache: &KvCache,
         ) -> Result<CudaGraph, ModelError> {
@@ -188,9 +208,8 @@ mod runner {
             let scratch = [cache.scratch_block()];
             let pads = vec![pad(&scratch); rows];
             let packed = PackedStep::new(&pads, self.block_size);
-            let meta = packed.meta(&pads, model.config(), self.block_size);
-            if model.attention_backend() != AttentionBackend::Auto || launch_shape(&meta).is_none()
-            {
+            let meta = model.meta(&packed, &pads, self.block_size);
+            if !model.attention_kernel() || launch_shape(&meta).is_none() {
                 return Err(ModelError::Unsupported(
                     "the paged-attention kernel does not apply to this model".into(),
                 ));
@@ -199,8 +218,7 @@ mod runner {
                 .slice_set(&packed.upload(model.device())?, 0, 0)?;
             let step = StepTensors::new(&self.inputs, &packed, &meta)?;
             let body = || -> Result<(), ModelError> {
-                let x = model.run_layers(&step, &meta, cache)?;
-                let logits = model.head(&x)?;
+                let logits = model.step_logits(&step, &meta, cache)?;
                 Ok(self.logits.slice_set(&logits, 0, 0)?)
             };
             let stream = dev.cuda_stream();

@@ -6,11 +6,12 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
-use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::GgmlDType;
+use candle_core::quantized::gguf_file::{self, Content, Value};
 
 use super::ModelError;
 use super::config::{Arch, ModelConfig, RopeScaling, RopeStyle};
-use super::weights::{RawWeight, WeightSource};
+use super::weights::{Checkpoint, RawWeight, WeightSource};
 
 /// An open GGUF file: parsed header plus a reader for tensor data.
 pub struct GgufFile {
@@ -58,6 +59,22 @@ impl GgufFile {
             .values()
             .map(|t| t.shape.elem_count())
             .sum()
+    }
+
+    /// What `auto` needs to know of the checkpoint: how many elements, and how many of them are
+    /// floats rather than quantized blocks.
+    pub fn checkpoint(&self) -> Checkpoint {
+        let float = |t: &&gguf_file::TensorInfo| {
+            matches!(
+                t.ggml_dtype,
+                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
+            )
+        };
+        let infos = self.content.tensor_infos.values();
+        Checkpoint {
+            params: self.num_params(),
+            float_params: infos.filter(float).map(|t| t.shape.elem_count()).sum(),
+        }
     }
 
     pub fn has_tensor(&self, name: &str) -> bool {

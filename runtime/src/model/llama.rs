@@ -7,19 +7,10 @@ use super::attention::{AttentionBackend, AttnMeta, paged_attention};
 use super::cache_write::{CacheWriter, Heads};
 use super::config::ModelConfig;
 use super::rope::Rope;
+pub use super::step::SeqInput;
 use super::step::{PackedStep, StepTensors};
 use super::weights::LlamaWeights;
 use crate::kv::KvCache;
-
-/// One sequence's share of a forward pass: the new tokens to run (a whole prompt, a prefill
-/// chunk, or one decode token), how many of its tokens are already in the cache, and its block
-/// table, which must already cover `start_pos + tokens.len()` positions.
-#[derive(Debug, Clone, Copy)]
-pub struct SeqInput<'a> {
-    pub tokens: &'a [u32],
-    pub start_pos: usize,
-    pub block_table: &'a [u32],
-}
 
 /// A Llama-family model ready to run batches.
 #[derive(Debug)]
@@ -268,7 +259,7 @@ impl LlamaModel {
 
     /// Every layer over a step's device inputs: the hidden state of every token. Nothing here
     /// copies from the host, so a CUDA graph can capture it (`cuda_graph`).
-    pub(crate) fn run_layers(
+    fn run_layers(
         &self,
         step: &StepTensors,
         meta: &AttnMeta,
@@ -300,9 +291,41 @@ impl LlamaModel {
     }
 
     /// The final norm and the output head: `[rows, vocab]` f32 logits of hidden states `x`.
-    pub(crate) fn head(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+    fn head(&self, x: &Tensor) -> Result<Tensor, ModelError> {
         let x = candle_nn::ops::rms_norm(x, &self.weights.norm, self.cfg.rms_norm_eps as f32)?;
         Ok(self.weights.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+}
+
+/// What a captured decode step runs (`cuda_graph`).
+impl super::cuda_graph::StepForward for LlamaModel {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    fn attention_kernel(&self) -> bool {
+        self.attention == AttentionBackend::Auto
+    }
+
+    fn meta(&self, packed: &PackedStep, batch: &[SeqInput], block_size: usize) -> AttnMeta {
+        packed.meta(batch, &self.cfg, block_size)
+    }
+
+    fn step_logits(
+        &self,
+        step: &StepTensors,
+        meta: &AttnMeta,
+        cache: &KvCache,
+    ) -> Result<Tensor, ModelError> {
+        self.head(&self.run_layers(step, meta, cache)?)
     }
 }
 

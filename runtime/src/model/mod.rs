@@ -26,7 +26,7 @@ pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Arch, ModelConfig, RopeScaling, RopeStyle};
 pub use llama::{LlamaModel, SeqInput};
 pub use tokenizer::Tokenizer;
-pub use weights::{LlamaWeights, RawWeight, WeightMode, WeightSource};
+pub use weights::{Checkpoint, LlamaWeights, RawWeight, WeightMode, WeightSource};
 
 /// Everything that can go wrong loading or running a model. Messages name the file, key or
 /// tensor at fault so that a user can fix their checkpoint.
@@ -161,7 +161,7 @@ fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel, ModelError>
         None => from_metadata?,
     };
     let template = file.string("tokenizer.chat_template").map(str::to_string);
-    let mode = opts.weight_mode.resolve(file.num_params(), &opts.device);
+    let mode = opts.weight_mode.resolve(file.checkpoint(), &opts.device);
     tracing::info!(?mode, params = file.num_params(), "loading GGUF weights");
     let weights = LlamaWeights::load(&cfg, &mut file, mode, &opts.device)?;
     finish(

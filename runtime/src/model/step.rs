@@ -10,7 +10,16 @@ use candle_core::{Device, Result, Tensor};
 
 use super::attention_meta::{AttnMeta, PackedTables};
 use super::config::ModelConfig;
-use super::llama::SeqInput;
+
+/// One sequence's share of a forward pass: the new tokens to run (a whole prompt, a prefill
+/// chunk, or one decode token), how many of its tokens are already in the cache, and its block
+/// table, which must already cover `start_pos + tokens.len()` positions.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqInput<'a> {
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+    pub block_table: &'a [u32],
+}
 
 /// A batch's inputs, packed: `[ids | positions | slots | token_seq]` with one entry per token,
 /// then `[last | table_start]` with one per sequence, then every block table back to back.

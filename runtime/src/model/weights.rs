@@ -70,16 +70,40 @@ pub enum WeightMode {
 /// Largest f32 weight footprint `auto` dequantizes.
 pub const AUTO_DENSE_MAX_BYTES: usize = 4 << 30;
 
+/// How a checkpoint stores its parameters, as far as resolving `auto` goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Checkpoint {
+    /// Elements of every tensor.
+    pub params: usize,
+    /// Elements stored as floats (F32, F16, BF16) rather than 4- to 8-bit blocks.
+    pub float_params: usize,
+}
+
+impl Checkpoint {
+    /// Most of the weights are floats: an F16/BF16/F32 checkpoint rather than a quantized one
+    /// (whose norms, and sometimes embeddings, are floats too).
+    pub fn is_float(&self) -> bool {
+        2 * self.float_params > self.params
+    }
+
+    fn fits_dense(&self) -> bool {
+        self.params.saturating_mul(4) <= AUTO_DENSE_MAX_BYTES
+    }
+}
+
 impl WeightMode {
-    /// Resolves `auto` for a model whose weights have `num_params` elements, on `device`.
-    /// `packed` needs the CPU; elsewhere it falls back to `quantized`.
-    pub fn resolve(self, num_params: usize, device: &Device) -> WeightMode {
+    /// Resolves `auto` for `checkpoint` on `device`. On the CPU a quantized checkpoint is
+    /// `packed`; a float one computes at its own precision (`dense`, or `quantized` where the
+    /// f32 copy would pass [`AUTO_DENSE_MAX_BYTES`]: candle's kernels keep F16 and BF16 as they
+    /// are), since repacking it to 8 bits would change its numerics without being asked
+    /// (vLLM quantizes only with `--quantization`). Elsewhere `dense` when the f32 weights fit,
+    /// else `quantized`. `packed` needs the CPU; elsewhere it falls back to `quantized`.
+    pub fn resolve(self, checkpoint: Checkpoint, device: &Device) -> WeightMode {
         match self {
-            WeightMode::Auto | WeightMode::Packed if device.is_cpu() => WeightMode::Packed,
+            WeightMode::Auto if device.is_cpu() && !checkpoint.is_float() => WeightMode::Packed,
+            WeightMode::Packed if device.is_cpu() => WeightMode::Packed,
             WeightMode::Packed => WeightMode::Quantized,
-            WeightMode::Auto if num_params.saturating_mul(4) <= AUTO_DENSE_MAX_BYTES => {
-                WeightMode::Dense
-            }
+            WeightMode::Auto if checkpoint.fits_dense() => WeightMode::Dense,
             WeightMode::Auto => WeightMode::Quantized,
             m => m,
         }
@@ -540,5 +564,34 @@ impl LlamaWeights {
 impl From<candle_core::Error> for ModelError {
     fn from(e: candle_core::Error) -> Self {
         ModelError::Tensor(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod resolve_tests {
+    use super::{AUTO_DENSE_MAX_BYTES, Checkpoint, WeightMode};
+    use candle_core::Device;
+
+    #[test]
+    fn auto_keeps_a_float_checkpoint_at_its_precision_on_the_cpu() {
+        let cpu = &Device::Cpu;
+        let q4 = Checkpoint {
+            params: 135_000_000,
+            float_params: 1_000_000,
+        };
+        let f16 = Checkpoint {
+            params: 135_000_000,
+            float_params: 135_000_000,
+        };
+        let big = Checkpoint {
+            params: AUTO_DENSE_MAX_BYTES,
+            float_params: AUTO_DENSE_MAX_BYTES,
+        };
+        assert_eq!(WeightMode::Auto.resolve(q4, cpu), WeightMode::Packed);
+        assert_eq!(WeightMode::Auto.resolve(f16, cpu), WeightMode::Dense);
+        assert_eq!(WeightMode::Auto.resolve(big, cpu), WeightMode::Quantized);
+        // Asked for, a float checkpoint is repacked.
+        assert_eq!(WeightMode::Packed.resolve(f16, cpu), WeightMode::Packed);
+        assert_eq!(WeightMode::Dense.resolve(q4, cpu), WeightMode::Dense);
     }
 }

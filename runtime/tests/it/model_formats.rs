@@ -263,3 +263,28 @@ fn tempdir() -> TempDir {
     std::fs::create_dir_all(&d).expect("tempdir");
     TempDir(d)
 }
+
+/// `auto` on the CPU computes a float checkpoint at its own precision (`dense`) and keeps a
+/// quantized one's blocks (`packed`): repacking F16 weights to 8 bits changes a model's greedy
+/// outputs, so it happens only when asked for (`--weights packed`).
+#[test]
+fn auto_repacks_only_quantized_checkpoints_on_the_cpu() {
+    let dir = tempdir();
+    for (dtype, want) in [
+        (GgmlDType::F16, WeightMode::Dense),
+        (GgmlDType::F32, WeightMode::Dense),
+        (GgmlDType::Q8_0, WeightMode::Packed),
+        (GgmlDType::Q4_1, WeightMode::Packed),
+    ] {
+        let p = dir.join(format!("{dtype:?}.gguf"));
+        write_tiny_gguf(&p, "llama", dtype, None, None);
+        let m = load(&p, WeightMode::Auto).expect("load");
+        assert_eq!(m.weight_mode, want, "{dtype:?}");
+        let asked = load(&p, WeightMode::Packed).expect("load packed");
+        assert_eq!(
+            asked.weight_mode,
+            WeightMode::Packed,
+            "{dtype:?} asked for packed"
+        );
+    }
+}
