@@ -31,6 +31,7 @@ impl Heads {
 #[derive(Debug)]
 pub enum CacheWriter {
     /// The fused kernel: the whole rotation tables, each token's position and slot.
+    #[cfg(feature = "cuda")]
     Fused {
         rope: Rope,
         positions: Tensor,
@@ -44,7 +45,8 @@ pub enum CacheWriter {
 impl CacheWriter {
     /// `positions` and `slots`: `[tokens]` u32 on the model's device.
     pub fn new(positions: &Tensor, slots: &Tensor, rope: &Rope, kv_dim: usize) -> Result<Self> {
-        if fused_kernel(slots) {
+        #[cfg(feature = "cuda")]
+        if slots.device().is_cuda() {
             return Ok(Self::Fused {
                 rope: rope.clone(),
                 positions: positions.clone(),
@@ -88,49 +90,14 @@ impl CacheWriter {
                 v_cache.scatter_set(rows, &v.to_dtype(dtype)?.contiguous()?, 0)?;
                 qk.narrow(1, 0, q_dim)
             }
+            #[cfg(feature = "cuda")]
             Self::Fused {
                 rope,
                 positions,
                 slots,
-            } => fused(qkv, heads, rope, positions, slots, k_cache, v_cache),
+            } => cuda::rope_cache_write(qkv, heads, rope, positions, slots, k_cache, v_cache),
         }
     }
-}
-
-#[cfg(feature = "cuda")]
-fn fused_kernel(slots: &Tensor) -> bool {
-    slots.device().is_cuda()
-}
-
-#[cfg(not(feature = "cuda"))]
-fn fused_kernel(_: &Tensor) -> bool {
-    false
-}
-
-#[cfg(feature = "cuda")]
-fn fused(
-    qkv: &Tensor,
-    heads: Heads,
-    rope: &Rope,
-    positions: &Tensor,
-    slots: &Tensor,
-    kc: &Tensor,
-    vc: &Tensor,
-) -> Result<Tensor> {
-    cuda::rope_cache_write(qkv, heads, rope, positions, slots, kc, vc)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn fused(
-    _: &Tensor,
-    _: Heads,
-    _: &Rope,
-    _: &Tensor,
-    _: &Tensor,
-    _: &Tensor,
-    _: &Tensor,
-) -> Result<Tensor> {
-    candle_core::bail!("rope/cache write: the fused kernel needs the cuda build")
 }
 
 /// Whether RoPE pairs adjacent elements (the kernel's `interleaved` argument).

@@ -14,26 +14,9 @@
 #include <cstdlib>
 #include <vector>
 
+#include "io.h"
 #include "shim.h"
 #include "../../kernels/fused.cu"
-
-template <typename T>
-static std::vector<T> read(FILE *f, size_t n) {
-  std::vector<T> v(n);
-  if (n && std::fread(v.data(), sizeof(T), n, f) != n) {
-    std::fprintf(stderr, "short input\n");
-    std::exit(2);
-  }
-  return v;
-}
-
-template <typename T>
-static void write(FILE *o, const std::vector<T> &v) {
-  if (!v.empty() && std::fwrite(v.data(), sizeof(T), v.size(), o) != v.size()) {
-    std::perror("write");
-    std::exit(2);
-  }
-}
 
 // Every (block, thread) of a one-dimensional grid, in order.
 template <typename F>

@@ -12,18 +12,9 @@
 #include <thread>
 #include <vector>
 
+#include "io.h"
 #include "shim.h"
 #include "../../kernels/paged_attention.cu"
-
-template <typename T>
-static std::vector<T> read(FILE *f, size_t n) {
-  std::vector<T> v(n);
-  if (n && std::fread(v.data(), sizeof(T), n, f) != n) {
-    std::fprintf(stderr, "short input\n");
-    std::exit(2);
-  }
-  return v;
-}
 
 template <typename C, typename K>
 static std::vector<float> launch(const int *h, float scale, FILE *f, K kernel) {
@@ -91,10 +82,11 @@ int main(int argc, char **argv) {
   }
   std::fclose(f);
   FILE *o = std::fopen(argv[2], "wb");
-  if (!o || std::fwrite(out.data(), sizeof(float), out.size(), o) != out.size()) {
+  if (!o) {
     std::perror(argv[2]);
     return 2;
   }
+  write(o, out);
   std::fclose(o);
   return 0;
 }
