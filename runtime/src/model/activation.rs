@@ -51,10 +51,7 @@ impl CustomOp1 for SwiGlu {
         if width != 2 * ffn {
             candle_core::bail!("swiglu: input has {width} columns, not 2 x {ffn}");
         }
-        let Some((a, b)) = l.contiguous_offsets() else {
-            candle_core::bail!("swiglu needs a contiguous input")
-        };
-        let x = s.as_cuda_slice::<f32>()?.slice(a..b);
+        let x = super::cuda_view::contiguous::<f32>(s, l, "swiglu: the input")?;
         let dev = s.device().clone();
         let func = dev.get_or_load_custom_func("swiglu_f32", MODULE, PTX)?;
         let n = tokens * ffn;

@@ -86,25 +86,15 @@ pub(crate) mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+    use candle_core::{CudaStorage, DType, Layout, Result, Shape, Tensor};
     use half::{bf16, f16};
 
     use super::{AttnMeta, KernelTables, launch_shape};
     use crate::model::attention_meta::PackedTables;
+    use crate::model::cuda_view::{contiguous, on_gpu};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx"));
     const MODULE: &str = "ferrite_paged_attention";
-
-    fn contiguous<'a, T: CudaDType>(
-        s: &'a CudaStorage,
-        l: &Layout,
-        what: &str,
-    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-        let (start, end) = l.contiguous_offsets().ok_or_else(|| {
-            candle_core::Error::Msg(format!("paged-attention: {what} is strided"))
-        })?;
-        Ok(s.as_cuda_slice::<T>()?.slice(start..end))
-    }
 
     /// One launch's operands: the batch and each tensor's storage with its layout.
     struct Operands<'a> {
@@ -181,16 +171,14 @@ pub(crate) mod cuda {
         })?;
         let (nh, kvh, hd) = (meta.num_heads, meta.num_kv_heads, meta.head_dim);
         let tokens = meta.token_seq.len();
-        let qv = contiguous::<f32>(q, ql, "q")?;
-        let kv = contiguous::<C>(k, kl, "the key cache")?;
-        let vv = contiguous::<C>(v, vl, "the value cache")?;
+        let qv = contiguous::<f32>(q, ql, "paged-attention: q")?;
+        let kv = contiguous::<C>(k, kl, "paged-attention: the key cache")?;
+        let vv = contiguous::<C>(v, vl, "paged-attention: the value cache")?;
         meta.check_operands(qv.len(), kv.len() / (kvh * hd))?;
         let tables = device_tables(meta, &dev)?;
         let (storage, layout) = tables.packed.storage_and_layout();
-        let Storage::Cuda(packed) = &*storage else {
-            candle_core::bail!("paged-attention: the kernel tables are not on the GPU")
-        };
-        let packed = packed.as_cuda_slice::<u32>()?;
+        let packed =
+            on_gpu(&storage, "paged-attention: the kernel tables")?.as_cuda_slice::<u32>()?;
         let at = |r: &std::ops::Range<usize>| {
             let o = layout.start_offset();
             packed.slice(o + r.start..o + r.end)

@@ -7,7 +7,6 @@
 
 use candle_core::{Result, Tensor};
 
-use super::config::RopeStyle;
 use super::rope::{Rope, RopeAt};
 
 /// The attention heads' shape.
@@ -100,11 +99,6 @@ impl CacheWriter {
     }
 }
 
-/// Whether RoPE pairs adjacent elements (the kernel's `interleaved` argument).
-pub fn interleaved(style: RopeStyle) -> bool {
-    style == RopeStyle::Interleaved
-}
-
 /// Launches of `kernels/fused.cu`.
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
@@ -113,7 +107,9 @@ pub(crate) mod cuda {
     use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
     use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 
-    use super::{Heads, Rope, interleaved};
+    use super::{Heads, Rope};
+    use crate::model::config::RopeStyle;
+    use crate::model::cuda_view;
 
     pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
     pub(crate) const MODULE: &str = "ferrite_fused";
@@ -124,10 +120,8 @@ pub(crate) mod cuda {
         l: &Layout,
         what: &str,
     ) -> Result<CudaView<'a, T>> {
-        match (s, l.contiguous_offsets()) {
-            (Storage::Cuda(s), Some((a, b))) => Ok(s.as_cuda_slice::<T>()?.slice(a..b)),
-            _ => candle_core::bail!("rope/cache write: {what} must be contiguous on the GPU"),
-        }
+        let what = format!("rope/cache write: {what}");
+        cuda_view::contiguous(cuda_view::on_gpu(s, &what)?, l, &what)
     }
 
     pub(super) fn rope_cache_write(
@@ -166,10 +160,9 @@ pub(crate) mod cuda {
         };
         let qkv = qkv.contiguous()?;
         let (qs, ql) = qkv.storage_and_layout();
-        let Storage::Cuda(q_storage) = &*qs else {
-            candle_core::bail!("rope/cache write: qkv is not on the GPU")
-        };
-        let dev = q_storage.device().clone();
+        let dev = cuda_view::on_gpu(&qs, "rope/cache write: qkv")?
+            .device()
+            .clone();
         let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let x = contiguous::<f32>(&qs, ql, "qkv")?;
         let (cs, cl) = cos.storage_and_layout();
@@ -191,7 +184,7 @@ pub(crate) mod cuda {
             heads.num_kv_heads as u32,
             heads.head_dim as u32,
             width as u32,
-            u32::from(interleaved(rope.style())),
+            u32::from(rope.style() == RopeStyle::Interleaved),
         ];
         let pairs = ((heads.num_heads + heads.num_kv_heads) * heads.head_dim / 2).max(kv_dim);
         let cfg = LaunchConfig {

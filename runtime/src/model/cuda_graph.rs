@@ -22,15 +22,8 @@ pub trait StepForward {
     fn device(&self) -> &candle_core::Device;
     fn vocab_size(&self) -> usize;
     fn max_len(&self) -> usize;
-    /// Whether the model runs the CUDA attention kernel (graphs are captured with it).
-    fn attention_kernel(&self) -> bool;
-    /// The host-side metadata of `batch` for the model's heads.
-    fn meta(
-        &self,
-        packed: &step::PackedStep,
-        batch: &[step::SeqInput],
-        block_size: usize,
-    ) -> super::attention::AttnMeta;
+    /// The host-side metadata of a packed batch for the model's heads.
+    fn meta(&self, packed: &step::PackedStep, block_size: usize) -> super::attention::AttnMeta;
     /// `[rows, vocab]` f32 logits of every row of the step; copies nothing from the host.
     fn step_logits(
         &self,
@@ -82,7 +75,6 @@ mod runner {
     /// The captured graphs of one model and cache geometry, and their fixed buffers.
     pub struct DecodeGraphs {
         sizes: Vec<usize>,
-        block_size: usize,
         cache_id: u64,
         /// u32: one step's packed inputs for the largest size, every table at its longest.
         inputs: Tensor,
@@ -114,13 +106,11 @@ mod runner {
         ) -> Result<Self, ModelError> {
             let sizes = sizes(max_rows);
             let rows = sizes.last().copied().unwrap_or(0);
-            let block_size = cache.config().block_size;
-            let max_blocks = model.max_len().div_ceil(block_size.max(1));
+            let max_blocks = model.max_len().div_ceil(cache.config().block_size.max(1));
             let capacity = 6 * rows + rows * max_blocks;
             let device = model.device();
             Ok(Self {
                 sizes,
-                block_size,
                 cache_id: cache.id(),
                 inputs: Tensor::zeros(capacity.max(1), DType::U32, device)?,
                 logits: Tensor::zeros((rows.max(1), model.vocab_size()), DType::F32, device)?,
@@ -138,8 +128,9 @@ mod runner {
             &self.stats
         }
 
-        /// The logits of `batch` (checked, every sequence one token) from a graph, or `None` where
-        /// no graph takes it (then the caller runs it eagerly).
+        /// The logits of `batch` from a graph, or `None` where no graph takes it (then the caller
+        /// runs it eagerly). The caller has checked the batch, and that every sequence brings one
+        /// token to a model on its attention kernel (the graphs are captured with it).
         pub fn run(
             &mut self,
             model: &impl StepForward,
@@ -150,13 +141,13 @@ mod runner {
             let Some(&rows) = self.sizes.iter().find(|&&s| s >= n) else {
                 return Ok(None);
             };
-            if self.stats.failed.is_some() || batch.iter().any(|s| s.tokens.len() != 1) {
+            if self.stats.failed.is_some() {
                 return Ok(None);
             }
             let scratch = [cache.scratch_block()];
             let mut padded = batch.to_vec();
             padded.resize(rows, pad(&scratch));
-            let packed = PackedStep::new(&padded, self.block_size);
+            let packed = PackedStep::new(&padded, cache.config().block_size);
             if packed.data.len() > self.inputs.dim(0)? {
                 return Ok(None);
             }
@@ -208,9 +199,10 @@ mod runner {
             };
             let scratch = [cache.scratch_block()];
             let pads = vec![pad(&scratch); rows];
-            let packed = PackedStep::new(&pads, self.block_size);
-            let meta = model.meta(&packed, &pads, self.block_size);
-            if !model.attention_kernel() || launch_shape(&meta).is_none() {
+            let block_size = cache.config().block_size;
+            let packed = PackedStep::new(&pads, block_size);
+            let meta = model.meta(&packed, block_size);
+            if launch_shape(&meta).is_none() {
                 return Err(ModelError::Unsupported(
                     "the paged-attention kernel does not apply to this model".into(),
                 ));

@@ -93,10 +93,6 @@ impl LlamaModel {
         None
     }
 
-    pub fn attention_backend(&self) -> AttentionBackend {
-        self.attention
-    }
-
     /// Sets the most tokens one pass of the layers runs (tests compare slicings; at least 1).
     pub fn set_max_slice_tokens(&mut self, tokens: usize) {
         self.max_slice_tokens = tokens.max(1);
@@ -251,7 +247,7 @@ impl LlamaModel {
     fn layers(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
         let bs = cache.config().block_size;
         let packed = PackedStep::new(batch, bs);
-        let meta = packed.meta(batch, &self.cfg, bs);
+        let meta = packed.meta(&self.cfg, bs);
         let step = StepTensors::new(&packed.upload(&self.device)?, &packed, &meta)?;
         let x = self.run_layers(&step, &meta, cache)?;
         Ok(x.index_select(&step.last, 0)?)
@@ -311,12 +307,8 @@ impl super::cuda_graph::StepForward for LlamaModel {
         self.max_len
     }
 
-    fn attention_kernel(&self) -> bool {
-        self.attention == AttentionBackend::Auto
-    }
-
-    fn meta(&self, packed: &PackedStep, batch: &[SeqInput], block_size: usize) -> AttnMeta {
-        packed.meta(batch, &self.cfg, block_size)
+    fn meta(&self, packed: &PackedStep, block_size: usize) -> AttnMeta {
+        packed.meta(&self.cfg, block_size)
     }
 
     fn step_logits(

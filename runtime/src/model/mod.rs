@@ -9,6 +9,8 @@ pub mod cache_write;
 pub mod chat_template;
 pub mod config;
 pub mod cuda_graph;
+#[cfg(feature = "cuda")]
+mod cuda_view;
 pub mod driver;
 pub mod gguf;
 pub mod llama;

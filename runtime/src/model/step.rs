@@ -83,9 +83,16 @@ impl PackedStep {
         4 * self.tokens + 2 * self.seqs..self.data.len()
     }
 
-    /// The host-side attention metadata of the same batch (the CPU kernel, the generic path and
-    /// the launch checks read it).
-    pub fn meta(&self, batch: &[SeqInput], cfg: &ModelConfig, block_size: usize) -> AttnMeta {
+    /// The host-side attention metadata of the packed batch (the CPU kernel, the generic path
+    /// and the launch checks read it).
+    pub fn meta(&self, cfg: &ModelConfig, block_size: usize) -> AttnMeta {
+        let (starts, tables) = (&self.data[self.table_start()], &self.data[self.tables()]);
+        let ends = starts.iter().skip(1).copied().chain([tables.len() as u32]);
+        let block_tables = starts
+            .iter()
+            .zip(ends)
+            .map(|(&a, b)| tables[a as usize..b as usize].to_vec())
+            .collect();
         AttnMeta {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
@@ -95,7 +102,7 @@ impl PackedStep {
             sliding_window: cfg.sliding_window,
             token_seq: self.data[self.token_seq()].to_vec(),
             token_pos: self.data[self.positions()].to_vec(),
-            block_tables: batch.iter().map(|s| s.block_table.to_vec()).collect(),
+            block_tables,
             device_tables: Default::default(),
         }
     }
