@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Type-checks and lints ferrite-runtime and ferrite-server for ARM64 (aarch64-unknown-linux-gnu),
-# so that code behind cfg(target_arch) cannot rot on the x86-64 machines CI runs on. `cargo
-# check` links nothing; the target's standard library comes from rustup, and Debian's cross C
+# Type-checks and lints ferrite-runtime and ferrite-server, with their tests, for ARM64
+# (aarch64-unknown-linux-gnu), so that code behind cfg(target_arch) cannot rot on the x86-64
+# machines CI runs on. Clippy links nothing; the target's standard library comes from rustup, and Debian's cross C
 # compiler builds the C parts of dependencies' build scripts (ring). Warnings fail it, as in the
 # x86-64 build (scripts/clippy-env.sh). docs/ci.md.
 set -euo pipefail
@@ -19,4 +19,5 @@ if ! command -v aarch64-linux-gnu-gcc >/dev/null 2>&1; then
 fi
 # shellcheck source=scripts/clippy-env.sh
 source "$root/scripts/clippy-env.sh"
-cargo check --target "$target" -p ferrite-runtime -p ferrite-server --lib --bins
+# Clippy with the tests: the NEON kernels' proptests are code behind cfg(target_arch) too.
+cargo clippy --target "$target" -p ferrite-runtime -p ferrite-server --lib --bins --tests -- -D warnings

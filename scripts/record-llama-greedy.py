@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Records llama.cpp's greedy answers on the default model, for the runtime's agreement test
-(runtime/tests/it/llama_server_agreement.rs), into runtime/tests/fixtures/llama_server_greedy.json.
+(runtime/tests/it/llama_server_agreement.rs), into runtime/tests/fixtures/llama_server_greedy.json,
+or on another checkpoint into another fixture (--out): e.g. the default model at F16, made by
+scripts/gguf-variants.py, into runtime/tests/fixtures/llama_server_greedy_f16.json.
 
 llama-server takes ~10 minutes to build on 2 cores, too long for every CI run, so its outputs
 are recorded once and committed: per prompt, the chat-formatted text, its token ids as
@@ -8,10 +10,19 @@ llama.cpp tokenizes them, the greedy tokens, and at each step the gap between th
 log-probabilities (equal to the gap between the two best logits), so the test can tell a real
 disagreement from a near-tie.
 
-Usage: scripts/record-llama-greedy.py [LLAMA_SERVER [MODEL]]
-  (defaults: scripts/build-llama-server.sh's binary, scripts/fetch-model.sh's model)
+Usage: scripts/record-llama-greedy.py [LLAMA_SERVER [MODEL]] [--out PATH] [--model-name TEXT]
+  (defaults: scripts/build-llama-server.sh's binary, scripts/fetch-model.sh's model,
+  runtime/tests/fixtures/llama_server_greedy.json, MODEL's file name). --model-name says in the
+  fixture where the model came from, e.g. the scripts/gguf-variants.py command that made it.
+
+Example (the F16 fixture):
+  scripts/gguf-variants.py f16 /tmp/smollm2-f16.gguf
+  scripts/record-llama-greedy.py "$(scripts/build-llama-server.sh | tail -n 1)" \\
+    /tmp/smollm2-f16.gguf --out runtime/tests/fixtures/llama_server_greedy_f16.json \\
+    --model-name "smollm2-f16.gguf (scripts/gguf-variants.py f16)"
 """
 
+import argparse
 import json
 import os
 import socket
@@ -60,12 +71,19 @@ def free_port():
 
 
 def main():
-    server = sys.argv[1] if len(sys.argv) > 1 else subprocess.check_output(
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("server", nargs="?", help="llama-server (default: scripts/build-llama-server.sh's)")
+    p.add_argument("model", nargs="?", help="the GGUF (default: scripts/fetch-model.sh's)")
+    p.add_argument("--out", default=OUT, help=f"the fixture to write (default: {os.path.relpath(OUT, ROOT)})")
+    p.add_argument("--model-name", help="the fixture's \"model\" field (default: MODEL's file name)")
+    args = p.parse_args()
+    server = args.server or subprocess.check_output(
         [os.path.join(ROOT, "scripts/build-llama-server.sh")], text=True
     ).strip().splitlines()[-1]
-    model = sys.argv[2] if len(sys.argv) > 2 else subprocess.check_output(
+    model = args.model or subprocess.check_output(
         [os.path.join(ROOT, "scripts/fetch-model.sh")], text=True
     ).strip()
+    out = args.out
     port = free_port()
     proc = subprocess.Popen(
         [server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
@@ -107,17 +125,17 @@ def main():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump({
             "recorded_with": f"llama-server {version} (llama-cpp-python 0.3.36's vendored "
                              "llama.cpp, scripts/build-llama-server.sh)",
-            "model": os.path.basename(model),
+            "model": args.model_name or os.path.basename(model),
             "new_tokens": NEW_TOKENS,
             "prompts": prompts,
         }, f, indent=1)
         f.write("\n")
-    print(OUT)
+    print(out)
 
 
 if __name__ == "__main__":

@@ -61,13 +61,7 @@ fn main() -> Result<()> {
     let threads = rayon::current_num_threads();
     let peaks = roofline::measure(threads, 1 << 20);
     let int8 = peaks.int8_ops;
-    println!(
-        "{threads} threads; int8 peak {}",
-        int8.map_or("n/a (no AVX-512 VNNI)".into(), |p| format!(
-            "{:.0} GOP/s",
-            p / 1e9
-        ))
-    );
+    println!("{threads} threads; int8 peak {}", peaks.int8_label());
     // Every path this CPU runs, slowest first: the first (AVX2, or scalar code where even AVX2
     // is missing) is the baseline.
     let mut isas: Vec<Isa> = Isa::available()

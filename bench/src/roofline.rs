@@ -11,12 +11,25 @@ use std::time::{Duration, Instant};
 pub struct Peaks {
     /// f32 floating-point operations per second (an FMA counts two).
     pub f32_flops: f64,
-    /// int8 operations per second from `vpdpbusd` (a multiply-add of a byte pair counts two),
-    /// where the CPU has AVX-512 VNNI.
+    /// int8 operations per second (a multiply-add of a byte pair counts two) from the
+    /// instructions the int8 GEMM runs on this CPU: `vpdpbusd` (AVX-512 VNNI), `vpmaddubsw` +
+    /// `vpmaddwd` + `vpaddd` (AVX2) or `sdot` (ARM64 dotprod); none elsewhere.
     pub int8_ops: Option<f64>,
+    /// Which instructions [`Peaks::int8_ops`] measured.
+    pub int8_isa: &'static str,
     /// Bytes per second read from a buffer of the size asked for.
     pub read_bytes: f64,
     pub threads: usize,
+}
+
+impl Peaks {
+    /// The int8 ceiling as a benchmark prints it: rate and instructions, or why there is none.
+    pub fn int8_label(&self) -> String {
+        match self.int8_ops {
+            Some(p) => format!("{:.1} GOP/s ({})", p / 1e9, self.int8_isa),
+            None => "n/a (no int8 dot-product instructions on this CPU)".to_string(),
+        }
+    }
 }
 
 /// How long each ceiling is measured.
@@ -27,7 +40,8 @@ pub fn measure(threads: usize, bytes: usize) -> Peaks {
     let threads = threads.max(1);
     Peaks {
         f32_flops: on_threads(threads, fma_kernel),
-        int8_ops: vnni_kernel().map(|k| on_threads(threads, k)),
+        int8_ops: int8_kernel().map(|(_, k)| on_threads(threads, k)),
+        int8_isa: int8_kernel().map_or("none", |(isa, _)| isa),
         read_bytes: (0..TRIES)
             .map(|_| read_bandwidth(threads, bytes))
             .fold(0.0, f64::max),
@@ -74,6 +88,11 @@ fn fma_kernel(iters: u64) -> f64 {
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F is present.
         return unsafe { x86::fma512(iters) };
+    } else if std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+    {
+        // SAFETY: AVX2 and FMA are present.
+        return unsafe { x86::fma256(iters) };
     }
     let mut acc = [[1f32; 8]; ACC];
     let (a, b) = (black_box(0.999_f32), black_box(1e-7_f32));
@@ -88,13 +107,29 @@ fn fma_kernel(iters: u64) -> f64 {
     (iters * (ACC * 8 * 2) as u64) as f64
 }
 
-fn vnni_kernel() -> Option<Kernel> {
+/// The int8 ceiling's kernel for this CPU, named by its instructions.
+fn int8_kernel() -> Option<(&'static str, Kernel)> {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512vnni") {
-        return Some(|iters| {
-            // SAFETY: AVX-512 VNNI (and so AVX-512F) is present.
-            unsafe { x86::dpbusd512(iters) }
-        });
+    {
+        if std::arch::is_x86_feature_detected!("avx512vnni") {
+            return Some(("vpdpbusd (AVX-512 VNNI)", |iters| {
+                // SAFETY: AVX-512 VNNI (and so AVX-512F) is present.
+                unsafe { x86::dpbusd512(iters) }
+            }));
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return Some(("vpmaddubsw+vpmaddwd (AVX2)", |iters| {
+                // SAFETY: AVX2 is present.
+                unsafe { x86::maddubs256(iters) }
+            }));
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if std::arch::is_aarch64_feature_detected!("dotprod") {
+        return Some(("sdot (NEON dotprod)", |iters| {
+            // SAFETY: the dot-product extension is present.
+            unsafe { arm::sdot(iters) }
+        }));
     }
     None
 }
@@ -154,6 +189,42 @@ mod x86 {
         (iters * (ACC * 16 * 2) as u64) as f64
     }
 
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn fma256(iters: u64) -> f64 {
+        let mut acc = [_mm256_set1_ps(1.0); ACC];
+        let (a, b) = (
+            _mm256_set1_ps(black_box(0.999)),
+            _mm256_set1_ps(black_box(1e-7)),
+        );
+        for _ in 0..iters {
+            for r in acc.iter_mut() {
+                *r = _mm256_fmadd_ps(*r, a, b);
+            }
+        }
+        black_box(acc);
+        (iters * (ACC * 8 * 2) as u64) as f64
+    }
+
+    /// The AVX2 GEMM's inner step: 32 byte products summed in pairs to i16, widened pairwise
+    /// to i32 and accumulated.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn maddubs256(iters: u64) -> f64 {
+        let mut acc = [_mm256_setzero_si256(); ACC];
+        let (a, b, ones) = (
+            _mm256_set1_epi8(black_box(3)),
+            _mm256_set1_epi8(black_box(-5)),
+            _mm256_set1_epi16(1),
+        );
+        for _ in 0..iters {
+            for r in acc.iter_mut() {
+                let pairs = _mm256_maddubs_epi16(a, b);
+                *r = _mm256_add_epi32(*r, _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        black_box(acc);
+        (iters * (ACC * 32 * 2) as u64) as f64
+    }
+
     #[target_feature(enable = "avx512f,avx512vnni")]
     pub(super) fn dpbusd512(iters: u64) -> f64 {
         let mut acc = [_mm512_setzero_si512(); ACC];
@@ -168,5 +239,37 @@ mod x86 {
         }
         black_box(acc);
         (iters * (ACC * 64 * 2) as u64) as f64
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use std::arch::aarch64::*;
+    use std::hint::black_box;
+
+    use super::ACC;
+
+    /// `sdot` on [`ACC`] independent accumulators (16 byte products each). `vdotq_s32` is not
+    /// stable Rust yet; the instruction is the same.
+    #[target_feature(enable = "neon,dotprod")]
+    pub(super) fn sdot(iters: u64) -> f64 {
+        let mut acc = [vdupq_n_s32(0); ACC];
+        let (a, b) = (vdupq_n_s8(black_box(3)), vdupq_n_s8(black_box(-5)));
+        for _ in 0..iters {
+            for r in acc.iter_mut() {
+                // SAFETY: the caller checked the dot-product extension; registers only.
+                unsafe {
+                    std::arch::asm!(
+                        "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+                        acc = inout(vreg) *r,
+                        a = in(vreg) a,
+                        b = in(vreg) b,
+                        options(pure, nomem, nostack),
+                    )
+                };
+            }
+        }
+        black_box(acc);
+        (iters * (ACC * 16 * 2) as u64) as f64
     }
 }

@@ -261,12 +261,7 @@ fn main() -> Result<()> {
          {:.1} GB/s",
         peaks.threads,
         peaks.f32_flops / 1e9,
-        peaks
-            .int8_ops
-            .map_or("n/a (no AVX-512 VNNI)".to_string(), |p| format!(
-                "{:.1} GOP/s",
-                p / 1e9
-            )),
+        peaks.int8_label(),
         weight_bytes / 1e6,
         peaks.read_bytes / 1e9,
     );

@@ -1,6 +1,8 @@
 //! A vectorizable `e^x` shared by the kernels that need many of them (softmax in attention,
 //! SiLU in the MLP): libm's `expf` is a call per element that no compiler vectorizes.
 
+use super::simd::F32s;
+
 /// Below this, [`exp_approx`] gives 0 (and its power of two would leave the normal range).
 pub(crate) const EXP_MIN: f32 = -87.0;
 /// Above this the power of two would overflow the exponent bits; callers clamp to it.
@@ -33,54 +35,25 @@ pub(crate) fn exp_approx(x: f32) -> f32 {
     if x < EXP_MIN { 0.0 } else { p * scale }
 }
 
-#[cfg(target_arch = "x86_64")]
-pub(crate) mod x86 {
-    use std::arch::x86_64::*;
-
-    use super::{EXP_MIN, EXP_POLY};
-
-    /// [`super::exp_approx`] on 16 lanes, operation for operation.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    pub(crate) fn exp16(x: __m512) -> __m512 {
-        let v = _mm512_mul_ps(
-            _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN)),
-            _mm512_set1_ps(std::f32::consts::LOG2_E),
+/// [`exp_approx`] on a vector of `S`, operation for operation (so the same bits).
+///
+/// # Safety
+/// The CPU has `S`'s features.
+#[inline(always)]
+pub(crate) unsafe fn exp<S: F32s>(x: S::V) -> S::V {
+    // SAFETY: the caller checked `S`'s features.
+    unsafe {
+        let v = S::mul(
+            S::max(x, S::splat(EXP_MIN)),
+            S::splat(std::f32::consts::LOG2_E),
         );
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
-        let f = _mm512_sub_ps(v, n);
-        let mut p = _mm512_set1_ps(EXP_POLY[0]);
+        let n = S::round_even(v);
+        let f = S::sub(v, n);
+        let mut p = S::splat(EXP_POLY[0]);
         for &c in &EXP_POLY[1..] {
-            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+            p = S::fma(p, f, S::splat(c));
         }
-        let pow = _mm512_slli_epi32::<23>(_mm512_add_epi32(
-            _mm512_cvtps_epi32(n),
-            _mm512_set1_epi32(127),
-        ));
-        let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_MIN));
-        _mm512_maskz_mul_ps(!under, p, _mm512_castsi512_ps(pow))
-    }
-
-    /// [`super::exp_approx`] on 8 lanes (AVX2 with FMA), operation for operation.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    pub(crate) fn exp8(x: __m256) -> __m256 {
-        let v = _mm256_mul_ps(
-            _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)),
-            _mm256_set1_ps(std::f32::consts::LOG2_E),
-        );
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
-        let f = _mm256_sub_ps(v, n);
-        let mut p = _mm256_set1_ps(EXP_POLY[0]);
-        for &c in &EXP_POLY[1..] {
-            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
-        }
-        let pow = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-            _mm256_cvtps_epi32(n),
-            _mm256_set1_epi32(127),
-        ));
-        let kept = _mm256_cmp_ps::<_CMP_NLT_UQ>(x, _mm256_set1_ps(EXP_MIN));
-        _mm256_and_ps(kept, _mm256_mul_ps(p, _mm256_castsi256_ps(pow)))
+        S::zero_below(x, S::splat(EXP_MIN), S::mul(p, S::pow2(n)))
     }
 }
 
@@ -107,41 +80,75 @@ mod tests {
     }
 
     /// Each vector exponential gives the portable one's bits, lane for lane, over the whole
-    /// range and past both ends.
-    #[cfg(target_arch = "x86_64")]
+    /// range and past both ends. Paths this CPU lacks are skipped with one line.
     #[test]
     fn vector_exponentials_match_the_portable_one() {
-        use std::arch::x86_64::*;
+        use crate::kernels::simd::F32Path;
         let xs: Vec<f32> = (0..200_000)
             .map(|i| -95.0 + i as f32 * 0.000_92)
             .chain([f32::NEG_INFINITY, -87.0, -86.999_99, 0.0, -0.0, EXP_MAX])
             .collect();
         let want: Vec<u32> = xs.iter().map(|&x| exp_approx(x).to_bits()).collect();
-        let have = |lanes: usize, f: &dyn Fn(&[f32], &mut [f32])| {
-            let mut out = vec![0f32; xs.len()];
-            for (x, o) in xs.chunks(lanes).zip(out.chunks_mut(lanes)) {
-                let mut buf = vec![0f32; lanes];
+        for (path, isa, present) in F32Path::all() {
+            if crate::kernels::isa_or_skip(
+                "vector_exponentials_match_the_portable_one",
+                isa,
+                present,
+            ) {
+                let mut out = vec![0f32; xs.len()];
+                exp_slice(path, &xs, &mut out);
+                let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want, "{path:?}");
+            }
+        }
+    }
+
+    /// `e^x` of every element on `path` (tails through a zero-padded copy).
+    fn exp_slice(path: crate::kernels::simd::F32Path, xs: &[f32], out: &mut [f32]) {
+        use crate::kernels::simd::*;
+        #[inline(always)]
+        unsafe fn run<S: F32s>(xs: &[f32], out: &mut [f32]) {
+            for (x, o) in xs.chunks(S::LANES).zip(out.chunks_mut(S::LANES)) {
+                let (mut buf, mut res) = ([0f32; 16], [0f32; 16]);
                 buf[..x.len()].copy_from_slice(x);
-                let mut res = vec![0f32; lanes];
-                f(&buf, &mut res);
+                // SAFETY: the caller checked the features; `buf` and `res` hold 16 floats.
+                unsafe { S::store(res.as_mut_ptr(), exp::<S>(S::load(buf.as_ptr()))) };
                 o.copy_from_slice(&res[..x.len()]);
             }
-            out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
-        };
-        let avx2 = crate::kernels::has_avx2_fma();
-        if crate::kernels::isa_or_skip("exp8", "AVX2 and FMA", avx2) {
-            // SAFETY: AVX2 and FMA are present; `x` and `o` hold 8 floats.
-            let got = have(8, &|x, o| unsafe {
-                _mm256_storeu_ps(o.as_mut_ptr(), x86::exp8(_mm256_loadu_ps(x.as_ptr())))
-            });
-            assert_eq!(got, want);
         }
-        if crate::kernels::isa_or_skip("exp16", "AVX-512F", crate::kernels::has_avx512f()) {
-            // SAFETY: AVX-512F is present; `x` and `o` hold 16 floats.
-            let got = have(16, &|x, o| unsafe {
-                _mm512_storeu_ps(o.as_mut_ptr(), x86::exp16(_mm512_loadu_ps(x.as_ptr())))
-            });
-            assert_eq!(got, want);
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512(xs: &[f32], out: &mut [f32]) {
+            // SAFETY: the caller checked AVX-512F.
+            unsafe { run::<Avx512>(xs, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(xs: &[f32], out: &mut [f32]) {
+            // SAFETY: the caller checked AVX2 and FMA.
+            unsafe { run::<Avx2>(xs, out) }
+        }
+        #[cfg(target_arch = "aarch64")]
+        #[target_feature(enable = "neon")]
+        unsafe fn neon(xs: &[f32], out: &mut [f32]) {
+            // SAFETY: every ARM64 CPU has NEON.
+            unsafe { run::<Neon>(xs, out) }
+        }
+        match path {
+            // SAFETY: `path` is one `F32Path::available` listed for this CPU.
+            #[cfg(target_arch = "x86_64")]
+            F32Path::Avx512 => unsafe { avx512(xs, out) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            F32Path::Avx2 => unsafe { avx2(xs, out) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "aarch64")]
+            F32Path::Neon => unsafe { neon(xs, out) },
+            _ => {
+                for (o, &x) in out.iter_mut().zip(xs) {
+                    *o = exp_approx(x);
+                }
+            }
         }
     }
 }

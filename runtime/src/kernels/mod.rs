@@ -9,6 +9,7 @@
 
 pub(crate) mod exp;
 pub mod qgemm;
+pub(crate) mod simd;
 pub mod swiglu;
 
 /// The instruction set a kernel runs on, chosen once at run time.
@@ -18,6 +19,10 @@ pub enum Isa {
     Avx512Vnni,
     /// AVX2 with FMA (`vpmaddubsw` + `vpmaddwd`).
     Avx2,
+    /// ARM64 NEON with the dot-product extension (`sdot`): 16 int8 products per instruction.
+    NeonDot,
+    /// ARM64 NEON alone (`smull` + `sadalp`): 8 int8 products per instruction.
+    Neon,
     /// Plain Rust; also the reference the others are tested against.
     Scalar,
 }
@@ -40,6 +45,14 @@ impl Isa {
                 return Isa::Avx2;
             }
         }
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("dotprod") {
+                return Isa::NeonDot;
+            }
+            return Isa::Neon;
+        }
+        #[allow(unreachable_code)]
         Isa::Scalar
     }
 
@@ -51,11 +64,13 @@ impl Isa {
 
     /// Every ISA this CPU can run, best first (tests compare them all).
     pub fn available() -> Vec<Isa> {
+        let order: &[Isa] = if cfg!(target_arch = "aarch64") {
+            &[Isa::NeonDot, Isa::Neon, Isa::Scalar]
+        } else {
+            &[Isa::Avx512Vnni, Isa::Avx2, Isa::Scalar]
+        };
         let best = Isa::detect();
-        [Isa::Avx512Vnni, Isa::Avx2, Isa::Scalar]
-            .into_iter()
-            .skip_while(|&i| i != best)
-            .collect()
+        order.iter().copied().skip_while(|&i| i != best).collect()
     }
 }
 
@@ -84,12 +99,11 @@ pub(crate) fn has_avx2_fma() -> bool {
 /// What each CPU kernel runs on this machine, chosen once at run time: the start-up log and
 /// the benchmarks print it, so a figure always names its path.
 pub fn cpu_paths() -> String {
-    let vector = if has_avx512f() {
-        "AVX-512F"
-    } else if has_avx2_fma() {
-        "AVX2+FMA"
-    } else {
-        "portable"
+    let vector = match simd::F32Path::best() {
+        simd::F32Path::Avx512 => "AVX-512F",
+        simd::F32Path::Avx2 => "AVX2+FMA",
+        simd::F32Path::Neon => "NEON",
+        simd::F32Path::Portable => "portable",
     };
     format!(
         "int8 GEMM {:?}; attention tile, SwiGLU and activation quantizer {vector}",

@@ -89,9 +89,9 @@ pub enum QuantError {
 
 /// Symmetric 8-bit quantization of up to [`QK`] values; the rest of `q` is zeroed.
 ///
-/// It runs on every activation row of every matmul, so AVX-512 does it in two vectors and AVX2
-/// in four where present; the portable loops compile to scalar code (a sequential `max` fold
-/// and saturating casts). All round half to even and give the same bytes and scale.
+/// It runs on every activation row of every matmul, so AVX-512 does it in two vectors, AVX2 in
+/// four and NEON in eight where present; the portable loops compile to scalar code (a
+/// sequential `max` fold and saturating casts). All round half to even and give the same bytes and scale.
 fn quantize_sym(x: &[f32], q: &mut [i8; QK]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if super::has_avx512f() {
@@ -101,6 +101,10 @@ fn quantize_sym(x: &[f32], q: &mut [i8; QK]) -> f32 {
         // SAFETY: AVX2 is present.
         return unsafe { x86::quantize_sym_avx2(x, q) };
     }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: every ARM64 CPU has NEON.
+    return unsafe { arm::quantize_sym(x, q) };
+    #[allow(unreachable_code)]
     quantize_sym_portable(x, q)
 }
 
@@ -408,6 +412,27 @@ impl QWeights {
                     _ => x86::avx2::<MR>(self, a, p, r0, out),
                 }
             },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: `Isa::NeonDot` is only chosen when the CPU has the dot-product extension
+            // (`Isa::detect`).
+            Isa::NeonDot => unsafe {
+                match rows {
+                    1 => arm::sdot::<1>(self, a, p, r0, out),
+                    2 => arm::sdot::<2>(self, a, p, r0, out),
+                    3 => arm::sdot::<3>(self, a, p, r0, out),
+                    _ => arm::sdot::<MR>(self, a, p, r0, out),
+                }
+            },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: every ARM64 CPU has NEON.
+            Isa::Neon => unsafe {
+                match rows {
+                    1 => arm::smull::<1>(self, a, p, r0, out),
+                    2 => arm::smull::<2>(self, a, p, r0, out),
+                    3 => arm::smull::<3>(self, a, p, r0, out),
+                    _ => arm::smull::<MR>(self, a, p, r0, out),
+                }
+            },
             _ => self.tile_scalar(a, p, r0, rows, out),
         }
         if took < group {
@@ -463,8 +488,8 @@ struct QuantRows {
     /// `[m][kb * QK]` int8, zero-padded.
     q: Vec<i8>,
     /// The same plus 128, as unsigned bytes: the left operand of `vpdpbusd` for 8-bit weights
-    /// (empty for 4-bit ones). Offsetting here rather than in the kernel also sidesteps an
-    /// LLVM 22 hang: with `target-cpu=native`, a vector xor of a broadcast never finished
+    /// (empty for 4-bit ones, and off x86-64). Offsetting here rather than in the kernel also
+    /// sidesteps an LLVM 22 hang: with `target-cpu=native`, a vector xor of a broadcast never finished
     /// instruction selection (`SelectionDAG::Legalize`). Only the x86 kernels read it.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     u: Vec<u8>,
@@ -481,7 +506,8 @@ impl QuantRows {
         let mut q = vec![0i8; m * stride];
         let mut d = vec![0f32; m * kb];
         let mut dsum = vec![0f32; m * kb];
-        let mut u = vec![0u8; if bits == Bits::Eight { m * stride } else { 0 }];
+        let offset = bits == Bits::Eight && cfg!(target_arch = "x86_64");
+        let mut u = vec![0u8; if offset { m * stride } else { 0 }];
         let row = |r: usize, q: &mut [i8], d: &mut [f32], dsum: &mut [f32]| {
             for b in 0..kb {
                 let src = &x[r * k + b * QK..r * k + ((b + 1) * QK).min(k)];
@@ -499,7 +525,7 @@ impl QuantRows {
             .enumerate()
             .with_min_len(PAR_QUANT_ROWS)
             .for_each(|(r, ((q, d), s))| row(r, q, d, s));
-        if bits == Bits::Eight {
+        if offset {
             for (o, &v) in u.iter_mut().zip(&q) {
                 *o = (v as u8) ^ 0x80;
             }
@@ -846,6 +872,248 @@ mod x86 {
     }
 }
 
+#[cfg(target_arch = "aarch64")]
+// Tiles index several register arrays by the same row and column group; iterators would hide it.
+#[allow(clippy::needless_range_loop)]
+mod arm {
+    use std::arch::aarch64::*;
+
+    use super::{Bits, NR, QK, QWeights, QuantRows, Tile, quant_scale};
+
+    /// [`super::quantize_sym_portable`] in eight 128-bit vectors, operation for operation (the
+    /// maximum is exact in any order; `fmaxnm`/`fminnm` are `f32::max`/`min`).
+    #[target_feature(enable = "neon")]
+    pub(super) fn quantize_sym(x: &[f32], q: &mut [i8; QK]) -> f32 {
+        let mut padded = [0f32; QK];
+        let n = x.len().min(QK);
+        padded[..n].copy_from_slice(&x[..n]);
+        // SAFETY: `padded` holds 8 × 4 floats.
+        let v: [float32x4_t; 8] =
+            std::array::from_fn(|i| unsafe { vld1q_f32(padded.as_ptr().add(4 * i)) });
+        let zero = vdupq_n_f32(0.0);
+        let poison = v
+            .iter()
+            .fold(zero, |p, &e| vaddq_f32(p, vmulq_f32(e, zero)));
+        // A lane is NaN exactly when it is not equal to itself.
+        let poisoned = vminvq_u32(vceqq_f32(poison, poison)) == 0;
+        let amax = vmaxnmvq_f32(v.iter().fold(zero, |m, &e| vmaxnmq_f32(m, vabsq_f32(e))));
+        let Some((d, inv)) = quant_scale(poisoned, amax) else {
+            *q = [0; QK];
+            return if poisoned { f32::NAN } else { 0.0 };
+        };
+        let (inv, lo, hi) = (vdupq_n_f32(inv), vdupq_n_f32(-127.0), vdupq_n_f32(127.0));
+        let ints = v.map(|e| {
+            let r = vrndnq_f32(vmulq_f32(e, inv));
+            vcvtq_s32_f32(vminnmq_f32(vmaxnmq_f32(r, lo), hi))
+        });
+        let words: [int16x8_t; 4] = std::array::from_fn(|i| {
+            vcombine_s16(vmovn_s32(ints[2 * i]), vmovn_s32(ints[2 * i + 1]))
+        });
+        for h in 0..2 {
+            let bytes = vcombine_s8(vmovn_s16(words[2 * h]), vmovn_s16(words[2 * h + 1]));
+            // SAFETY: `q` holds 2 × 16 bytes.
+            unsafe { vst1q_s8(q.as_mut_ptr().add(16 * h), bytes) };
+        }
+        d
+    }
+
+    /// Exact integer dot products of four weight columns (16 bytes: each column's 4
+    /// consecutive values) with 4 activation bytes repeated across the vector.
+    trait Dot4: Copy {
+        /// # Safety
+        /// The CPU has the implementor's features.
+        unsafe fn zero() -> Self;
+        /// # Safety
+        /// As [`Dot4::zero`].
+        unsafe fn add(self, w: int8x16_t, a: int8x16_t) -> Self;
+        /// The four columns' sums.
+        ///
+        /// # Safety
+        /// As [`Dot4::zero`].
+        unsafe fn sums(self) -> int32x4_t;
+    }
+
+    /// `sdot`: each i32 lane gains its column's 4 products.
+    #[derive(Clone, Copy)]
+    struct Sdot(int32x4_t);
+
+    impl Dot4 for Sdot {
+        #[inline]
+        #[target_feature(enable = "neon,dotprod")]
+        unsafe fn zero() -> Self {
+            Sdot(vdupq_n_s32(0))
+        }
+        #[inline]
+        #[target_feature(enable = "neon,dotprod")]
+        unsafe fn add(self, w: int8x16_t, a: int8x16_t) -> Self {
+            let mut acc = self.0;
+            // `vdotq_s32` is not stable Rust yet; the instruction is the same.
+            // SAFETY: the caller checked the dot-product extension; registers only.
+            unsafe {
+                std::arch::asm!(
+                    "sdot {acc:v}.4s, {w:v}.16b, {a:v}.16b",
+                    acc = inout(vreg) acc,
+                    w = in(vreg) w,
+                    a = in(vreg) a,
+                    options(pure, nomem, nostack),
+                )
+            };
+            Sdot(acc)
+        }
+        #[inline]
+        #[target_feature(enable = "neon,dotprod")]
+        unsafe fn sums(self) -> int32x4_t {
+            self.0
+        }
+    }
+
+    /// `smull` + `sadalp`: 16-bit products (|w · a| ≤ 127 · 127), added pairwise into i32
+    /// lanes that hold half a column each; [`Dot4::sums`] adds the halves.
+    #[derive(Clone, Copy)]
+    struct Smull(int32x4_t, int32x4_t);
+
+    impl Dot4 for Smull {
+        #[inline]
+        #[target_feature(enable = "neon")]
+        unsafe fn zero() -> Self {
+            Smull(vdupq_n_s32(0), vdupq_n_s32(0))
+        }
+        #[inline]
+        #[target_feature(enable = "neon")]
+        unsafe fn add(self, w: int8x16_t, a: int8x16_t) -> Self {
+            Smull(
+                vpadalq_s16(self.0, vmull_s8(vget_low_s8(w), vget_low_s8(a))),
+                vpadalq_s16(self.1, vmull_high_s8(w, a)),
+            )
+        }
+        #[inline]
+        #[target_feature(enable = "neon")]
+        unsafe fn sums(self) -> int32x4_t {
+            vpaddq_s32(self.0, self.1)
+        }
+    }
+
+    /// Four consecutive activation bytes repeated across a vector.
+    ///
+    /// # Safety
+    /// `at + 4 <= q.len()`.
+    #[inline(always)]
+    unsafe fn four(q: &[i8], at: usize) -> int8x16_t {
+        debug_assert!(at + 4 <= q.len());
+        // SAFETY: the caller keeps `at + 4` inside `q` (blocks are zero-padded to QK).
+        let v = unsafe { std::ptr::read_unaligned(q.as_ptr().add(at) as *const i32) };
+        // SAFETY: NEON is part of every ARM64 CPU.
+        unsafe { vreinterpretq_s8_s32(vdupq_n_s32(v)) }
+    }
+
+    /// `R` rows × one panel, both widths, with `D`'s integer dot products and the scalar
+    /// path's float steps per block: `acc += dot · (da · d)`, then for 4 bits
+    /// `acc += m · (da · Σqa)`, each one fused multiply-add.
+    ///
+    /// # Safety
+    /// The CPU has `D`'s features; `p`, `r0` and `R` lie inside `w` and `a`.
+    #[inline(always)]
+    unsafe fn panel<D: Dot4, const R: usize>(
+        w: &QWeights,
+        a: &QuantRows,
+        p: usize,
+        r0: usize,
+        out: &mut Tile,
+    ) {
+        let four_bits = w.bits == Bits::Four;
+        let pbb = w.bits.panel_block_bytes();
+        // SAFETY: the caller checked `D`'s features. Weight loads stay inside the panel block
+        // (QK · NR or QK · NR / 2 bytes), scale loads inside its NR scales and extras, and
+        // activation reads inside the rows' zero-padded blocks.
+        unsafe {
+            let mut acc = [[vdupq_n_f32(0.0); NR / 4]; R];
+            let low = vdupq_n_u8(15);
+            for b in 0..w.kb {
+                let base = w.data.as_ptr().add((p * w.kb + b) * pbb);
+                let mut dot = [[D::zero(); NR / 4]; R];
+                if four_bits {
+                    for q4 in 0..4 {
+                        let packed: [uint8x16_t; NR / 4] =
+                            std::array::from_fn(|h| vld1q_u8(base.add(q4 * NR * 4 + 16 * h)));
+                        let lo = packed.map(|v| vreinterpretq_s8_u8(vandq_u8(v, low)));
+                        let hi = packed.map(|v| vreinterpretq_s8_u8(vshrq_n_u8::<4>(v)));
+                        for r in 0..R {
+                            let at = (r0 + r) * a.stride + b * QK + q4 * 4;
+                            let (al, ah) = (four(&a.q, at), four(&a.q, at + 16));
+                            for h in 0..NR / 4 {
+                                dot[r][h] = dot[r][h].add(lo[h], al).add(hi[h], ah);
+                            }
+                        }
+                    }
+                } else {
+                    for k4 in 0..QK / 4 {
+                        let wv: [int8x16_t; NR / 4] = std::array::from_fn(|h| {
+                            vld1q_s8(base.add(k4 * NR * 4 + 16 * h).cast::<i8>())
+                        });
+                        for r in 0..R {
+                            let av = four(&a.q, (r0 + r) * a.stride + b * QK + k4 * 4);
+                            for h in 0..NR / 4 {
+                                dot[r][h] = dot[r][h].add(wv[h], av);
+                            }
+                        }
+                    }
+                }
+                let at = (p * w.kb + b) * NR;
+                for r in 0..R {
+                    let i = (r0 + r) * w.kb + b;
+                    let (da, dsum) = (vdupq_n_f32(a.d[i]), vdupq_n_f32(a.dsum[i]));
+                    for h in 0..NR / 4 {
+                        let ws = vld1q_f32(w.scales.as_ptr().add(at + 4 * h));
+                        let sums = vcvtq_f32_s32(dot[r][h].sums());
+                        acc[r][h] = vfmaq_f32(acc[r][h], sums, vmulq_f32(da, ws));
+                        if four_bits {
+                            let mins = vld1q_f32(w.extra.as_ptr().add(at + 4 * h).cast::<f32>());
+                            acc[r][h] = vfmaq_f32(acc[r][h], mins, dsum);
+                        }
+                    }
+                }
+            }
+            for r in 0..R {
+                for h in 0..NR / 4 {
+                    vst1q_f32(out[r].as_mut_ptr().add(4 * h), acc[r][h]);
+                }
+            }
+        }
+    }
+
+    /// [`panel`] with `sdot`.
+    ///
+    /// # Safety
+    /// The CPU has the dot-product extension; as [`panel`] otherwise.
+    #[target_feature(enable = "neon,dotprod")]
+    pub(super) unsafe fn sdot<const R: usize>(
+        w: &QWeights,
+        a: &QuantRows,
+        p: usize,
+        r0: usize,
+        out: &mut Tile,
+    ) {
+        // SAFETY: as the caller promised.
+        unsafe { panel::<Sdot, R>(w, a, p, r0, out) }
+    }
+
+    /// [`panel`] with `smull` + `sadalp`.
+    ///
+    /// # Safety
+    /// As [`panel`] (every ARM64 CPU has NEON).
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn smull<const R: usize>(
+        w: &QWeights,
+        a: &QuantRows,
+        p: usize,
+        r0: usize,
+        out: &mut Tile,
+    ) {
+        // SAFETY: as the caller promised.
+        unsafe { panel::<Smull, R>(w, a, p, r0, out) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -959,18 +1227,25 @@ mod tests {
         }
     }
 
-    /// The AVX-512 and AVX2 block quantizers give the portable one's bytes and scale: ragged
-    /// lengths, ties at .5 after scaling, zeros, infinities and NaN. Each is skipped (one line)
-    /// where this CPU lacks it.
-    #[cfg(target_arch = "x86_64")]
+    /// The vector block quantizers give the portable one's bytes and scale: ragged lengths,
+    /// ties at .5 after scaling, zeros, infinities and NaN. Each is skipped (one line) where this
+    /// CPU lacks it.
     #[test]
     fn vector_quantizers_match_portable() {
         type Quantizer = unsafe fn(&[f32], &mut [i8; QK]) -> f32;
-        let avx2 = crate::kernels::has_avx2_fma();
+        #[cfg(target_arch = "x86_64")]
         let paths: [(&str, bool, Quantizer); 2] = [
             ("AVX-512F", crate::kernels::has_avx512f(), x86::quantize_sym),
-            ("AVX2", avx2, x86::quantize_sym_avx2),
+            (
+                "AVX2",
+                crate::kernels::has_avx2_fma(),
+                x86::quantize_sym_avx2,
+            ),
         ];
+        #[cfg(target_arch = "aarch64")]
+        let paths: [(&str, bool, Quantizer); 1] = [("NEON", true, arm::quantize_sym)];
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+        let paths: [(&str, bool, Quantizer); 0] = [];
         for (isa, present, quantize) in paths {
             if crate::kernels::isa_or_skip("vector_quantizers_match_portable", isa, present) {
                 check_quantizer(quantize);
@@ -978,7 +1253,26 @@ mod tests {
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
+    /// The int8 GEMM paths this CPU lacks, named (the proptest below runs every one it has).
+    #[test]
+    fn int8_paths_this_cpu_lacks_are_named() {
+        let all: &[Isa] = if cfg!(target_arch = "aarch64") {
+            &[Isa::NeonDot, Isa::Neon]
+        } else {
+            &[Isa::Avx512Vnni, Isa::Avx2]
+        };
+        let have = Isa::available();
+        for isa in all {
+            let name = format!("{isa:?}");
+            crate::kernels::isa_or_skip(
+                "every_path_and_batch_gives_the_same_bits",
+                &name,
+                have.contains(isa),
+            );
+        }
+        assert_eq!(have.last(), Some(&Isa::Scalar));
+    }
+
     fn check_quantizer(quantize: unsafe fn(&[f32], &mut [i8; QK]) -> f32) {
         proptest!(|(
             len in 0usize..=QK,

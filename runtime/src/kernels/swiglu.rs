@@ -2,15 +2,17 @@
 //!
 //! Candle runs it as three passes over strided views of the fused gate/up projection (SiLU
 //! through libm's `expf`, a copy, a multiply), which took about a tenth of a prefill. Here it is
-//! one pass per row with [`exp_approx`] and, on AVX-512 or AVX2, 16 or 8 lanes at a time doing
-//! the same operations, so every path gives the same bits. Each element depends on its own inputs only,
-//! so a row's result never depends on the batch.
+//! one pass per row with [`exp_approx`] and, on AVX-512, AVX2 or NEON, 16, 8 or 4 lanes at a time
+//! doing the same operations (one generic row, [`super::simd`]), so every path gives the same
+//! bits. Each element depends on its own inputs only, so a row's result never depends on the
+//! batch.
 
 use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
 use super::exp::{EXP_MAX, exp_approx};
+use super::simd::F32Path;
 
 /// Fewest rows a thread takes (a decode step's few rows run on the calling thread).
 const PAR_ROWS: usize = 8;
@@ -42,25 +44,30 @@ fn swiglu_into(gate_up: &[f32], ffn: usize, out: &mut [MaybeUninit<f32>]) {
         "gate/up rows are not 2 x {ffn} wide"
     );
     assert_eq!(out.len() * 2, gate_up.len(), "output is not half the input");
-    #[cfg(target_arch = "x86_64")]
-    let (avx512, avx2) = (super::has_avx512f(), super::has_avx2_fma());
+    let path = F32Path::best();
     out.par_chunks_mut(ffn)
         .zip(gate_up.par_chunks(2 * ffn))
         .with_min_len(PAR_ROWS)
         .for_each(|(o, gu)| {
             let (g, u) = gu.split_at(ffn);
-            #[cfg(target_arch = "x86_64")]
-            if avx512 {
-                // SAFETY: AVX-512F is present.
-                unsafe { x86::row(g, u, o) };
-                return;
-            } else if avx2 {
-                // SAFETY: AVX2 and FMA are present.
-                unsafe { x86::row_avx2(g, u, o) };
-                return;
-            }
-            row_portable(g, u, o);
+            row(path, g, u, o);
         });
+}
+
+/// One row on `path`, which must be one [`F32Path::available`] lists.
+fn row(path: F32Path, g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
+    match path {
+        // SAFETY: `path` is one this CPU has (`F32Path::available`).
+        #[cfg(target_arch = "x86_64")]
+        F32Path::Avx512 => unsafe { vector::avx512(g, u, o) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        F32Path::Avx2 => unsafe { vector::avx2(g, u, o) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "aarch64")]
+        F32Path::Neon => unsafe { vector::neon(g, u, o) },
+        _ => row_portable(g, u, o),
+    }
 }
 
 fn row_portable(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
@@ -69,81 +76,86 @@ fn row_portable(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use std::arch::x86_64::*;
+mod vector {
     use std::mem::MaybeUninit;
 
     use super::EXP_MAX;
-    use crate::kernels::exp::x86::{exp8, exp16};
+    use crate::kernels::exp::exp;
+    use crate::kernels::simd::*;
 
-    /// [`super::silu_mul`] 16 lanes at a time (IEEE division and the same exponential, so the
-    /// same bits); a masked tail instead of a scalar loop.
+    /// [`super::silu_mul`] a vector at a time (IEEE division and the same exponential, so the
+    /// same bits); the tail goes through a zero-padded copy.
+    ///
+    /// # Safety
+    /// The CPU has `S`'s features.
+    #[inline(always)]
+    unsafe fn row<S: F32s>(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
+        let n = o.len().min(g.len()).min(u.len());
+        let lanes = S::LANES;
+        let mut i = 0;
+        // SAFETY: the caller checked `S`'s features; lanes i..i + LANES are inside all three
+        // rows, and the padded copies hold 16 ≥ LANES floats.
+        unsafe {
+            while i + lanes <= n {
+                let r = silu_mul::<S>(S::load(g.as_ptr().add(i)), S::load(u.as_ptr().add(i)));
+                S::store(o.as_mut_ptr().add(i).cast::<f32>(), r);
+                i += lanes;
+            }
+            if i < n {
+                let k = n - i;
+                let (mut gt, mut ut, mut ot) = ([0f32; 16], [0f32; 16], [0f32; 16]);
+                gt[..k].copy_from_slice(&g[i..n]);
+                ut[..k].copy_from_slice(&u[i..n]);
+                let r = silu_mul::<S>(S::load(gt.as_ptr()), S::load(ut.as_ptr()));
+                S::store(ot.as_mut_ptr(), r);
+                for (o, &v) in o[i..n].iter_mut().zip(&ot) {
+                    o.write(v);
+                }
+            }
+        }
+    }
+
+    /// [`super::silu_mul`] on one vector.
+    ///
+    /// # Safety
+    /// The CPU has `S`'s features.
+    #[inline(always)]
+    unsafe fn silu_mul<S: F32s>(x: S::V, up: S::V) -> S::V {
+        // SAFETY: the caller checked `S`'s features.
+        unsafe {
+            // -x, clamped like `(-x).min(EXP_MAX)`.
+            let neg = S::sub(S::splat(0.0), x);
+            let e = exp::<S>(S::min(S::splat(EXP_MAX), neg));
+            let s = S::div(x, S::add(S::splat(1.0), e));
+            S::mul(s, up)
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    pub(super) fn row(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
-        let n = o.len().min(g.len()).min(u.len());
-        let (one, top) = (_mm512_set1_ps(1.0), _mm512_set1_ps(EXP_MAX));
-        let mut i = 0;
-        while i < n {
-            let k = (n - i).min(16);
-            let mask = ((1u32 << k) - 1) as __mmask16;
-            // SAFETY: masked lanes past `n` are neither read nor written.
-            unsafe {
-                let x = _mm512_maskz_loadu_ps(mask, g.as_ptr().add(i));
-                let up = _mm512_maskz_loadu_ps(mask, u.as_ptr().add(i));
-                // -x, clamped like `(-x).min(EXP_MAX)` (NaN passes through as `min` does).
-                let neg = _mm512_sub_ps(_mm512_setzero_ps(), x);
-                let e = exp16(_mm512_min_ps(top, neg));
-                let s = _mm512_div_ps(x, _mm512_add_ps(one, e));
-                let dst = o.as_mut_ptr().add(i).cast::<f32>();
-                _mm512_mask_storeu_ps(dst, mask, _mm512_mul_ps(s, up));
-            }
-            i += 16;
-        }
+    pub(super) unsafe fn avx512(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
+        // SAFETY: the caller checked AVX-512F.
+        unsafe { row::<Avx512>(g, u, o) }
     }
 
-    /// [`row`] on AVX2: 8 lanes, the same operations; the tail goes through a zero-padded
-    /// copy (`vmaskmovps` would skip the lanes past the row, but emulators still touch them).
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn row_avx2(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
-        let n = o.len().min(g.len()).min(u.len());
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: lanes i..i + 8 are inside all three rows.
-            unsafe {
-                let r = silu_mul8(
-                    _mm256_loadu_ps(g.as_ptr().add(i)),
-                    _mm256_loadu_ps(u.as_ptr().add(i)),
-                );
-                _mm256_storeu_ps(o.as_mut_ptr().add(i).cast::<f32>(), r);
-            }
-            i += 8;
-        }
-        if i < n {
-            let k = n - i;
-            let (mut gt, mut ut, mut ot) = ([0f32; 8], [0f32; 8], [0f32; 8]);
-            gt[..k].copy_from_slice(&g[i..n]);
-            ut[..k].copy_from_slice(&u[i..n]);
-            // SAFETY: each buffer holds 8 floats.
-            unsafe {
-                let r = silu_mul8(_mm256_loadu_ps(gt.as_ptr()), _mm256_loadu_ps(ut.as_ptr()));
-                _mm256_storeu_ps(ot.as_mut_ptr(), r);
-            }
-            for (o, &v) in o[i..n].iter_mut().zip(&ot) {
-                o.write(v);
-            }
-        }
+    pub(super) unsafe fn avx2(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
+        // SAFETY: the caller checked AVX2 and FMA.
+        unsafe { row::<Avx2>(g, u, o) }
     }
 
-    /// [`super::silu_mul`] on 8 lanes: IEEE division and the same exponential.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn silu_mul8(x: __m256, up: __m256) -> __m256 {
-        // -x, clamped like `(-x).min(EXP_MAX)`.
-        let neg = _mm256_sub_ps(_mm256_setzero_ps(), x);
-        let e = exp8(_mm256_min_ps(_mm256_set1_ps(EXP_MAX), neg));
-        let s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0), e));
-        _mm256_mul_ps(s, up)
+    /// # Safety
+    /// None beyond an ARM64 CPU, which always has NEON.
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn neon(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
+        // SAFETY: every ARM64 CPU has NEON.
+        unsafe { row::<Neon>(g, u, o) }
     }
 }
 
@@ -203,26 +215,18 @@ mod tests {
         ) {
             let gate_up = ferrite_testkit::random::values(rows * 2 * ffn, seed, 20.0);
             let out = swiglu(&gate_up, ffn);
-            #[cfg(target_arch = "x86_64")]
             {
                 // Every vector path this CPU has, not only the one dispatch picks.
                 let (g, u) = gate_up[..2 * ffn].split_at(ffn);
-                let mut want = vec![MaybeUninit::uninit(); ffn];
-                row_portable(g, u, &mut want);
-                // SAFETY: `row_portable` wrote every element.
-                let want: Vec<u32> = want.iter().map(|v| unsafe { v.assume_init() }.to_bits()).collect();
-                let run = |f: unsafe fn(&[f32], &[f32], &mut [MaybeUninit<f32>])| {
+                let run = |path: F32Path| {
                     let mut o = vec![MaybeUninit::uninit(); ffn];
-                    // SAFETY: callers check the CPU has the path's features.
-                    unsafe { f(g, u, &mut o) };
-                    // SAFETY: the row function wrote every element.
+                    row(path, g, u, &mut o);
+                    // SAFETY: `row` wrote every element.
                     o.iter().map(|v| unsafe { v.assume_init() }.to_bits()).collect::<Vec<u32>>()
                 };
-                if crate::kernels::has_avx2_fma() {
-                    prop_assert_eq!(run(x86::row_avx2), want.clone());
-                }
-                if crate::kernels::has_avx512f() {
-                    prop_assert_eq!(run(x86::row), want);
+                let want = run(F32Path::Portable);
+                for path in F32Path::available() {
+                    prop_assert_eq!(run(path), want.clone(), "{:?}", path);
                 }
             }
             for r in 0..rows {

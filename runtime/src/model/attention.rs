@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 pub use super::attention_meta::AttnMeta;
 use crate::kernels::exp::exp_approx;
+use crate::kernels::simd::F32Path;
 
 /// Which attention implementation a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -305,204 +306,7 @@ fn transpose_keys<T: KvElem>(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Chunk, KC, KvElem, Rows, exp_approx};
-    use crate::kernels::exp::x86::{exp8, exp16};
-
-    /// [`super::micro_tile`] in 512-bit vectors: the portable path's operations lane for lane
-    /// (fused multiply-adds in the same order, the same halving trees, the same exponential).
-    #[target_feature(enable = "avx512f")]
-    pub(super) fn micro_tile<const R: usize>(c: &Chunk, s: Rows) {
-        let hd = c.hd;
-        assert!(hd.is_multiple_of(KC) && c.q.len() >= R * hd && s.out.len() >= R * hd);
-        assert!(c.kt.len() >= hd * KC && c.vs.len() >= KC * hd && s.m.len() >= R);
-        let mut sc = [_mm512_setzero_ps(); R];
-        for d in 0..hd {
-            // SAFETY: d < hd, so the KC floats at d * KC are inside `kt` (asserted above).
-            let kd = unsafe { _mm512_loadu_ps(c.kt.as_ptr().add(d * KC)) };
-            for (i, si) in sc.iter_mut().enumerate() {
-                *si = _mm512_fmadd_ps(_mm512_set1_ps(c.q[i * hd + d]), kd, *si);
-            }
-        }
-        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let mut e = [[0f32; KC]; R];
-        let mut alpha = [0f32; R];
-        let (mut jmin, mut jmax) = (KC, 0);
-        for i in 0..R {
-            let Some((jlo, jhi)) = c.ranges[i] else {
-                continue;
-            };
-            (jmin, jmax) = (jmin.min(jlo), jmax.max(jhi));
-            let inside = _mm512_cmpge_epi32_mask(lanes, _mm512_set1_epi32(jlo as i32))
-                & _mm512_cmple_epi32_mask(lanes, _mm512_set1_epi32(jhi as i32));
-            let x = _mm512_mask_mul_ps(
-                _mm512_set1_ps(f32::NEG_INFINITY),
-                inside,
-                sc[i],
-                _mm512_set1_ps(c.scale),
-            );
-            let mx = s.m[i].max(fold(x, |a, b| _mm512_max_ps(a, b)));
-            let ei = exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx)));
-            alpha[i] = exp_approx(s.m[i] - mx);
-            s.l[i] = s.l[i].mul_add(alpha[i], fold(ei, |a, b| _mm512_add_ps(a, b)));
-            s.m[i] = mx;
-            // SAFETY: e[i] holds KC floats.
-            unsafe { _mm512_storeu_ps(e[i].as_mut_ptr(), ei) };
-        }
-        if jmin > jmax {
-            return;
-        }
-        for ci in 0..hd / KC {
-            let mut acc = [_mm512_setzero_ps(); R];
-            for i in 0..R {
-                if c.ranges[i].is_some() {
-                    // SAFETY: row i's lanes ci * KC.. are inside `out` (asserted above).
-                    let o = unsafe { _mm512_loadu_ps(s.out.as_ptr().add(i * hd + ci * KC)) };
-                    acc[i] = _mm512_mul_ps(o, _mm512_set1_ps(alpha[i]));
-                }
-            }
-            for j in jmin..=jmax {
-                // SAFETY: j < KC, so value j's lanes ci * KC.. are inside `vs`.
-                let v = unsafe { _mm512_loadu_ps(c.vs.as_ptr().add(j * hd + ci * KC)) };
-                for (ai, ei) in acc.iter_mut().zip(&e) {
-                    *ai = _mm512_fmadd_ps(_mm512_set1_ps(ei[j]), v, *ai);
-                }
-            }
-            for (i, ai) in acc.iter().enumerate() {
-                if c.ranges[i].is_some() {
-                    // SAFETY: as for the load above.
-                    unsafe { _mm512_storeu_ps(s.out.as_mut_ptr().add(i * hd + ci * KC), *ai) };
-                }
-            }
-        }
-    }
-
-    /// [`micro_tile`] on AVX2: each row's 16 scores in two 256-bit halves (lanes 0..8 and
-    /// 8..16), the same operations lane for lane, so the same bits as the portable path.
-    // Rows and halves index several register arrays at once; iterators would hide that.
-    #[allow(clippy::needless_range_loop)]
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn micro_tile_avx2<const R: usize>(c: &Chunk, s: Rows) {
-        let hd = c.hd;
-        assert!(hd.is_multiple_of(KC) && c.q.len() >= R * hd && s.out.len() >= R * hd);
-        assert!(c.kt.len() >= hd * KC && c.vs.len() >= KC * hd && s.m.len() >= R);
-        let mut sc = [[_mm256_setzero_ps(); 2]; R];
-        for d in 0..hd {
-            // SAFETY: d < hd, so the KC floats at d * KC are inside `kt` (asserted above).
-            let kd = unsafe {
-                let p = c.kt.as_ptr().add(d * KC);
-                [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
-            };
-            for (i, si) in sc.iter_mut().enumerate() {
-                let qd = _mm256_set1_ps(c.q[i * hd + d]);
-                for h in 0..2 {
-                    si[h] = _mm256_fmadd_ps(qd, kd[h], si[h]);
-                }
-            }
-        }
-        let lanes = [
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15),
-        ];
-        let mut e = [[0f32; KC]; R];
-        let mut alpha = [0f32; R];
-        let (mut jmin, mut jmax) = (KC, 0);
-        for i in 0..R {
-            let Some((jlo, jhi)) = c.ranges[i] else {
-                continue;
-            };
-            (jmin, jmax) = (jmin.min(jlo), jmax.max(jhi));
-            let (above, below) = (
-                _mm256_set1_epi32(jlo as i32 - 1),
-                _mm256_set1_epi32(jhi as i32 + 1),
-            );
-            let x: [__m256; 2] = std::array::from_fn(|h| {
-                let inside = _mm256_and_si256(
-                    _mm256_cmpgt_epi32(lanes[h], above),
-                    _mm256_cmpgt_epi32(below, lanes[h]),
-                );
-                _mm256_blendv_ps(
-                    _mm256_set1_ps(f32::NEG_INFINITY),
-                    _mm256_mul_ps(sc[i][h], _mm256_set1_ps(c.scale)),
-                    _mm256_castsi256_ps(inside),
-                )
-            });
-            let mx = s.m[i].max(fold8(x, |a, b| _mm256_max_ps(a, b)));
-            let ei = x.map(|xh| exp8(_mm256_sub_ps(xh, _mm256_set1_ps(mx))));
-            alpha[i] = exp_approx(s.m[i] - mx);
-            s.l[i] = s.l[i].mul_add(alpha[i], fold8(ei, |a, b| _mm256_add_ps(a, b)));
-            s.m[i] = mx;
-            // SAFETY: e[i] holds KC = 2 × 8 floats.
-            unsafe {
-                _mm256_storeu_ps(e[i].as_mut_ptr(), ei[0]);
-                _mm256_storeu_ps(e[i].as_mut_ptr().add(8), ei[1]);
-            }
-        }
-        if jmin > jmax {
-            return;
-        }
-        for ci in 0..hd / KC {
-            let mut acc = [[_mm256_setzero_ps(); 2]; R];
-            for i in 0..R {
-                if c.ranges[i].is_some() {
-                    let a = _mm256_set1_ps(alpha[i]);
-                    for h in 0..2 {
-                        // SAFETY: row i's lanes ci * KC.. are inside `out` (asserted above).
-                        let o = unsafe {
-                            _mm256_loadu_ps(s.out.as_ptr().add(i * hd + ci * KC + 8 * h))
-                        };
-                        acc[i][h] = _mm256_mul_ps(o, a);
-                    }
-                }
-            }
-            for j in jmin..=jmax {
-                // SAFETY: j < KC, so value j's lanes ci * KC.. are inside `vs`.
-                let v = unsafe {
-                    let p = c.vs.as_ptr().add(j * hd + ci * KC);
-                    [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
-                };
-                for (ai, ei) in acc.iter_mut().zip(&e) {
-                    let pj = _mm256_set1_ps(ei[j]);
-                    for h in 0..2 {
-                        ai[h] = _mm256_fmadd_ps(pj, v[h], ai[h]);
-                    }
-                }
-            }
-            for (i, ai) in acc.iter().enumerate() {
-                if c.ranges[i].is_some() {
-                    for h in 0..2 {
-                        // SAFETY: as for the load above.
-                        unsafe {
-                            _mm256_storeu_ps(
-                                s.out.as_mut_ptr().add(i * hd + ci * KC + 8 * h),
-                                ai[h],
-                            )
-                        };
-                    }
-                }
-            }
-        }
-    }
-
-    /// The portable halving tree over two 8-lane halves: lanes j and j + 8 (the halves), then
-    /// j + 4 (the 128-bit lanes), j + 2, j + 1.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn fold8(v: [__m256; 2], f: impl Fn(__m256, __m256) -> __m256) -> f32 {
-        let v = f(v[0], v[1]);
-        let v = f(v, _mm256_permute2f128_ps::<1>(v, v));
-        let v = f(v, _mm256_permute_ps::<0b01_00_11_10>(v));
-        _mm256_cvtss_f32(f(v, _mm256_permute_ps::<0b10_11_00_01>(v)))
-    }
-
-    /// The portable halving tree (lanes j and j + 8, then j + 4, j + 2, j + 1) with `f`.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn fold(v: __m512, f: impl Fn(__m512, __m512) -> __m512) -> f32 {
-        let v = f(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
-        let v = f(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v));
-        let v = f(v, _mm512_permute_ps::<0b01_00_11_10>(v));
-        _mm512_cvtss_f32(f(v, _mm512_permute_ps::<0b10_11_00_01>(v)))
-    }
+    use super::{KC, KvElem};
 
     /// 16 cache elements widened to f32 in one vector.
     #[target_feature(enable = "avx512f")]
@@ -578,6 +382,126 @@ mod x86 {
                 }
             }
         }
+    }
+}
+
+/// The micro-tile written once over [`F32s`] and compiled per ISA by the entry points below.
+mod vector {
+    use super::{Chunk, KC, Rows, exp_approx};
+    use crate::kernels::exp::exp;
+    use crate::kernels::simd::*;
+
+    /// [`super::micro_tile_portable`] in vectors: each row's [`KC`] scores as `N` vectors of
+    /// `S::LANES`, the portable path's operations lane for lane (fused multiply-adds in the same
+    /// order, the same halving trees, the same exponential).
+    ///
+    /// # Safety
+    /// The CPU has `S`'s features, and `N · S::LANES == KC`.
+    // Rows and vectors index several register arrays at once; iterators would hide that.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn micro_tile<S: F32s, const R: usize, const N: usize>(c: &Chunk, s: Rows) {
+        let (hd, lanes) = (c.hd, S::LANES);
+        assert!(N * lanes == KC && hd.is_multiple_of(KC));
+        assert!(c.q.len() >= R * hd && s.out.len() >= R * hd);
+        assert!(c.kt.len() >= hd * KC && c.vs.len() >= KC * hd && s.m.len() >= R);
+        // SAFETY: the caller checked `S`'s features. Every load and store below is of one
+        // vector inside a row of KC (or hd, a multiple of KC) floats, as asserted above.
+        unsafe {
+            let mut sc = [[S::splat(0.0); N]; R];
+            for d in 0..hd {
+                let p = c.kt.as_ptr().add(d * KC);
+                let kd: [S::V; N] = std::array::from_fn(|h| S::load(p.add(h * lanes)));
+                for (i, si) in sc.iter_mut().enumerate() {
+                    let qd = S::splat(c.q[i * hd + d]);
+                    for h in 0..N {
+                        si[h] = S::fma(qd, kd[h], si[h]);
+                    }
+                }
+            }
+            let mut e = [[0f32; KC]; R];
+            let mut alpha = [0f32; R];
+            let (mut jmin, mut jmax) = (KC, 0);
+            let scale = S::splat(c.scale);
+            for i in 0..R {
+                let Some((jlo, jhi)) = c.ranges[i] else {
+                    continue;
+                };
+                (jmin, jmax) = (jmin.min(jlo), jmax.max(jhi));
+                let x: [S::V; N] = std::array::from_fn(|h| {
+                    let scaled = S::mul(sc[i][h], scale);
+                    S::keep_range(scaled, f32::NEG_INFINITY, h * lanes, jlo, jhi)
+                });
+                let mx = s.m[i].max(fold::<S, N>(x, |a, b| S::max(a, b)));
+                let ei = x.map(|xh| exp::<S>(S::sub(xh, S::splat(mx))));
+                alpha[i] = exp_approx(s.m[i] - mx);
+                s.l[i] = s.l[i].mul_add(alpha[i], fold::<S, N>(ei, |a, b| S::add(a, b)));
+                s.m[i] = mx;
+                for h in 0..N {
+                    S::store(e[i].as_mut_ptr().add(h * lanes), ei[h]);
+                }
+            }
+            if jmin > jmax {
+                return;
+            }
+            for ci in 0..hd / KC {
+                let mut acc = [[S::splat(0.0); N]; R];
+                for i in 0..R {
+                    if c.ranges[i].is_some() {
+                        let a = S::splat(alpha[i]);
+                        let o = s.out.as_ptr().add(i * hd + ci * KC);
+                        for h in 0..N {
+                            acc[i][h] = S::mul(S::load(o.add(h * lanes)), a);
+                        }
+                    }
+                }
+                for j in jmin..=jmax {
+                    let p = c.vs.as_ptr().add(j * hd + ci * KC);
+                    let v: [S::V; N] = std::array::from_fn(|h| S::load(p.add(h * lanes)));
+                    for (ai, ei) in acc.iter_mut().zip(&e) {
+                        let pj = S::splat(ei[j]);
+                        for h in 0..N {
+                            ai[h] = S::fma(pj, v[h], ai[h]);
+                        }
+                    }
+                }
+                for (i, ai) in acc.iter().enumerate() {
+                    if c.ranges[i].is_some() {
+                        let o = s.out.as_mut_ptr().add(i * hd + ci * KC);
+                        for h in 0..N {
+                            S::store(o.add(h * lanes), ai[h]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F, and `hd` is a multiple of KC.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn avx512<const R: usize>(c: &Chunk, s: Rows) {
+        // SAFETY: the caller checked AVX-512F; 1 × 16 lanes = KC.
+        unsafe { micro_tile::<Avx512, R, 1>(c, s) }
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA, and `hd` is a multiple of KC.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn avx2<const R: usize>(c: &Chunk, s: Rows) {
+        // SAFETY: the caller checked AVX2 and FMA; 2 × 8 lanes = KC.
+        unsafe { micro_tile::<Avx2, R, 2>(c, s) }
+    }
+
+    /// # Safety
+    /// `hd` is a multiple of KC (every ARM64 CPU has NEON).
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn neon<const R: usize>(c: &Chunk, s: Rows) {
+        // SAFETY: every ARM64 CPU has NEON; 4 × 4 lanes = KC.
+        unsafe { micro_tile::<Neon, R, 4>(c, s) }
     }
 }
 
@@ -675,7 +599,7 @@ fn tile_with<T: KvElem>(
         qs[row * hd..][..hd].copy_from_slice(&q[t * nh * hd + (g * group + h) * hd..][..hd]);
     }
     let kt = refill(kt, hd * KC, 0.0);
-    let path = TilePath::best(hd);
+    let path = tile_path(hd);
     // The chunk's values widened to f32 once, `[KC][hd]`, for every micro-tile of the tile.
     let vs = refill(vs, KC * hd, 0.0);
     let mut c0 = first / KC * KC;
@@ -687,7 +611,7 @@ fn tile_with<T: KvElem>(
             krows[j] = at;
             T::widen(&vc[at..][..hd], &mut vs[j * hd..][..hd]);
         }
-        transpose_keys(kc, &krows, n, hd, kt, path == TilePath::Avx512);
+        transpose_keys(kc, &krows, n, hd, kt, path == F32Path::Avx512);
         let mut r = 0;
         while r < rows {
             let take = RT.min(rows - r);
@@ -742,62 +666,42 @@ struct Rows<'a> {
     out: &'a mut [f32],
 }
 
-/// Which micro-tile a CPU runs: the vector ones need `hd` to be a multiple of [`KC`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum TilePath {
-    Avx512,
-    Avx2,
-    Portable,
-}
-
-impl TilePath {
-    fn best(hd: usize) -> TilePath {
-        if !hd.is_multiple_of(KC) {
-            return TilePath::Portable;
-        }
-        if crate::kernels::has_avx512f() {
-            return TilePath::Avx512;
-        }
-        if crate::kernels::has_avx2_fma() {
-            return TilePath::Avx2;
-        }
-        TilePath::Portable
+/// The micro-tile path for head size `hd`: the vector ones need it to be a multiple of [`KC`].
+fn tile_path(hd: usize) -> F32Path {
+    if hd.is_multiple_of(KC) {
+        F32Path::best()
+    } else {
+        F32Path::Portable
     }
 }
 
-/// One online-softmax step of a micro-tile over a chunk, with AVX-512 or AVX2 where `path`
-/// says so (the compiler left the portable loops scalar: one `vfmadd231ss` per score). Every
-/// path does the same operations in the same order for every row, whatever the other rows, so
-/// each is batch invariant and they agree bit for bit.
-fn micro_tile(c: &Chunk, s: Rows, path: TilePath) {
-    #[cfg(target_arch = "x86_64")]
+/// One online-softmax step of a micro-tile over a chunk, in vectors where `path` says so (the
+/// compiler left the portable loops scalar: one `vfmadd231ss` per score). Every path does the
+/// same operations in the same order for every row, whatever the other rows, so each is batch
+/// invariant and they agree bit for bit.
+fn micro_tile(c: &Chunk, s: Rows, path: F32Path) {
+    macro_rules! rows {
+        ($($f:ident)::+) => {
+            match s.m.len() {
+                1 => $($f)::+::<1>(c, s),
+                2 => $($f)::+::<2>(c, s),
+                3 => $($f)::+::<3>(c, s),
+                _ => $($f)::+::<RT>(c, s),
+            }
+        };
+    }
     match path {
-        // SAFETY: `TilePath::best` checked AVX-512F, and that `hd` is a multiple of KC.
-        TilePath::Avx512 => unsafe {
-            return match s.m.len() {
-                1 => x86::micro_tile::<1>(c, s),
-                2 => x86::micro_tile::<2>(c, s),
-                3 => x86::micro_tile::<3>(c, s),
-                _ => x86::micro_tile::<RT>(c, s),
-            };
-        },
-        // SAFETY: `TilePath::best` checked AVX2 and FMA, and that `hd` is a multiple of KC.
-        TilePath::Avx2 => unsafe {
-            return match s.m.len() {
-                1 => x86::micro_tile_avx2::<1>(c, s),
-                2 => x86::micro_tile_avx2::<2>(c, s),
-                3 => x86::micro_tile_avx2::<3>(c, s),
-                _ => x86::micro_tile_avx2::<RT>(c, s),
-            };
-        },
-        TilePath::Portable => {}
-    }
-    let _ = path;
-    match s.m.len() {
-        1 => micro_tile_portable::<1>(c, s),
-        2 => micro_tile_portable::<2>(c, s),
-        3 => micro_tile_portable::<3>(c, s),
-        _ => micro_tile_portable::<RT>(c, s),
+        // SAFETY: `tile_path` chose a path this CPU has (`F32Path::available`), and only for
+        // `hd` a multiple of KC.
+        #[cfg(target_arch = "x86_64")]
+        F32Path::Avx512 => unsafe { rows!(vector::avx512) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        F32Path::Avx2 => unsafe { rows!(vector::avx2) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "aarch64")]
+        F32Path::Neon => unsafe { rows!(vector::neon) },
+        _ => rows!(micro_tile_portable),
     }
 }
 
@@ -931,24 +835,19 @@ mod tests {
         }
     }
 
-    /// The AVX-512 and AVX2 micro-tiles agree with the portable one bit for bit, for every row
-    /// count, row ranges inside the chunk, inactive rows, and running states from earlier
-    /// chunks. Each is skipped (one line) where this CPU lacks it.
+    /// The vector micro-tiles agree with the portable one bit for bit, for every row count,
+    /// row ranges inside the chunk, inactive rows, and running states from earlier chunks.
+    /// Each path this CPU lacks is skipped (one line).
     #[test]
     fn vector_micro_tiles_match_portable() {
-        let avx2 = crate::kernels::has_avx2_fma();
-        let paths = [
-            ("AVX-512F", crate::kernels::has_avx512f(), TilePath::Avx512),
-            ("AVX2 and FMA", avx2, TilePath::Avx2),
-        ];
-        for (isa, present, path) in paths {
+        for (path, isa, present) in F32Path::all() {
             if crate::kernels::isa_or_skip("vector_micro_tiles_match_portable", isa, present) {
                 check_micro_tile(path);
             }
         }
     }
 
-    fn check_micro_tile(path: TilePath) {
+    fn check_micro_tile(path: F32Path) {
         proptest!(|(
             rows in 1usize..=RT,
             hd in prop::sample::select(vec![16usize, 64, 128]),
@@ -971,7 +870,7 @@ mod tests {
             let l0: Vec<f32> = values(rows, seed ^ 4, 1.0).iter().map(|x| x.abs()).collect();
             let o0 = if fresh { vec![0.0; rows * hd] } else { values(rows * hd, seed ^ 5, 1.0) };
             let mut got = Vec::new();
-            for p in [TilePath::Portable, path] {
+            for p in [F32Path::Portable, path] {
                 let (mut m, mut l, mut out) = (m0.clone(), l0.clone(), o0.clone());
                 micro_tile(&chunk, Rows { m: &mut m, l: &mut l, out: &mut out }, p);
                 got.push((m, l, out));

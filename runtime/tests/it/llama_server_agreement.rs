@@ -1,18 +1,24 @@
 //! The default runtime (packed weights, 16-bit KV cache) against llama.cpp's `llama-server` on
 //! the same GGUF: ten chat prompts, greedy. llama-server's answers are recorded once by
 //! `scripts/record-llama-greedy.py` (building it takes ~10 minutes), with the gap between its
-//! two best log-probabilities at every step.
+//! two best log-probabilities at every step. The same for an F16 checkpoint of the default
+//! model (`scripts/gguf-variants.py f16`), which `--weights auto` computes at F16 precision
+//! (dense) rather than repacking to 8 bits.
 //!
 //! Both quantize activations to 8 bits, but in different places and orders, so exact agreement
 //! is not expected everywhere: a prompt must agree for at least [`MIN_AGREED`] tokens, or part
 //! only at a near-tie, where either side's two best logits are within [`TIE_GAP`].
+
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use crate::common;
 
 use candle_core::Device;
 use ferrite_runtime::kv::{KvCache, KvCacheConfig};
 use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
-use ferrite_runtime::model::{self, LoadOptions};
+use ferrite_runtime::model::{self, LoadOptions, WeightMode};
 use serde_json::Value;
 
 const MIN_AGREED: usize = 16;
@@ -21,11 +27,52 @@ const MIN_AGREED: usize = 16;
 /// by (`runtime_reference.rs` measures max ~1.3 against f32 over a whole answer).
 const TIE_GAP: f32 = 1.0;
 
-fn fixture() -> Value {
+fn fixture(name: &str) -> Value {
     let path = ferrite_testkit::kube::workspace_root()
-        .join("runtime/tests/fixtures/llama_server_greedy.json");
+        .join("runtime/tests/fixtures")
+        .join(name);
     let text = std::fs::read_to_string(path).expect("fixture");
     serde_json::from_str(&text).expect("fixture JSON")
+}
+
+/// The default model as an F16 checkpoint, written next to it by `scripts/gguf-variants.py f16`
+/// (the file llama-server's F16 answers were recorded on) once per version of the generator.
+fn f16_model() -> PathBuf {
+    let src = common::default_model();
+    let script = ferrite_testkit::kube::workspace_root().join("scripts/gguf-variants.py");
+    let text = std::fs::read(&script).expect("scripts/gguf-variants.py");
+    let mut h = std::hash::DefaultHasher::new();
+    text.hash(&mut h);
+    let out = src.with_file_name(format!("smollm2-f16-{:016x}.gguf", h.finish()));
+    if !out.exists() {
+        let partial = out.with_extension("partial");
+        let status = Command::new(ferrite_testkit::tools::python())
+            .arg(&script)
+            .arg("f16")
+            .arg(&partial)
+            .arg("--model")
+            .arg(&src)
+            .status()
+            .expect("run scripts/gguf-variants.py");
+        assert!(
+            status.success(),
+            "scripts/gguf-variants.py f16 failed: {status}"
+        );
+        std::fs::rename(&partial, &out).expect("rename the F16 checkpoint");
+        // Files of earlier generators are 271 MB each and nothing reads them any more.
+        for stale in std::fs::read_dir(src.parent().expect("model folder"))
+            .expect("model folder")
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p != &out)
+        {
+            let name = stale.file_name().unwrap_or_default().to_string_lossy();
+            if name.starts_with("smollm2-f16-") && name.ends_with(".gguf") {
+                let _ = std::fs::remove_file(&stale);
+            }
+        }
+    }
+    out
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -44,8 +91,38 @@ fn top2_gap(logits: &[f32]) -> f32 {
 
 #[test]
 fn greedy_answers_agree_with_llama_server() {
-    let fx = fixture();
-    let loaded = model::load(&common::default_model(), &LoadOptions::default()).expect("load");
+    let exact = agree(
+        "llama_server_greedy.json",
+        &common::default_model(),
+        WeightMode::Packed,
+    );
+    eprintln!("{exact} of 10 answers identical to llama.cpp's");
+}
+
+/// An F16 checkpoint computes at F16 precision by default (`--weights auto` keeps it dense on
+/// the CPU), and its greedy answers follow llama.cpp's on the same file.
+#[test]
+fn greedy_answers_of_an_f16_checkpoint_agree_with_llama_server() {
+    let exact = agree(
+        "llama_server_greedy_f16.json",
+        &f16_model(),
+        WeightMode::Dense,
+    );
+    eprintln!("F16: {exact} of 10 answers identical to llama.cpp's");
+}
+
+/// Runs the fixture's prompts greedily on `model` with the default load options, checks that
+/// `auto` resolved to `mode`, and that every answer agrees with llama.cpp's for
+/// [`MIN_AGREED`] tokens or parts only at a near-tie. Returns how many are identical.
+fn agree(fixture_name: &str, model_path: &Path, mode: WeightMode) -> usize {
+    let fx = fixture(fixture_name);
+    let loaded = model::load(model_path, &LoadOptions::default()).expect("load");
+    assert_eq!(
+        loaded.weight_mode,
+        mode,
+        "--weights auto on {}",
+        model_path.display()
+    );
     let prompts = fx["prompts"].as_array().expect("prompts");
     assert_eq!(prompts.len(), 10);
     let mut seqs: Vec<GreedySeq> = prompts
@@ -97,5 +174,5 @@ fn greedy_answers_agree_with_llama_server() {
             p["answer"]
         );
     }
-    eprintln!("{exact} of 10 answers identical to llama.cpp's");
+    exact
 }
