@@ -173,10 +173,11 @@ impl LlamaModel {
         self.check_batch(batch, cache)?;
         // Run a CPU pass on a worker of rayon's pool. Each parallel op called from outside the
         // pool sends a job there and puts the caller to sleep until it ends; one forward makes
-        // ~150 such calls, and those round trips cost milliseconds per decode step. A GPU pass
-        // only enqueues work, so it stays on the caller's thread.
+        // ~150 such calls, and those round trips cost milliseconds per decode step. The other
+        // workers poll for the pass's jobs meanwhile rather than sleep between them
+        // (`kernels::pool`). A GPU pass only enqueues work, so it stays on the caller's thread.
         if self.device.is_cpu() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward_on_pool(batch, cache));
+            return crate::kernels::pool::hot(|| self.forward_on_pool(batch, cache));
         }
         #[cfg(feature = "cuda")]
         if let Some(logits) = self.decode_from_graph(batch, cache)? {
