@@ -9,7 +9,8 @@
 //!
 //! [`hot`] runs a closure on the pool with one poller per other worker: a job that, until the
 //! closure returns, takes any pending job of the pool as soon as it appears
-//! ([`rayon::yield_now`]) and otherwise spins. Which thread runs a piece of work never changes a
+//! ([`rayon::yield_now`]) and otherwise spins, then after a stretch without work yields its core
+//! between polls (`sched_yield`), so the process's other threads still get to run. Which thread runs a piece of work never changes a
 //! result here (every kernel splits its work the same way whatever the threads), so this only
 //! changes when work starts.
 
@@ -38,6 +39,10 @@ pub fn hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     })
 }
 
+/// Empty polls (each a pass over the pool's queues, about a microsecond) before a poller
+/// starts yielding its core to the OS scheduler between polls.
+const SPINS_BEFORE_YIELDING: u32 = 64;
+
 /// Sets its flag when dropped.
 struct Stop<'a>(&'a AtomicBool);
 
@@ -54,9 +59,17 @@ fn poll(done: &AtomicBool, owner: Option<usize>) {
         return;
     }
     POLLING.set(true);
+    let mut idle = 0u32;
     while !done.load(Ordering::Acquire) {
-        if rayon::yield_now() != Some(rayon::Yield::Executed) {
+        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+            idle = 0;
+        } else if idle < SPINS_BEFORE_YIELDING {
+            idle += 1;
             std::hint::spin_loop();
+        } else {
+            // A long serial stretch: let the process's other threads (the HTTP server's) run
+            // rather than hold the core, without sleeping on a futex.
+            std::thread::yield_now();
         }
     }
     POLLING.set(false);

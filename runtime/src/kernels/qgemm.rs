@@ -392,6 +392,18 @@ impl QWeights {
                 }
             };
         }
+        // One-panel kernels, by row count.
+        #[allow(unused_macros)]
+        macro_rules! by_rows {
+            ($($f:ident)::+) => {
+                match rows {
+                    1 => $($f)::+::<1>(self, a, p, r0, out),
+                    2 => $($f)::+::<2>(self, a, p, r0, out),
+                    3 => $($f)::+::<3>(self, a, p, r0, out),
+                    _ => $($f)::+::<MR>(self, a, p, r0, out),
+                }
+            };
+        }
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::Avx512Vnni` is only chosen when the CPU has these features
@@ -404,35 +416,14 @@ impl QWeights {
             },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, for AVX2 + FMA.
-            Isa::Avx2 => unsafe {
-                match rows {
-                    1 => x86::avx2::<1>(self, a, p, r0, out),
-                    2 => x86::avx2::<2>(self, a, p, r0, out),
-                    3 => x86::avx2::<3>(self, a, p, r0, out),
-                    _ => x86::avx2::<MR>(self, a, p, r0, out),
-                }
-            },
+            Isa::Avx2 => unsafe { by_rows!(x86::avx2) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: `Isa::NeonDot` is only chosen when the CPU has the dot-product extension
             // (`Isa::detect`).
-            Isa::NeonDot => unsafe {
-                match rows {
-                    1 => arm::sdot::<1>(self, a, p, r0, out),
-                    2 => arm::sdot::<2>(self, a, p, r0, out),
-                    3 => arm::sdot::<3>(self, a, p, r0, out),
-                    _ => arm::sdot::<MR>(self, a, p, r0, out),
-                }
-            },
+            Isa::NeonDot => unsafe { by_rows!(arm::sdot) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: every ARM64 CPU has NEON.
-            Isa::Neon => unsafe {
-                match rows {
-                    1 => arm::smull::<1>(self, a, p, r0, out),
-                    2 => arm::smull::<2>(self, a, p, r0, out),
-                    3 => arm::smull::<3>(self, a, p, r0, out),
-                    _ => arm::smull::<MR>(self, a, p, r0, out),
-                }
-            },
+            Isa::Neon => unsafe { by_rows!(arm::smull) },
             _ => self.tile_scalar(a, p, r0, rows, out),
         }
         if took < group {

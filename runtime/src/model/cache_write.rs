@@ -1,7 +1,11 @@
 //! A layer's attention inputs from its fused q/k/v projection: the queries and keys rotated by
 //! each token's position (RoPE), the keys and values stored into the layer's slot pools. On a
-//! GPU one fused kernel (`kernels/fused.cu`, `rope_cache_write_*`) does it all; elsewhere
-//! candle's ops do (a copy, the rotation, casts, a scatter per pool). candle's CUDA scatter,
+//! GPU one fused kernel (`kernels/fused.cu`, `rope_cache_write_*`) does it all; on the CPU three
+//! passes over the token rows do ([`cpu`]: the queries rotated into a new tensor, the keys
+//! rotated and the values cast straight into their pools), where candle's ops took a copy, a
+//! serial rotation, two casts, two copies and a scatter per pool. Both give bitwise what
+//! candle's ops give (the [`CacheWriter::Ops`] path, kept for other devices and as the tests'
+//! reference). candle's CUDA scatter,
 //! which the kernel replaces, loops over the tokens one after another in each of `kv_dim`
 //! threads: a 4,096-token prefill spent about a second of its step there.
 
@@ -36,6 +40,9 @@ pub enum CacheWriter {
         positions: Tensor,
         slots: Tensor,
     },
+    /// The CPU passes: the rotation rows of the step's positions, `[tokens][head_dim / 2]`,
+    /// and each token's slot.
+    Cpu(cpu::Step),
     /// candle's ops: the rotation rows of the step's positions, and the scatter's index (each
     /// token's slot repeated over the row, `[tokens, kv_dim]`), made once per step.
     Ops { rope: RopeAt, rows: Tensor },
@@ -52,6 +59,14 @@ impl CacheWriter {
                 slots: slots.clone(),
             });
         }
+        if slots.device().is_cpu() {
+            return Ok(Self::Cpu(cpu::Step::new(positions, slots, rope)?));
+        }
+        Self::ops(positions, slots, rope, kv_dim)
+    }
+
+    /// The [`CacheWriter::Ops`] writer on any device.
+    fn ops(positions: &Tensor, slots: &Tensor, rope: &Rope, kv_dim: usize) -> Result<Self> {
         let n = slots.dim(0)?;
         Ok(Self::Ops {
             rope: rope.at(positions)?,
@@ -73,6 +88,7 @@ impl CacheWriter {
         v_cache: &Tensor,
     ) -> Result<Tensor> {
         match self {
+            Self::Cpu(step) => step.write(qkv, heads, k_cache, v_cache),
             Self::Ops { rope, rows } => {
                 let (n, q_dim, kv_dim) = (qkv.dim(0)?, heads.q_dim(), heads.kv_dim());
                 // q and k are adjacent columns of the projection: one rotation for both.
@@ -95,6 +111,293 @@ impl CacheWriter {
                 positions,
                 slots,
             } => cuda::rope_cache_write(qkv, heads, rope, positions, slots, k_cache, v_cache),
+        }
+    }
+}
+
+/// The CPU write: candle's rotation arithmetic (`x1·cos − x2·sin`, `x1·sin + x2·cos`, each a
+/// separate multiply and add) and its rounding into the cache type, so the same bits, in one
+/// pass per output over the token rows.
+pub(crate) mod cpu {
+    use candle_core::backend::BackendStorage;
+    use candle_core::{
+        CpuStorage, CustomOp1, InplaceOp2, Layout, Result, Shape, Tensor, WithDType,
+    };
+    use half::{bf16, f16};
+    use rayon::prelude::*;
+
+    use super::{Heads, Rope};
+    use crate::model::config::RopeStyle;
+
+    /// One step's rotation rows and slots.
+    #[derive(Debug, Clone)]
+    pub struct Step {
+        /// `[tokens][half]`: the tables' rows at each token's position.
+        cos: Vec<f32>,
+        sin: Vec<f32>,
+        half: usize,
+        style: RopeStyle,
+        slots: Vec<u32>,
+    }
+
+    impl Step {
+        pub(super) fn new(positions: &Tensor, slots: &Tensor, rope: &Rope) -> Result<Step> {
+            let at = rope.at(positions)?;
+            let half = rope.cos().dim(1)?;
+            Ok(Step {
+                cos: at.cos().flatten_all()?.to_vec1()?,
+                sin: at.sin().flatten_all()?.to_vec1()?,
+                half,
+                style: rope.style(),
+                slots: slots.to_vec1()?,
+            })
+        }
+
+        pub(super) fn write(
+            &self,
+            qkv: &Tensor,
+            heads: Heads,
+            k_cache: &Tensor,
+            v_cache: &Tensor,
+        ) -> Result<Tensor> {
+            let (n, width) = qkv.dims2()?;
+            let (q_dim, kv_dim) = (heads.q_dim(), heads.kv_dim());
+            if width != q_dim + 2 * kv_dim || heads.head_dim != 2 * self.half {
+                candle_core::bail!("rope/cache write: qkv rows of {width} do not hold {heads:?}");
+            }
+            if n != self.slots.len() {
+                candle_core::bail!("rope/cache write: {n} rows for {} slots", self.slots.len());
+            }
+            let qkv = qkv.contiguous()?;
+            k_cache.inplace_op2(
+                &qkv,
+                &Pool {
+                    step: self,
+                    heads,
+                    part: Part::Keys,
+                },
+            )?;
+            v_cache.inplace_op2(
+                &qkv,
+                &Pool {
+                    step: self,
+                    heads,
+                    part: Part::Values,
+                },
+            )?;
+            qkv.apply_op1_no_bwd(&Queries { step: self, heads })
+        }
+
+        /// Rotates `x` (one head) by token `t`'s position, handing each output to `out`.
+        #[inline(always)]
+        fn rotate(&self, t: usize, x: &[f32], mut out: impl FnMut(usize, f32)) {
+            let h = self.half;
+            let (cos, sin) = (&self.cos[t * h..][..h], &self.sin[t * h..][..h]);
+            for i in 0..h {
+                let (a, b) = match self.style {
+                    RopeStyle::Half => (i, i + h),
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                };
+                let (x1, x2) = (x[a], x[b]);
+                out(a, x1 * cos[i] - x2 * sin[i]);
+                out(b, x1 * sin[i] + x2 * cos[i]);
+            }
+        }
+    }
+
+    fn rows<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+        match l.contiguous_offsets() {
+            Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
+            None => candle_core::bail!("rope/cache write: {what} is not contiguous"),
+        }
+    }
+
+    /// The rotated queries, `[tokens, q_dim]`, tokens split across the pool.
+    struct Queries<'a> {
+        step: &'a Step,
+        heads: Heads,
+    }
+
+    impl CustomOp1 for Queries<'_> {
+        fn name(&self) -> &'static str {
+            "rope-queries"
+        }
+
+        fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+            let (q_dim, kv_dim, hd) =
+                (self.heads.q_dim(), self.heads.kv_dim(), self.heads.head_dim);
+            let width = q_dim + 2 * kv_dim;
+            let qkv = rows(s, l, "qkv")?;
+            let n = qkv.len() / width;
+            let mut q = vec![0f32; n * q_dim];
+            q.par_chunks_mut(q_dim)
+                .zip(qkv.par_chunks(width))
+                .enumerate()
+                .with_min_len(8)
+                .for_each(|(t, (out, row))| {
+                    for (o, x) in out.chunks_mut(hd).zip(row[..q_dim].chunks(hd)) {
+                        self.step.rotate(t, x, |i, v| o[i] = v);
+                    }
+                });
+            Ok((CpuStorage::F32(q), Shape::from((n, q_dim))))
+        }
+    }
+
+    /// Which third of a qkv row goes into the pool.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Part {
+        /// Rotated, then rounded to the cache type.
+        Keys,
+        /// Rounded to the cache type.
+        Values,
+    }
+
+    /// Stores each token's keys or values at its slot of a `[slots, kv_dim]` pool.
+    struct Pool<'a> {
+        step: &'a Step,
+        heads: Heads,
+        part: Part,
+    }
+
+    impl Pool<'_> {
+        /// Token after token (a step's rows are at most a few hundred of `kv_dim` values).
+        fn store<T: WithDType>(&self, pool: &mut [T], qkv: &[f32]) -> Result<()> {
+            let (q_dim, kv_dim, hd) =
+                (self.heads.q_dim(), self.heads.kv_dim(), self.heads.head_dim);
+            let width = q_dim + 2 * kv_dim;
+            let slots = pool.len() / kv_dim.max(1);
+            for (t, (row, &slot)) in qkv.chunks(width).zip(&self.step.slots).enumerate() {
+                let slot = slot as usize;
+                if slot >= slots {
+                    candle_core::bail!("rope/cache write: slot {slot} is outside {slots} slots");
+                }
+                let dst = &mut pool[slot * kv_dim..][..kv_dim];
+                // Rounding an f32 held in an f64 to the cache type is rounding the f32 itself
+                // (f32 to f64 is exact), as candle's `to_dtype` does.
+                match self.part {
+                    Part::Keys => {
+                        let keys = &row[q_dim..q_dim + kv_dim];
+                        for (o, x) in dst.chunks_mut(hd).zip(keys.chunks(hd)) {
+                            self.step
+                                .rotate(t, x, |i, v| o[i] = T::from_f64(f64::from(v)));
+                        }
+                    }
+                    Part::Values => {
+                        for (o, &v) in dst.iter_mut().zip(&row[q_dim + kv_dim..]) {
+                            *o = T::from_f64(f64::from(v));
+                        }
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
+
+    impl InplaceOp2 for Pool<'_> {
+        fn name(&self) -> &'static str {
+            "rope-cache-write"
+        }
+
+        fn cpu_fwd(
+            &self,
+            pool: &mut CpuStorage,
+            pl: &Layout,
+            s: &CpuStorage,
+            l: &Layout,
+        ) -> Result<()> {
+            let qkv = rows(s, l, "qkv")?;
+            let Some((a, b)) = pl.contiguous_offsets() else {
+                candle_core::bail!("rope/cache write: the pool is not contiguous");
+            };
+            match pool {
+                CpuStorage::F32(p) => self.store(&mut p[a..b], qkv),
+                CpuStorage::F16(p) => self.store::<f16>(&mut p[a..b], qkv),
+                CpuStorage::BF16(p) => self.store::<bf16>(&mut p[a..b], qkv),
+                other => candle_core::bail!("rope/cache write: cache type {:?}", other.dtype()),
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use crate::model::cache_write::CacheWriter;
+        use candle_core::{DType, Device};
+        use ferrite_testkit::random::values;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(32))]
+            /// The CPU passes give bitwise candle's ops' queries and pools: both RoPE pairings,
+            /// grouped heads, every cache type, slots in any order.
+            #[test]
+            fn cpu_write_matches_candles_ops(
+                tokens in 1usize..12,
+                kv_heads in 1usize..4,
+                group in 1usize..4,
+                head_dim in prop::sample::select(vec![2usize, 8, 64]),
+                interleaved in any::<bool>(),
+                dtype in prop::sample::select(vec![DType::F32, DType::F16, DType::BF16]),
+                seed in any::<u64>(),
+            ) {
+                let dev = Device::Cpu;
+                let heads = Heads { num_heads: kv_heads * group, num_kv_heads: kv_heads, head_dim };
+                let (max_len, half) = (64, head_dim / 2);
+                let style = if interleaved { RopeStyle::Interleaved } else { RopeStyle::Half };
+                let table = |s| Tensor::from_vec(values(max_len * half, s, 1.0), (max_len, half), &dev);
+                let rope = Rope::from_tables(table(seed)?, table(seed ^ 1)?, style);
+                let width = heads.q_dim() + 2 * heads.kv_dim();
+                let qkv = Tensor::from_vec(values(tokens * width, seed ^ 2, 3.0), (tokens, width), &dev)?;
+                let positions: Vec<u32> = (0..tokens).map(|t| ((t * 7 + seed as usize) % max_len) as u32).collect();
+                let pool_slots = 2 * tokens + 3;
+                // Distinct slots, not in order.
+                let slots: Vec<u32> = (0..tokens).map(|t| ((t * 5 + 1) % pool_slots) as u32).collect();
+                let positions = Tensor::new(positions.as_slice(), &dev)?;
+                let slots = Tensor::new(slots.as_slice(), &dev)?;
+                let pool = || -> candle_core::Result<Tensor> {
+                    Tensor::from_vec(values(pool_slots * heads.kv_dim(), seed ^ 3, 1.0), (pool_slots, heads.kv_dim()), &dev)?
+                        .to_dtype(dtype)
+                };
+                let mut got = Vec::new();
+                for writer in [
+                    CacheWriter::new(&positions, &slots, &rope, heads.kv_dim())?,
+                    CacheWriter::ops(&positions, &slots, &rope, heads.kv_dim())?,
+                ] {
+                    let (kc, vc) = (pool()?, pool()?);
+                    let q = writer.write(&qkv, heads, &kc, &vc)?;
+                    let f = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+                    let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+                    got.push((bits(f(&q)?), bits(f(&kc)?), bits(f(&vc)?)));
+                }
+                prop_assert!(matches!(CacheWriter::new(&positions, &slots, &rope, 1)?, CacheWriter::Cpu(_)));
+                prop_assert_eq!(&got[0].0, &got[1].0, "queries");
+                prop_assert_eq!(&got[0].1, &got[1].1, "key pool");
+                prop_assert_eq!(&got[0].2, &got[1].2, "value pool");
+            }
+        }
+
+        #[test]
+        fn a_slot_outside_the_pool_is_an_error() {
+            let dev = Device::Cpu;
+            let heads = Heads {
+                num_heads: 1,
+                num_kv_heads: 1,
+                head_dim: 2,
+            };
+            let rope = Rope::from_tables(
+                Tensor::ones((4, 1), DType::F32, &dev).expect("cos"),
+                Tensor::zeros((4, 1), DType::F32, &dev).expect("sin"),
+                RopeStyle::Half,
+            );
+            let positions = Tensor::new(&[0u32], &dev).expect("positions");
+            let slots = Tensor::new(&[9u32], &dev).expect("slots");
+            let w = CacheWriter::new(&positions, &slots, &rope, 2).expect("writer");
+            let qkv = Tensor::zeros((1, 6), DType::F32, &dev).expect("qkv");
+            let pool = Tensor::zeros((4, 2), DType::F16, &dev).expect("pool");
+            let err = w
+                .write(&qkv, heads, &pool, &pool.clone())
+                .expect_err("slot 9 of 4");
+            assert!(err.to_string().contains("outside"), "{err}");
         }
     }
 }

@@ -106,6 +106,16 @@ pub struct RopeAt {
 }
 
 impl RopeAt {
+    /// `[tokens, 1, head_dim / 2]`: each token's row of the cosine table.
+    pub fn cos(&self) -> &Tensor {
+        &self.cos
+    }
+
+    /// `[tokens, 1, head_dim / 2]`: each token's row of the sine table.
+    pub fn sin(&self) -> &Tensor {
+        &self.sin
+    }
+
     /// Rotates `x` of shape `[tokens, heads, head_dim]`, token `i` by the `i`-th position.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let (t, h, d) = x.dims3()?;
