@@ -243,8 +243,9 @@ fn bytes_of(t: &Tensor) -> Vec<u8> {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
-    /// The fused rotation and cache write gives what candle's ops give (the CPU build's
-    /// `CacheWriter`): the same rotated queries, and the same pools (rotated keys and the
+    /// The fused rotation and cache write gives what the CPU build's `CacheWriter` gives (its
+    /// CPU passes, themselves bitwise candle's ops: `cache_write::cpu`'s proptest): the same
+    /// rotated queries, and the same pools (rotated keys and the
     /// values, rounded to the cache type, at their slots, nothing else touched), for both RoPE
     /// pairings, GQA groups, and qkv rows read at a stride wider than the row.
     #[test]
