@@ -108,9 +108,18 @@ fn quantize_sym(x: &[f32], q: &mut [i8; QK]) -> f32 {
     quantize_sym_portable(x, q)
 }
 
-fn quantize_sym_portable(x: &[f32], q: &mut [i8; QK]) -> f32 {
+/// Up to [`QK`] values zero-padded to a whole block, as every quantizer reads them (the vector
+/// ones too: a masked load would skip the lanes past `x`, but emulators (QEMU) still touch
+/// their memory).
+fn padded(x: &[f32]) -> [f32; QK] {
     let mut v = [0f32; QK];
-    v[..x.len()].copy_from_slice(x);
+    let n = x.len().min(QK);
+    v[..n].copy_from_slice(&x[..n]);
+    v
+}
+
+fn quantize_sym_portable(x: &[f32], q: &mut [i8; QK]) -> f32 {
+    let v = padded(x);
     // `v · 0` is NaN exactly when `v` is infinite or NaN.
     let poison = v.iter().fold(0f32, |a, &e| a + e * 0.0);
     let amax = v.iter().fold(0f32, |m, &e| m.max(e.abs()));
@@ -583,11 +592,7 @@ mod x86 {
     /// maximum is exact in any order).
     #[target_feature(enable = "avx2")]
     pub(super) fn quantize_sym_avx2(x: &[f32], q: &mut [i8; QK]) -> f32 {
-        // Zero-padded on the stack, as the portable path does: `vmaskmovps` would skip the
-        // lanes past `x`, but emulators (QEMU) still touch their memory.
-        let mut padded = [0f32; QK];
-        let n = x.len().min(QK);
-        padded[..n].copy_from_slice(&x[..n]);
+        let padded = super::padded(x);
         // SAFETY: `padded` holds 4 × 8 floats.
         let v: [__m256; 4] =
             std::array::from_fn(|i| unsafe { _mm256_loadu_ps(padded.as_ptr().add(8 * i)) });
@@ -875,9 +880,7 @@ mod arm {
     /// maximum is exact in any order; `fmaxnm`/`fminnm` are `f32::max`/`min`).
     #[target_feature(enable = "neon")]
     pub(super) fn quantize_sym(x: &[f32], q: &mut [i8; QK]) -> f32 {
-        let mut padded = [0f32; QK];
-        let n = x.len().min(QK);
-        padded[..n].copy_from_slice(&x[..n]);
+        let padded = super::padded(x);
         // SAFETY: `padded` holds 8 × 4 floats.
         let v: [float32x4_t; 8] =
             std::array::from_fn(|i| unsafe { vld1q_f32(padded.as_ptr().add(4 * i)) });

@@ -27,10 +27,7 @@ impl CustomOp1 for SwiGlu {
         if width != 2 * ffn {
             candle_core::bail!("swiglu: input has {width} columns, not 2 x {ffn}");
         }
-        let x = match (s, l.contiguous_offsets()) {
-            (CpuStorage::F32(v), Some((a, b))) => &v[a..b],
-            _ => candle_core::bail!("swiglu needs a contiguous f32 input"),
-        };
+        let x = super::cpu_view::contiguous::<f32>(s, l, "swiglu: the input")?;
         let out = swiglu::swiglu(x, ffn);
         Ok((CpuStorage::F32(out), Shape::from((tokens, ffn))))
     }

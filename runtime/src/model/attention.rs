@@ -13,6 +13,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 pub use super::attention_meta::AttnMeta;
+use super::cpu_view::contiguous;
 use crate::kernels::exp::exp_approx;
 use crate::kernels::simd::F32Path;
 
@@ -138,17 +139,28 @@ impl CustomOp3 for PagedAttention<'_> {
         v: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let q = contiguous::<f32>(q, ql)?;
+        let what = [
+            "paged-attention: queries",
+            "paged-attention: keys",
+            "paged-attention: values",
+        ];
+        let q = contiguous::<f32>(q, ql, what[0])?;
         match (k, v) {
-            (CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                self.run(q, contiguous::<f32>(k, kl)?, contiguous::<f32>(v, vl)?)
-            }
-            (CpuStorage::F16(_), CpuStorage::F16(_)) => {
-                self.run(q, contiguous::<f16>(k, kl)?, contiguous::<f16>(v, vl)?)
-            }
-            (CpuStorage::BF16(_), CpuStorage::BF16(_)) => {
-                self.run(q, contiguous::<bf16>(k, kl)?, contiguous::<bf16>(v, vl)?)
-            }
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => self.run(
+                q,
+                contiguous::<f32>(k, kl, what[1])?,
+                contiguous::<f32>(v, vl, what[2])?,
+            ),
+            (CpuStorage::F16(_), CpuStorage::F16(_)) => self.run(
+                q,
+                contiguous::<f16>(k, kl, what[1])?,
+                contiguous::<f16>(v, vl, what[2])?,
+            ),
+            (CpuStorage::BF16(_), CpuStorage::BF16(_)) => self.run(
+                q,
+                contiguous::<bf16>(k, kl, what[1])?,
+                contiguous::<bf16>(v, vl, what[2])?,
+            ),
             _ => candle_core::bail!(
                 "paged-attention: keys {:?} and values {:?} need one cache type of f32, f16, bf16",
                 k.dtype(),
@@ -778,13 +790,6 @@ fn micro_tile_portable<const R: usize>(c: &Chunk, s: Rows) {
                 s.out[i * hd + ci * KC..][..w].copy_from_slice(&acc[i][..w]);
             }
         }
-    }
-}
-
-fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
-        None => candle_core::bail!("paged-attention needs contiguous inputs"),
     }
 }
 

@@ -128,6 +128,7 @@ pub(crate) mod cpu {
 
     use super::{Heads, Rope};
     use crate::model::config::RopeStyle;
+    use crate::model::cpu_view::contiguous;
 
     /// One step's rotation rows and slots.
     #[derive(Debug, Clone)]
@@ -205,13 +206,6 @@ pub(crate) mod cpu {
         }
     }
 
-    fn rows<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-        match l.contiguous_offsets() {
-            Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
-            None => candle_core::bail!("rope/cache write: {what} is not contiguous"),
-        }
-    }
-
     /// The rotated queries, `[tokens, q_dim]`, tokens split across the pool.
     struct Queries<'a> {
         step: &'a Step,
@@ -227,7 +221,7 @@ pub(crate) mod cpu {
             let (q_dim, kv_dim, hd) =
                 (self.heads.q_dim(), self.heads.kv_dim(), self.heads.head_dim);
             let width = q_dim + 2 * kv_dim;
-            let qkv = rows(s, l, "qkv")?;
+            let qkv = contiguous::<f32>(s, l, "rope/cache write: qkv")?;
             let n = qkv.len() / width;
             let mut q = vec![0f32; n * q_dim];
             q.par_chunks_mut(q_dim)
@@ -305,7 +299,7 @@ pub(crate) mod cpu {
             s: &CpuStorage,
             l: &Layout,
         ) -> Result<()> {
-            let qkv = rows(s, l, "qkv")?;
+            let qkv = contiguous::<f32>(s, l, "rope/cache write: qkv")?;
             let Some((a, b)) = pl.contiguous_offsets() else {
                 candle_core::bail!("rope/cache write: the pool is not contiguous");
             };

@@ -8,6 +8,7 @@ pub mod attention_meta;
 pub mod cache_write;
 pub mod chat_template;
 pub mod config;
+mod cpu_view;
 pub mod cuda_graph;
 #[cfg(feature = "cuda")]
 mod cuda_view;

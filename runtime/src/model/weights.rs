@@ -200,10 +200,7 @@ impl CustomOp1 for PackedMatMul {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let w = &self.0;
-        let x = match (s, l.contiguous_offsets()) {
-            (CpuStorage::F32(v), Some((a, b))) => &v[a..b],
-            _ => candle_core::bail!("packed-matmul needs a contiguous f32 input"),
-        };
+        let x = super::cpu_view::contiguous::<f32>(s, l, "packed-matmul: the input")?;
         let (m, k) = l.shape().dims2()?;
         if k != w.cols() {
             candle_core::bail!(
