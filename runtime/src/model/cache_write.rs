@@ -120,9 +120,7 @@ impl CacheWriter {
 /// pass per output over the token rows.
 pub(crate) mod cpu {
     use candle_core::backend::BackendStorage;
-    use candle_core::{
-        CpuStorage, CustomOp1, InplaceOp2, Layout, Result, Shape, Tensor, WithDType,
-    };
+    use candle_core::{CpuStorage, CustomOp1, InplaceOp2, Layout, Result, Shape, Tensor};
     use half::{bf16, f16};
     use rayon::prelude::*;
 
@@ -255,7 +253,9 @@ pub(crate) mod cpu {
 
     impl Pool<'_> {
         /// Token after token (a step's rows are at most a few hundred of `kv_dim` values).
-        fn store<T: WithDType>(&self, pool: &mut [T], qkv: &[f32]) -> Result<()> {
+        /// `round`: f32 to the cache type, as candle's `to_dtype` rounds (half's `from_f64`
+        /// would not do: for bf16 it drops the low mantissa bits before rounding).
+        fn store<T>(&self, pool: &mut [T], qkv: &[f32], round: impl Fn(f32) -> T) -> Result<()> {
             let (q_dim, kv_dim, hd) =
                 (self.heads.q_dim(), self.heads.kv_dim(), self.heads.head_dim);
             let width = q_dim + 2 * kv_dim;
@@ -266,19 +266,16 @@ pub(crate) mod cpu {
                     candle_core::bail!("rope/cache write: slot {slot} is outside {slots} slots");
                 }
                 let dst = &mut pool[slot * kv_dim..][..kv_dim];
-                // Rounding an f32 held in an f64 to the cache type is rounding the f32 itself
-                // (f32 to f64 is exact), as candle's `to_dtype` does.
                 match self.part {
                     Part::Keys => {
                         let keys = &row[q_dim..q_dim + kv_dim];
                         for (o, x) in dst.chunks_mut(hd).zip(keys.chunks(hd)) {
-                            self.step
-                                .rotate(t, x, |i, v| o[i] = T::from_f64(f64::from(v)));
+                            self.step.rotate(t, x, |i, v| o[i] = round(v));
                         }
                     }
                     Part::Values => {
                         for (o, &v) in dst.iter_mut().zip(&row[q_dim + kv_dim..]) {
-                            *o = T::from_f64(f64::from(v));
+                            *o = round(v);
                         }
                     }
                 }
@@ -304,9 +301,9 @@ pub(crate) mod cpu {
                 candle_core::bail!("rope/cache write: the pool is not contiguous");
             };
             match pool {
-                CpuStorage::F32(p) => self.store(&mut p[a..b], qkv),
-                CpuStorage::F16(p) => self.store::<f16>(&mut p[a..b], qkv),
-                CpuStorage::BF16(p) => self.store::<bf16>(&mut p[a..b], qkv),
+                CpuStorage::F32(p) => self.store(&mut p[a..b], qkv, |x| x),
+                CpuStorage::F16(p) => self.store(&mut p[a..b], qkv, f16::from_f32),
+                CpuStorage::BF16(p) => self.store(&mut p[a..b], qkv, bf16::from_f32),
                 other => candle_core::bail!("rope/cache write: cache type {:?}", other.dtype()),
             }
         }
