@@ -86,12 +86,15 @@ pub(crate) fn isa_or_skip(test: &str, isa: &str, present: bool) -> bool {
     present
 }
 
-/// Whether this CPU has AVX2 and FMA (always false off x86-64): what the AVX2 attention tile,
-/// SwiGLU and activation quantizer need.
+/// Whether this CPU has AVX2, FMA and F16C (always false off x86-64): what the AVX2 attention
+/// tile and key transpose, SwiGLU and activation quantizer need. Every CPU with AVX2 since
+/// Haswell and Zen has all three (they are x86-64-v3, the server image's baseline).
 pub(crate) fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     false

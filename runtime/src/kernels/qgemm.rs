@@ -425,7 +425,12 @@ impl QWeights {
             },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, for AVX2 + FMA.
-            Isa::Avx2 => unsafe { by_rows!(x86::avx2) },
+            Isa::Avx2 => unsafe {
+                match self.bits {
+                    Bits::Eight => by_rows!(x86::avx2_q8),
+                    Bits::Four => by_rows!(x86::avx2_q4),
+                }
+            },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: `Isa::NeonDot` is only chosen when the CPU has the dot-product extension
             // (`Isa::detect`).
@@ -785,11 +790,13 @@ mod x86 {
         }
     }
 
-    /// AVX2, both widths. `vpmaddubsw` wants unsigned × signed bytes and saturates pair sums at
-    /// i16, so each product is formed as |a| × (w · sign a): |a| ≤ 127 and |w| ≤ 127 keep pair
-    /// sums within range, and `vpmaddwd` widens them to i32. 4-bit weights are unpacked first.
+    /// AVX2, 4-bit weights. `vpmaddubsw` multiplies unsigned by signed bytes, which is what the
+    /// nibbles (0..=15) and the activations (-127..=127) are, and adds pairs into i16 lanes.
+    /// Each lane then collects a whole block's 16 products (16 · 15 · 127 = 30,480 < 2¹⁵) with
+    /// plain 16-bit adds before one `vpmaddwd` widens them: exact integers, so the same sums
+    /// as the reference, at about half the instructions of widening every step.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn avx2<const R: usize>(
+    pub(super) unsafe fn avx2_q4<const R: usize>(
         w: &QWeights,
         a: &QuantRows,
         p: usize,
@@ -798,71 +805,136 @@ mod x86 {
     ) {
         let ones = _mm256_set1_epi16(1);
         let low = _mm256_set1_epi8(15);
-        let four_bits = w.bits == Bits::Four;
-        let pbb = w.bits.panel_block_bytes();
+        let pbb = Bits::Four.panel_block_bytes();
+        // The sums wait in `out` between blocks, which leaves the 16 registers to the 2R dot
+        // products, one weight pair and a broadcast (R = 4 spilled in the loop otherwise).
+        for o in out.iter_mut().take(R) {
+            o[..NR].fill(0.0);
+        }
+        let rows: [usize; R] = std::array::from_fn(|r| (r0 + r) * a.stride);
+        for b in 0..w.kb {
+            let mut dot = [[_mm256_setzero_si256(); 2]; R];
+            // Steps 0..4 take the low nibbles of group `step`, 4..8 the high ones of the same
+            // bytes (values 16 apart), reloaded rather than held.
+            for step in 0..8 {
+                let (g, high) = (step % 4, step >= 4);
+                // SAFETY: in bounds of the panel block (QK * NR / 2 bytes): group `g`'s 64
+                // bytes, each 32-byte half covering 8 columns.
+                let wv = unsafe {
+                    let ptr = w.data.as_ptr().add((p * w.kb + b) * pbb + g * NR * 4);
+                    [0, 1].map(|h| {
+                        let v = _mm256_loadu_si256(ptr.add(32 * h) as *const __m256i);
+                        let v = if high { _mm256_srli_epi16::<4>(v) } else { v };
+                        _mm256_and_si256(v, low)
+                    })
+                };
+                let k = b * QK + 4 * g + if high { 16 } else { 0 };
+                for (d, &row) in dot.iter_mut().zip(&rows) {
+                    // SAFETY: `row + k + 4` is inside the row's zero-padded blocks.
+                    let av = unsafe { four256(&a.q, row + k) };
+                    for h in 0..2 {
+                        d[h] = _mm256_add_epi16(d[h], _mm256_maddubs_epi16(wv[h], av));
+                    }
+                }
+            }
+            // SAFETY: NR scales and minimums per panel block.
+            let (ws, mins) = unsafe { epilogue_operands(w, p, b) };
+            for (r, (o, d)) in out.iter_mut().zip(dot).enumerate() {
+                let i = (r0 + r) * w.kb + b;
+                let (da, t) = (_mm256_set1_ps(a.d[i]), _mm256_set1_ps(a.dsum[i]));
+                for h in 0..2 {
+                    // SAFETY: `o` holds at least NR = 16 floats.
+                    let at = unsafe { o.as_mut_ptr().add(8 * h) };
+                    let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(d[h], ones));
+                    // SAFETY: as above.
+                    let acc = unsafe { _mm256_loadu_ps(at) };
+                    let acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(da, ws[h]), acc);
+                    let acc = _mm256_fmadd_ps(mins[h], t, acc);
+                    // SAFETY: as above.
+                    unsafe { _mm256_storeu_ps(at, acc) };
+                }
+            }
+        }
+    }
+
+    /// AVX2, 8-bit weights. Both operands are signed, so each product is formed as
+    /// |a| × (w · sign a) for `vpmaddubsw`; its pair sums reach 2 · 127² = 32,258, which leaves
+    /// no room to add more in 16 bits, so `vpmaddwd` widens every step.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn avx2_q8<const R: usize>(
+        w: &QWeights,
+        a: &QuantRows,
+        p: usize,
+        r0: usize,
+        out: &mut Tile,
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        let pbb = Bits::Eight.panel_block_bytes();
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
         for b in 0..w.kb {
-            let base = (p * w.kb + b) * pbb;
             let mut dot = [[_mm256_setzero_si256(); 2]; R];
             for k4 in 0..QK / 4 {
-                // SAFETY: in bounds of the panel block (QK * NR or QK * NR / 2 bytes); each
-                // half covers 8 columns.
+                // SAFETY: in bounds of the panel block (QK * NR bytes): step `k4`'s 64 bytes.
                 let wv = unsafe {
-                    if four_bits {
-                        let ptr = w.data.as_ptr().add(base + (k4 % 4) * NR * 4);
-                        let shift = if k4 >= 4 { 4 } else { 0 };
-                        let half = |h: usize| {
-                            let v = _mm256_loadu_si256(ptr.add(32 * h) as *const _);
-                            _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), low)
-                        };
-                        [half(0), half(1)]
-                    } else {
-                        let ptr = w.data.as_ptr().add(base + k4 * NR * 4);
-                        [
-                            _mm256_loadu_si256(ptr as *const _),
-                            _mm256_loadu_si256(ptr.add(32) as *const _),
-                        ]
-                    }
+                    let ptr = w.data.as_ptr().add((p * w.kb + b) * pbb + k4 * NR * 4);
+                    [0, 1].map(|h| _mm256_loadu_si256(ptr.add(32 * h) as *const __m256i))
                 };
                 for (r, d) in dot.iter_mut().enumerate() {
                     let at = (r0 + r) * a.stride + b * QK + k4 * 4;
                     // SAFETY: `at + 4` is inside the row's padded blocks.
-                    let av = _mm256_set1_epi32(unsafe {
-                        std::ptr::read_unaligned(a.q.as_ptr().add(at) as *const i32)
-                    });
+                    let av = unsafe { four256(&a.q, at) };
                     let abs = _mm256_sign_epi8(av, av);
                     for h in 0..2 {
-                        let signed = _mm256_sign_epi8(wv[h], av);
-                        let pairs = _mm256_maddubs_epi16(abs, signed);
+                        let pairs = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(wv[h], av));
                         d[h] = _mm256_add_epi32(d[h], _mm256_madd_epi16(pairs, ones));
                     }
                 }
             }
-            let at = (p * w.kb + b) * NR;
+            // SAFETY: NR scales per panel block.
+            let (ws, _) = unsafe { epilogue_operands(w, p, b) };
             for r in 0..R {
-                let i = (r0 + r) * w.kb + b;
-                let da = a.d[i];
-                let t = _mm256_set1_ps(a.dsum[i]);
+                let da = _mm256_set1_ps(a.d[(r0 + r) * w.kb + b]);
                 for h in 0..2 {
-                    // SAFETY: NR scales and extras per panel block.
-                    let (ws, mins) = unsafe {
-                        (
-                            _mm256_loadu_ps(w.scales.as_ptr().add(at + 8 * h)),
-                            _mm256_loadu_ps(w.extra.as_ptr().add(at + 8 * h) as *const f32),
-                        )
-                    };
-                    let s = _mm256_mul_ps(_mm256_set1_ps(da), ws);
+                    let s = _mm256_mul_ps(da, ws[h]);
                     acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), s, acc[r][h]);
-                    if four_bits {
-                        acc[r][h] = _mm256_fmadd_ps(mins, t, acc[r][h]);
-                    }
                 }
             }
         }
-        for r in 0..R {
-            for h in 0..2 {
-                // SAFETY: `out[r]` holds at least NR = 16 floats.
-                unsafe { _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * h), acc[r][h]) };
+        // SAFETY: each `out[r]` holds at least NR = 16 floats.
+        unsafe { store_avx2(acc, out) };
+    }
+
+    /// Four consecutive activation bytes broadcast to every i32 lane of a 256-bit vector.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn four256(q: &[i8], at: usize) -> __m256i {
+        debug_assert!(at + 4 <= q.len());
+        // SAFETY: callers pass `at + 4 <= q.len()` (blocks are zero-padded to QK).
+        _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(q.as_ptr().add(at) as *const i32) })
+    }
+
+    /// Panel block `(p, b)`'s scales and extras (minimums for 4 bits), as two 8-column halves.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn epilogue_operands(w: &QWeights, p: usize, b: usize) -> ([__m256; 2], [__m256; 2]) {
+        let at = (p * w.kb + b) * NR;
+        // SAFETY: the caller's block is inside the panel; NR values each.
+        unsafe {
+            (
+                [0, 1].map(|h| _mm256_loadu_ps(w.scales.as_ptr().add(at + 8 * h))),
+                [0, 1].map(|h| _mm256_loadu_ps(w.extra.as_ptr().add(at + 8 * h).cast::<f32>())),
+            )
+        }
+    }
+
+    /// The tile's `R` rows of 16 sums into `out`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn store_avx2<const R: usize>(acc: [[__m256; 2]; R], out: &mut Tile) {
+        for (o, a) in out.iter_mut().zip(acc) {
+            for (h, v) in a.into_iter().enumerate() {
+                // SAFETY: `o` holds at least NR = 16 floats.
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(8 * h), v) };
             }
         }
     }

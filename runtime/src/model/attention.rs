@@ -296,20 +296,36 @@ fn transpose_keys<T: KvElem>(
     n: usize,
     hd: usize,
     kt: &mut [f32],
-    avx512: bool,
+    path: F32Path,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if avx512 && hd.is_multiple_of(KC) {
-        // SAFETY: the caller checked AVX-512F.
-        unsafe { x86::transpose_keys(kc, rows, n, hd, kt) };
-        return;
+    match path {
+        F32Path::Avx512 if hd.is_multiple_of(KC) => {
+            // SAFETY: `path` is one this CPU has (`F32Path::available`).
+            unsafe { x86::transpose_keys(kc, rows, n, hd, kt) };
+            return;
+        }
+        F32Path::Avx2 if hd.is_multiple_of(8) => {
+            // SAFETY: as above (AVX2 paths need F16C too, `has_avx2_fma`).
+            unsafe { x86::transpose_keys_avx2(kc, rows, n, hd, kt) };
+            return;
+        }
+        _ => {}
     }
-    let _ = avx512;
+    let _ = path;
+    // Each key widened a few elements at a time (`KvElem::widen`, vectorized where the type
+    // needs it), then scattered into its column.
+    let mut wide = [0f32; 8];
     for (j, &at) in rows.iter().enumerate() {
-        let key = (j < n).then(|| &kc[at..][..hd]);
-        for d in 0..hd {
-            // Widening through f64 is exact for f32, f16 and bf16 alike.
-            kt[d * KC + j] = key.map_or(0.0, |k| k[d].to_f64() as f32);
+        if j >= n {
+            (0..hd).for_each(|d| kt[d * KC + j] = 0.0);
+            continue;
+        }
+        for (c, key) in kc[at..][..hd].chunks(wide.len()).enumerate() {
+            T::widen(key, &mut wide[..key.len()]);
+            for (i, &v) in wide[..key.len()].iter().enumerate() {
+                kt[(c * 8 + i) * KC + j] = v;
+            }
         }
     }
 }
@@ -391,6 +407,80 @@ mod x86 {
                     let dst = &mut kt[d * KC..][..KC];
                     // SAFETY: `dst` holds KC floats.
                     unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), *o) };
+                }
+            }
+        }
+    }
+
+    /// 8 cache elements widened to f32 in one 256-bit vector.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    fn load8<T: KvElem>(src: &[T]) -> __m256 {
+        assert!(src.len() >= 8);
+        let p = src.as_ptr();
+        // SAFETY: `src` holds at least 8 elements, and each branch reads the type its dtype
+        // names (`KvElem` is sealed: f32, f16 and bf16 only); unaligned loads.
+        unsafe {
+            match T::DTYPE {
+                candle_core::DType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())),
+                candle_core::DType::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast::<__m128i>())),
+                )),
+                _ => _mm256_loadu_ps(p.cast::<f32>()),
+            }
+        }
+    }
+
+    /// [`transpose_keys`] in 8 × 8 blocks (two keys' groups of 8 by `hd / 8` dimension
+    /// groups): 32-bit interleaves, 64-bit shuffles, then 128-bit lane swaps.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) fn transpose_keys_avx2<T: KvElem>(
+        kc: &[T],
+        rows: &[usize; KC],
+        n: usize,
+        hd: usize,
+        kt: &mut [f32],
+    ) {
+        for g in 0..KC / 8 {
+            for c in 0..hd / 8 {
+                let r: [__m256; 8] = std::array::from_fn(|i| {
+                    let j = 8 * g + i;
+                    if j < n {
+                        load8(&kc[rows[j] + 8 * c..][..8])
+                    } else {
+                        _mm256_setzero_ps()
+                    }
+                });
+                let t: [__m256; 8] = std::array::from_fn(|i| {
+                    let (x, y) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+                    if i % 2 == 0 {
+                        _mm256_unpacklo_ps(x, y)
+                    } else {
+                        _mm256_unpackhi_ps(x, y)
+                    }
+                });
+                // Rows (a..h) in `t`: a0 b0 a1 b1 | a4 b4 a5 b5, a2 b2 a3 b3 | a6 b6 a7 b7, and
+                // the same for c d, e f, g h; `u[4q + i]` holds column i (and i + 4) of rows
+                // 4q..4q+4.
+                let u: [__m256; 8] = std::array::from_fn(|i| {
+                    let (q, i) = (i / 4, i % 4);
+                    let (x, y) = (t[4 * q + i / 2], t[4 * q + 2 + i / 2]);
+                    if i % 2 == 0 {
+                        _mm256_shuffle_ps::<0x44>(x, y)
+                    } else {
+                        _mm256_shuffle_ps::<0xee>(x, y)
+                    }
+                });
+                for k in 0..8 {
+                    let (x, y) = (u[k % 4], u[4 + k % 4]);
+                    let col = if k < 4 {
+                        _mm256_permute2f128_ps::<0x20>(x, y)
+                    } else {
+                        _mm256_permute2f128_ps::<0x31>(x, y)
+                    };
+                    let dst = &mut kt[(8 * c + k) * KC + 8 * g..][..8];
+                    // SAFETY: `dst` holds 8 floats.
+                    unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), col) };
                 }
             }
         }
@@ -623,7 +713,7 @@ fn tile_with<T: KvElem>(
             krows[j] = at;
             T::widen(&vc[at..][..hd], &mut vs[j * hd..][..hd]);
         }
-        transpose_keys(kc, &krows, n, hd, kt, path == F32Path::Avx512);
+        transpose_keys(kc, &krows, n, hd, kt, path);
         let mut r = 0;
         while r < rows {
             let take = RT.min(rows - r);
@@ -799,8 +889,8 @@ mod tests {
     use ferrite_testkit::random::values;
     use proptest::prelude::*;
 
-    /// Both transpositions (the vector one where this CPU has AVX-512) give every key exactly,
-    /// widened from each cache type; missing keys are zeros.
+    /// Every transposition this CPU has (AVX-512, AVX2, the widening scalar one) gives every
+    /// key exactly, widened from each cache type; missing keys are zeros.
     #[test]
     fn fast_transpose_matches_scalar() {
         let hd = 64;
@@ -809,32 +899,29 @@ mod tests {
         let rows: [usize; KC] = std::array::from_fn(|j| ((j * 7) % 40) * hd);
         let halves: Vec<f16> = kc.iter().map(|&x| f16::from_f32(x)).collect();
         let brains: Vec<bf16> = kc.iter().map(|&x| bf16::from_f32(x)).collect();
-        for (n, avx512) in [
-            (KC, false),
-            (5, false),
-            (KC, crate::kernels::has_avx512f()),
-            (5, crate::kernels::has_avx512f()),
-        ] {
-            let mut kts = [
-                vec![f32::NAN; hd * KC],
-                vec![0.0; hd * KC],
-                vec![0.0; hd * KC],
-            ];
-            transpose_keys(&kc, &rows, n, hd, &mut kts[0], avx512);
-            transpose_keys(&halves, &rows, n, hd, &mut kts[1], avx512);
-            transpose_keys(&brains, &rows, n, hd, &mut kts[2], avx512);
-            assert_eq!(kts[0], kts[1], "f16, n {n}, avx512 {avx512}");
-            assert_eq!(kts[0], kts[2], "bf16, n {n}, avx512 {avx512}");
-            let kt = &kts[0];
-            for d in 0..hd {
-                for j in 0..KC {
-                    let want = if j < n { kc[rows[j] + d] } else { 0.0 };
-                    assert_eq!(
-                        kt[d * KC + j],
-                        want,
-                        "n {n}, d {d}, key {j}: row {:?}",
-                        &kt[d * KC..][..KC]
-                    );
+        for path in F32Path::available() {
+            for n in [KC, 9, 5] {
+                let mut kts = [
+                    vec![f32::NAN; hd * KC],
+                    vec![0.0; hd * KC],
+                    vec![0.0; hd * KC],
+                ];
+                transpose_keys(&kc, &rows, n, hd, &mut kts[0], path);
+                transpose_keys(&halves, &rows, n, hd, &mut kts[1], path);
+                transpose_keys(&brains, &rows, n, hd, &mut kts[2], path);
+                assert_eq!(kts[0], kts[1], "f16, n {n}, {path:?}");
+                assert_eq!(kts[0], kts[2], "bf16, n {n}, {path:?}");
+                let kt = &kts[0];
+                for d in 0..hd {
+                    for j in 0..KC {
+                        let want = if j < n { kc[rows[j] + d] } else { 0.0 };
+                        assert_eq!(
+                            kt[d * KC + j],
+                            want,
+                            "n {n}, d {d}, key {j}, {path:?}: row {:?}",
+                            &kt[d * KC..][..KC]
+                        );
+                    }
                 }
             }
         }
