@@ -10,9 +10,9 @@
 //! [`hot`] runs a closure on the pool with one poller per other worker: a job that, until the
 //! closure returns, takes any pending job of the pool as soon as it appears
 //! ([`rayon::yield_now`]) and otherwise spins, then after a stretch without work yields its core
-//! between polls (`sched_yield`), so the process's other threads still get to run. Which thread runs a piece of work never changes a
-//! result here (every kernel splits its work the same way whatever the threads), so this only
-//! changes when work starts.
+//! between polls (`sched_yield`), so the process's other threads still get to run. Which thread
+//! runs a piece of work never changes a result here (every kernel splits its work the same way
+//! whatever the threads), so this only changes when work starts.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
