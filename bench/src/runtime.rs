@@ -50,6 +50,17 @@ struct Args {
     /// `cpu`, `cuda` or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// `CONCURRENCY,PROMPT,OUTPUT`: also time the token mix of a closed-loop serving level
+    /// (bench-serve's) run straight through the model, and print the output tok/s it predicts
+    /// for a server (`serve_mix`); `0,0,0` skips it.
+    #[arg(long, value_delimiter = ',', default_value = "32,128,128")]
+    mix: Vec<usize>,
+    /// Most tokens one engine step schedules (the server's `--max-num-batched-tokens`).
+    #[arg(long, default_value_t = 2048)]
+    max_batched_tokens: usize,
+    /// Time only the `--mix` (bench/serve-gap.sh).
+    #[arg(long)]
+    mix_only: bool,
 }
 
 struct Seq {
@@ -223,9 +234,12 @@ fn main() -> Result<()> {
     }
     let m = &loaded.model;
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
+    let mix = Mix::parse(&args.mix)?;
     let per_seq = blocks_for_tokens(args.context + args.steps + 1, 16)
         .max(blocks_for_tokens(args.prefill_len, 16));
-    let cfg = KvCacheConfig::for_model(m.config(), 16, per_seq * max_batch + 8, 0);
+    let blocks = (per_seq * max_batch)
+        .max(mix.map_or(0, |x| x.seqs * blocks_for_tokens(x.prompt + x.output, 16)));
+    let cfg = KvCacheConfig::for_model(m.config(), 16, blocks + 8, 0);
     let mut cache = KvCache::new(cfg, m.device())?;
     // Warm-up: first touches of weights and thread pools.
     decode_rate(
@@ -250,6 +264,10 @@ fn main() -> Result<()> {
     }
     if !device.is_cpu() {
         return gpu_decode(&mut loaded, &path, &mut cache, &args);
+    }
+    if args.mix_only {
+        let mix = mix.context("--mix-only needs a --mix")?;
+        return report_mix(m, &mut cache, mix, &args);
     }
     // What a decode step reads: the weights, about the GGUF's size.
     let weight_bytes = std::fs::metadata(&path)
@@ -293,7 +311,146 @@ fn main() -> Result<()> {
         args.batches[0],
         placed(&peaks, work.ops(n, 1.0, n * (n + 1.0) / 2.0), n / rate),
     );
+    if let Some(mix) = mix {
+        report_mix(m, &mut cache, mix, &args)?;
+    }
     Ok(())
+}
+
+/// Times `mix` (the best of `--reps`) and prints what it predicts for a server.
+fn report_mix(m: &model::LlamaModel, cache: &mut KvCache, mix: Mix, args: &Args) -> Result<()> {
+    let t = (0..args.reps.max(1))
+        .map(|_| serve_mix(m, cache, mix, args.max_batched_tokens))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .min_by(|a, b| a.total().total_cmp(&b.total()))
+        .context("no repetitions")?;
+    let out = (mix.seqs * mix.output) as f64;
+    println!(
+        "serving mix, {} sequences x ({} prompt + {} output) tokens: prefill {:.2} s in steps \
+         of <= {} tokens, decode {:.2} s ({} steps); predicts {:.1} output tok/s (prefill {:.0}% \
+         of the time)",
+        mix.seqs,
+        mix.prompt,
+        mix.output,
+        t.prefill,
+        args.max_batched_tokens,
+        t.decode,
+        mix.output.saturating_sub(1),
+        out / t.total(),
+        100.0 * t.prefill / t.total(),
+    );
+    Ok(())
+}
+
+/// A closed-loop serving level's token mix: `seqs` requests at a time, each `prompt` tokens in
+/// and `output` tokens out.
+#[derive(Clone, Copy)]
+struct Mix {
+    seqs: usize,
+    prompt: usize,
+    output: usize,
+}
+
+impl Mix {
+    fn parse(v: &[usize]) -> Result<Option<Mix>> {
+        match *v {
+            [0, ..] | [_, 0, _] | [_, _, 0] => Ok(None),
+            [seqs, prompt, output] => Ok(Some(Mix {
+                seqs,
+                prompt,
+                output,
+            })),
+            _ => anyhow::bail!("--mix takes CONCURRENCY,PROMPT,OUTPUT"),
+        }
+    }
+}
+
+/// Seconds the model spends on one wave of a [`Mix`].
+struct MixTime {
+    prefill: f64,
+    decode: f64,
+}
+
+impl MixTime {
+    fn total(&self) -> f64 {
+        self.prefill + self.decode
+    }
+}
+
+/// One wave of `mix` straight through the model, as an engine with nothing else to do would run
+/// it: the prompts prefilled in steps of at most `max_tokens` tokens (whole prompts; the first
+/// output token comes from the prefill's logits), then `output - 1` decode steps of the whole
+/// batch. Greedy, logits read back every step. This is the engine's rate for the token mix of a
+/// bench-serve level at concurrency `seqs`, where every request of a wave arrives together; a
+/// server's output tok/s divided by `output · seqs / total()` is the share of the engine's
+/// rate it delivers.
+fn serve_mix(
+    m: &model::LlamaModel,
+    cache: &mut KvCache,
+    mix: Mix,
+    max_tokens: usize,
+) -> Result<MixTime> {
+    let vocab = m.config().vocab_size as u32;
+    let mut seqs: Vec<Seq> = (0..mix.seqs)
+        .map(|_| Seq {
+            blocks: vec![],
+            len: 0,
+            next: 0,
+        })
+        .collect();
+    let prompts: Vec<Vec<u32>> = (0..mix.seqs)
+        .map(|i| {
+            (0..mix.prompt)
+                .map(|j| ((i * 7919 + j * 104729 + 17) as u32) % vocab)
+                .collect()
+        })
+        .collect();
+    for s in seqs.iter_mut() {
+        grow(cache, s, mix.prompt + mix.output)?;
+    }
+    let per_step = (max_tokens / mix.prompt.max(1)).max(1);
+    let start = Instant::now();
+    for (chunk, ps) in seqs.chunks_mut(per_step).zip(prompts.chunks(per_step)) {
+        let inputs: Vec<SeqInput> = chunk
+            .iter()
+            .zip(ps)
+            .map(|(s, p)| SeqInput {
+                tokens: p,
+                start_pos: 0,
+                block_table: &s.blocks,
+            })
+            .collect();
+        let next = argmax_rows(&m.forward(&inputs, cache)?)?;
+        for (s, n) in chunk.iter_mut().zip(next) {
+            s.len = mix.prompt;
+            s.next = n;
+        }
+    }
+    let prefill = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    for _ in 1..mix.output {
+        let toks: Vec<[u32; 1]> = seqs.iter().map(|s| [s.next]).collect();
+        let inputs: Vec<SeqInput> = seqs
+            .iter()
+            .zip(&toks)
+            .map(|(s, t)| SeqInput {
+                tokens: t,
+                start_pos: s.len,
+                block_table: &s.blocks,
+            })
+            .collect();
+        let next = argmax_rows(&m.forward(&inputs, cache)?)?;
+        for (s, n) in seqs.iter_mut().zip(next) {
+            s.len += 1;
+            s.next = n;
+        }
+    }
+    let decode = start.elapsed().as_secs_f64();
+    for s in &seqs {
+        cache.allocator_mut().free_all(&s.blocks)?;
+    }
+    Ok(MixTime { prefill, decode })
 }
 
 /// Decode on a GPU against its memory bandwidth (module docs), each batch size with CUDA graphs

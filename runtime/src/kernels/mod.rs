@@ -8,6 +8,7 @@
 //! serves every row of a step, unlike candle's per-row quantized matmul.
 
 pub(crate) mod exp;
+pub mod norm;
 pub mod pool;
 pub mod qgemm;
 pub(crate) mod simd;
@@ -29,6 +30,16 @@ pub enum Isa {
 }
 
 impl Isa {
+    /// Output panels one kernel call computes at most ([`qgemm`]'s tile width). Only the VNNI
+    /// kernels take several at once; the others compute one, and asking them for more would only
+    /// split the group again, through a zeroed scratch tile per extra panel.
+    pub(crate) fn panels_per_tile(self) -> usize {
+        match self {
+            Isa::Avx512Vnni => qgemm::PMAX,
+            _ => 1,
+        }
+    }
+
     /// The best the CPU supports. AMX is never used: it faults under some hypervisors that
     /// still report it, and VNNI is enough for these sizes.
     pub fn detect() -> Isa {

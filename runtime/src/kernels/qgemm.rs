@@ -330,9 +330,12 @@ impl QWeights {
         let a = QuantRows::quantize(x, m, self.k, self.kb, self.bits);
         let panels = self.n.div_ceil(NR);
         // Threads split the output columns: each element is still one thread's fixed-order sum.
+        // A few pieces per thread, so that a thread the OS delays leaves some of its share to
+        // the others rather than keeping them waiting at the join.
+        let most = isa.panels_per_tile();
         let chunk = panels
-            .div_ceil(rayon::current_num_threads().max(1))
-            .next_multiple_of(PMAX);
+            .div_ceil(PIECES_PER_THREAD * rayon::current_num_threads().max(1))
+            .next_multiple_of(most);
         let out = SendPtr(y.as_mut_ptr().cast::<f32>());
         let starts: Vec<usize> = (0..panels).step_by(chunk).collect();
         starts.par_iter().for_each(|&first| {
@@ -341,7 +344,7 @@ impl QWeights {
             let end = (first + chunk).min(panels);
             let mut p = first;
             while p < end {
-                let group = PMAX.min(end - p);
+                let group = most.min(end - p);
                 let cols = (group * NR).min(self.n - p * NR);
                 for r0 in (0..m).step_by(MR) {
                     let rows = MR.min(m - r0);
@@ -472,8 +475,11 @@ impl QWeights {
     }
 }
 
+/// Column ranges per thread that a GEMM is cut into.
+const PIECES_PER_THREAD: usize = 4;
+
 /// Most panels one micro-tile covers.
-const PMAX: usize = 6;
+pub(crate) const PMAX: usize = 6;
 
 /// A micro-tile's output: up to [`MR`] rows of up to [`PMAX`] panels.
 type Tile = [[f32; NR * PMAX]; MR];

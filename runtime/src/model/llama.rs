@@ -6,6 +6,7 @@ use super::ModelError;
 use super::attention::{AttentionBackend, AttnMeta, paged_attention};
 use super::cache_write::{CacheWriter, Heads};
 use super::config::ModelConfig;
+use super::norm::residual_norm;
 use super::rope::Rope;
 pub use super::step::SeqInput;
 use super::step::{PackedStep, StepTensors};
@@ -244,7 +245,7 @@ impl LlamaModel {
     }
 
     /// One pass of the embedding and every layer over `batch` (already checked): the hidden
-    /// state after each sequence's last token, `[batch.len(), hidden]`, before the final norm.
+    /// state after each sequence's last token, `[batch.len(), hidden]`, after the final norm.
     fn layers(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
         let bs = cache.config().block_size;
         let packed = PackedStep::new(batch, bs);
@@ -254,7 +255,9 @@ impl LlamaModel {
         Ok(x.index_select(&step.last, 0)?)
     }
 
-    /// Every layer over a step's device inputs: the hidden state of every token. Nothing here
+    /// Every layer over a step's device inputs: the final-normed hidden state of every token
+    /// (a row-wise norm, so taking rows after it gives the bits taking them before would).
+    /// Nothing here
     /// copies from the host, so a CUDA graph can capture it (`cuda_graph`).
     fn run_layers(
         &self,
@@ -271,26 +274,31 @@ impl LlamaModel {
         let writer = CacheWriter::new(&step.positions, &step.slots, &self.rope, cfg.kv_dim())?;
         let eps = cfg.rms_norm_eps as f32;
 
-        let mut x = self.weights.embed.lookup(&step.ids)?;
-        for (l, w) in self.weights.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, eps)?;
+        let layers = &self.weights.layers;
+        // Each residual add comes with the norm of the next block's input (the final norm
+        // after the last layer), in one op.
+        let first = layers.first().map_or(&self.weights.norm, |w| &w.attn_norm);
+        let (mut x, mut h) =
+            residual_norm(&self.weights.embed.lookup(&step.ids)?, None, first, eps)?;
+        for (l, w) in layers.iter().enumerate() {
             let qkv = w.qkv.forward(&h)?;
             let (kc, vc) = cache.layer(l);
             let q = writer.write(&qkv, heads, kc, vc)?;
             let attn = paged_attention(&q, kc, vc, meta, self.attention)?;
-            x = (x + w.o.forward(&attn)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
+            (x, h) = residual_norm(&x, Some(&w.o.forward(&attn)?), &w.ffn_norm, eps)?;
             let gate_up = w.gate_up.forward(&h)?;
             let act = super::activation::swiglu(&gate_up, cfg.intermediate_size)?;
-            x = (x + w.down.forward(&act)?)?;
+            let next = layers
+                .get(l + 1)
+                .map_or(&self.weights.norm, |n| &n.attn_norm);
+            (x, h) = residual_norm(&x, Some(&w.down.forward(&act)?), next, eps)?;
         }
-        Ok(x)
+        Ok(h)
     }
 
-    /// The final norm and the output head: `[rows, vocab]` f32 logits of hidden states `x`.
-    fn head(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        let x = candle_nn::ops::rms_norm(x, &self.weights.norm, self.cfg.rms_norm_eps as f32)?;
-        Ok(self.weights.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    /// The output head: `[rows, vocab]` f32 logits of final-normed hidden states `h`.
+    fn head(&self, h: &Tensor) -> Result<Tensor, ModelError> {
+        Ok(self.weights.lm_head.forward(h)?.to_dtype(DType::F32)?)
     }
 }
 
