@@ -327,7 +327,9 @@ impl QWeights {
     fn matmul_into(&self, isa: Isa, x: &[f32], m: usize, y: &mut [MaybeUninit<f32>]) {
         assert_eq!(x.len(), m * self.k, "input is not {m} x {}", self.k);
         assert_eq!(y.len(), m * self.n, "output is not {m} x {}", self.n);
-        let a = QuantRows::quantize(x, m, self.k, self.kb, self.bits);
+        // Only VNNI's 8-bit kernel reads the offset (unsigned) copy of the activations.
+        let offset = isa == Isa::Avx512Vnni && self.bits == Bits::Eight;
+        let a = QuantRows::quantize(x, m, self.k, self.kb, offset);
         let panels = self.n.div_ceil(NR);
         // Threads split the output columns: each element is still one thread's fixed-order sum.
         // A few pieces per thread, so that a thread the OS delays leaves some of its share to
@@ -499,7 +501,7 @@ struct QuantRows {
     /// `[m][kb * QK]` int8, zero-padded.
     q: Vec<i8>,
     /// The same plus 128, as unsigned bytes: the left operand of `vpdpbusd` for 8-bit weights
-    /// (empty for 4-bit ones, and off x86-64). Offsetting here rather than in the kernel also
+    /// (empty for every other kernel). Offsetting here rather than in the kernel also
     /// sidesteps an LLVM 22 hang: with `target-cpu=native`, a vector xor of a broadcast never finished
     /// instruction selection (`SelectionDAG::Legalize`). Only the x86 kernels read it.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -512,12 +514,12 @@ struct QuantRows {
 }
 
 impl QuantRows {
-    fn quantize(x: &[f32], m: usize, k: usize, kb: usize, bits: Bits) -> QuantRows {
+    /// `offset`: also keep `u`, the activations plus 128 as unsigned bytes.
+    fn quantize(x: &[f32], m: usize, k: usize, kb: usize, offset: bool) -> QuantRows {
         let stride = kb * QK;
         let mut q = vec![0i8; m * stride];
         let mut d = vec![0f32; m * kb];
         let mut dsum = vec![0f32; m * kb];
-        let offset = bits == Bits::Eight && cfg!(target_arch = "x86_64");
         let mut u = vec![0u8; if offset { m * stride } else { 0 }];
         let row = |r: usize, q: &mut [i8], d: &mut [f32], dsum: &mut [f32]| {
             for b in 0..kb {
