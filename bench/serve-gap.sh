@@ -14,17 +14,19 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 c=${1:-32} p=${2:-128} o=${3:-128}
-serve 18185 /tmp/bench-serve-gap-server.log
-wait_health 18185
-
 engine() {
   "$target"/release/bench-runtime --model "$model" --mix-only --mix "$c,$p,$o" --reps 1 |
     sed -n 's/.*predicts \([0-9.]*\) output tok\/s.*/\1/p'
 }
+# A fresh server per pass: bench-serve sends the same prompts every time it starts, which a
+# server that ran them before would find in its prefix cache.
 server() {
+  serve 18185 /tmp/bench-serve-gap-server.log
+  wait_health 18185
   "$target"/release/bench-serve --target "ferrite=http://127.0.0.1:18185" --model default \
     --concurrency "$c" --prompt-tokens "$p" --max-tokens "$o" |
     sed -n "s/.*ferrite c=$c .*out tok\/s= *\([0-9.]*\).*/\1/p" | head -1
+  stop_servers
 }
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", a / b }'; }

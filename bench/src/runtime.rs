@@ -88,6 +88,26 @@ fn prefill(m: &model::LlamaModel, cache: &mut KvCache, s: &mut Seq, prompt: &[u3
     Ok(argmax_rows(&out)?[0])
 }
 
+/// One greedy decode step of every sequence in `seqs` (their blocks already hold the token).
+fn decode_step(m: &model::LlamaModel, cache: &mut KvCache, seqs: &mut [Seq]) -> Result<()> {
+    let toks: Vec<[u32; 1]> = seqs.iter().map(|s| [s.next]).collect();
+    let inputs: Vec<SeqInput> = seqs
+        .iter()
+        .zip(&toks)
+        .map(|(s, t)| SeqInput {
+            tokens: t,
+            start_pos: s.len,
+            block_table: &s.blocks,
+        })
+        .collect();
+    let next = argmax_rows(&m.forward(&inputs, cache)?)?;
+    for (s, n) in seqs.iter_mut().zip(next) {
+        s.len += 1;
+        s.next = n;
+    }
+    Ok(())
+}
+
 /// Decode tokens/s at `batch`: prefill `context` tokens per sequence, then time `steps` steps.
 fn decode_rate(
     m: &model::LlamaModel,
@@ -115,21 +135,7 @@ fn decode_rate(
             let to = s.len + 1;
             grow(cache, s, to)?;
         }
-        let toks: Vec<[u32; 1]> = seqs.iter().map(|s| [s.next]).collect();
-        let inputs: Vec<SeqInput> = seqs
-            .iter()
-            .zip(&toks)
-            .map(|(s, t)| SeqInput {
-                tokens: t,
-                start_pos: s.len,
-                block_table: &s.blocks,
-            })
-            .collect();
-        let next = argmax_rows(&m.forward(&inputs, cache)?)?;
-        for (s, n) in seqs.iter_mut().zip(next) {
-            s.len += 1;
-            s.next = n;
-        }
+        decode_step(m, cache, &mut seqs)?;
     }
     let secs = start.elapsed().as_secs_f64();
     for s in &seqs {
@@ -430,21 +436,7 @@ fn serve_mix(
     let prefill = start.elapsed().as_secs_f64();
     let start = Instant::now();
     for _ in 1..mix.output {
-        let toks: Vec<[u32; 1]> = seqs.iter().map(|s| [s.next]).collect();
-        let inputs: Vec<SeqInput> = seqs
-            .iter()
-            .zip(&toks)
-            .map(|(s, t)| SeqInput {
-                tokens: t,
-                start_pos: s.len,
-                block_table: &s.blocks,
-            })
-            .collect();
-        let next = argmax_rows(&m.forward(&inputs, cache)?)?;
-        for (s, n) in seqs.iter_mut().zip(next) {
-            s.len += 1;
-            s.next = n;
-        }
+        decode_step(m, cache, &mut seqs)?;
     }
     let decode = start.elapsed().as_secs_f64();
     for s in &seqs {
