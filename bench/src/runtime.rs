@@ -63,6 +63,7 @@ struct Args {
     mix_only: bool,
 }
 
+#[derive(Default)]
 struct Seq {
     blocks: Vec<BlockId>,
     len: usize,
@@ -86,6 +87,17 @@ fn prefill(m: &model::LlamaModel, cache: &mut KvCache, s: &mut Seq, prompt: &[u3
     let out = m.forward(&[input], cache)?;
     s.len = prompt.len();
     Ok(argmax_rows(&out)?[0])
+}
+
+/// `n` synthetic prompts of `len` tokens; `salt` keeps one measurement's apart from another's.
+fn prompts(n: usize, len: usize, vocab: u32, salt: usize) -> Vec<Vec<u32>> {
+    (0..n)
+        .map(|i| {
+            (0..len)
+                .map(|j| ((i * 7919 + j * 104729 + salt) as u32) % vocab)
+                .collect()
+        })
+        .collect()
 }
 
 /// One greedy decode step of every sequence in `seqs` (their blocks already hold the token).
@@ -116,17 +128,8 @@ fn decode_rate(
     args: &Args,
 ) -> Result<f64> {
     let vocab = m.config().vocab_size as u32;
-    let mut seqs: Vec<Seq> = (0..batch)
-        .map(|_| Seq {
-            blocks: vec![],
-            len: 0,
-            next: 0,
-        })
-        .collect();
-    for (i, s) in seqs.iter_mut().enumerate() {
-        let prompt: Vec<u32> = (0..args.context)
-            .map(|j| ((i * 7919 + j * 104729) as u32) % vocab)
-            .collect();
+    let mut seqs: Vec<Seq> = (0..batch).map(|_| Seq::default()).collect();
+    for (s, prompt) in seqs.iter_mut().zip(prompts(batch, args.context, vocab, 0)) {
         s.next = prefill(m, cache, s, &prompt)?;
     }
     let start = Instant::now();
@@ -146,14 +149,8 @@ fn decode_rate(
 
 fn prefill_rate(m: &model::LlamaModel, cache: &mut KvCache, len: usize) -> Result<f64> {
     let vocab = m.config().vocab_size as u32;
-    let prompt: Vec<u32> = (0..len)
-        .map(|j| ((j * 104729 + 13) as u32) % vocab)
-        .collect();
-    let mut s = Seq {
-        blocks: vec![],
-        len: 0,
-        next: 0,
-    };
+    let prompt = prompts(1, len, vocab, 13).concat();
+    let mut s = Seq::default();
     let start = Instant::now();
     prefill(m, cache, &mut s, &prompt)?;
     let secs = start.elapsed().as_secs_f64();
@@ -398,24 +395,17 @@ fn serve_mix(
     max_tokens: usize,
 ) -> Result<MixTime> {
     let vocab = m.config().vocab_size as u32;
-    let mut seqs: Vec<Seq> = (0..mix.seqs)
-        .map(|_| Seq {
-            blocks: vec![],
-            len: 0,
-            next: 0,
-        })
-        .collect();
-    let prompts: Vec<Vec<u32>> = (0..mix.seqs)
-        .map(|i| {
-            (0..mix.prompt)
-                .map(|j| ((i * 7919 + j * 104729 + 17) as u32) % vocab)
-                .collect()
-        })
-        .collect();
+    let mut seqs: Vec<Seq> = (0..mix.seqs).map(|_| Seq::default()).collect();
+    let prompts = prompts(mix.seqs, mix.prompt, vocab, 17);
     for s in seqs.iter_mut() {
         grow(cache, s, mix.prompt + mix.output)?;
     }
-    let per_step = (max_tokens / mix.prompt.max(1)).max(1);
+    anyhow::ensure!(
+        mix.prompt <= max_tokens,
+        "a {}-token prompt does not fit a step of {max_tokens} tokens",
+        mix.prompt
+    );
+    let per_step = max_tokens / mix.prompt;
     let start = Instant::now();
     for (chunk, ps) in seqs.chunks_mut(per_step).zip(prompts.chunks(per_step)) {
         let inputs: Vec<SeqInput> = chunk
@@ -537,20 +527,10 @@ fn prefill_batch(
     len: usize,
     vocab: u32,
 ) -> Result<f64> {
-    let prompts: Vec<Vec<u32>> = (0..seqs)
-        .map(|i| {
-            (0..len)
-                .map(|j| ((i * 7919 + j * 104729 + 13) as u32) % vocab)
-                .collect()
-        })
-        .collect();
+    let prompts = prompts(seqs, len, vocab, 13);
     let mut tables = Vec::new();
     for _ in 0..seqs {
-        let mut s = Seq {
-            blocks: vec![],
-            len: 0,
-            next: 0,
-        };
+        let mut s = Seq::default();
         grow(cache, &mut s, len)?;
         tables.push(s.blocks);
     }

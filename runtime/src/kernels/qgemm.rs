@@ -502,8 +502,8 @@ struct QuantRows {
     q: Vec<i8>,
     /// The same plus 128, as unsigned bytes: the left operand of `vpdpbusd` for 8-bit weights
     /// (empty for every other kernel). Offsetting here rather than in the kernel also
-    /// sidesteps an LLVM 22 hang: with `target-cpu=native`, a vector xor of a broadcast never finished
-    /// instruction selection (`SelectionDAG::Legalize`). Only the x86 kernels read it.
+    /// sidesteps an LLVM 22 hang: with `target-cpu=native`, a vector xor of a broadcast never
+    /// finished instruction selection (`SelectionDAG::Legalize`).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     u: Vec<u8>,
     /// `[m][kb]` scales.

@@ -324,7 +324,7 @@ fn transpose_keys<T: KvElem>(
         for (c, key) in kc[at..][..hd].chunks(wide.len()).enumerate() {
             T::widen(key, &mut wide[..key.len()]);
             for (i, &v) in wide[..key.len()].iter().enumerate() {
-                kt[(c * 8 + i) * KC + j] = v;
+                kt[(c * wide.len() + i) * KC + j] = v;
             }
         }
     }

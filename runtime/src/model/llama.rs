@@ -251,14 +251,13 @@ impl LlamaModel {
         let packed = PackedStep::new(batch, bs);
         let meta = packed.meta(&self.cfg, bs);
         let step = StepTensors::new(&packed.upload(&self.device)?, &packed, &meta)?;
-        let x = self.run_layers(&step, &meta, cache)?;
-        Ok(x.index_select(&step.last, 0)?)
+        let h = self.run_layers(&step, &meta, cache)?;
+        Ok(h.index_select(&step.last, 0)?)
     }
 
     /// Every layer over a step's device inputs: the final-normed hidden state of every token
     /// (a row-wise norm, so taking rows after it gives the bits taking them before would).
-    /// Nothing here
-    /// copies from the host, so a CUDA graph can capture it (`cuda_graph`).
+    /// Nothing here copies from the host, so a CUDA graph can capture it (`cuda_graph`).
     fn run_layers(
         &self,
         step: &StepTensors,
