@@ -15,6 +15,12 @@ Usage: scripts/record-llama-greedy.py [LLAMA_SERVER [MODEL]] [--out PATH] [--mod
   runtime/tests/fixtures/llama_server_greedy.json, MODEL's file name). --model-name says in the
   fixture where the model came from, e.g. the scripts/gguf-variants.py command that made it.
 
+Example (the LoRA fixture: the same adapter as PEFT and GGUF, see scripts/lora-adapter.py):
+  scripts/lora-adapter.py /tmp/lora
+  scripts/record-llama-greedy.py --lora /tmp/lora/adapter.gguf \\
+    --out runtime/tests/fixtures/llama_server_greedy_lora.json \\
+    --lora-name "scripts/lora-adapter.py defaults (rank 8, alpha 16, seed 1, every projection)"
+
 Example (the F16 fixture):
   scripts/gguf-variants.py f16 /tmp/smollm2-f16.gguf
   scripts/record-llama-greedy.py "$(scripts/build-llama-server.sh | tail -n 1)" \\
@@ -76,6 +82,8 @@ def main():
     p.add_argument("model", nargs="?", help="the GGUF (default: scripts/fetch-model.sh's)")
     p.add_argument("--out", default=OUT, help=f"the fixture to write (default: {os.path.relpath(OUT, ROOT)})")
     p.add_argument("--model-name", help="the fixture's \"model\" field (default: MODEL's file name)")
+    p.add_argument("--lora", help="a GGUF LoRA adapter llama-server applies to every answer (--lora)")
+    p.add_argument("--lora-name", help="the fixture's \"lora\" field: how the adapter was made")
     args = p.parse_args()
     server = args.server or subprocess.check_output(
         [os.path.join(ROOT, "scripts/build-llama-server.sh")], text=True
@@ -87,7 +95,8 @@ def main():
     port = free_port()
     proc = subprocess.Popen(
         [server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-         "--parallel", "1", "-c", "2048", "--no-warmup"],
+         "--parallel", "1", "-c", "2048", "--no-warmup",
+         *(["--lora", args.lora] if args.lora else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
@@ -131,6 +140,7 @@ def main():
             "recorded_with": f"llama-server {version} (llama-cpp-python 0.3.36's vendored "
                              "llama.cpp, scripts/build-llama-server.sh)",
             "model": args.model_name or os.path.basename(model),
+            **({"lora": args.lora_name or os.path.basename(args.lora)} if args.lora else {}),
             "new_tokens": NEW_TOKENS,
             "prompts": prompts,
         }, f, indent=1)

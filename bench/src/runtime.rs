@@ -83,6 +83,7 @@ fn prefill(m: &model::LlamaModel, cache: &mut KvCache, s: &mut Seq, prompt: &[u3
         tokens: prompt,
         start_pos: 0,
         block_table: &s.blocks,
+        adapter: None,
     };
     let out = m.forward(&[input], cache)?;
     s.len = prompt.len();
@@ -110,6 +111,7 @@ fn decode_step(m: &model::LlamaModel, cache: &mut KvCache, seqs: &mut [Seq]) -> 
             tokens: t,
             start_pos: s.len,
             block_table: &s.blocks,
+            adapter: None,
         })
         .collect();
     let next = argmax_rows(&m.forward(&inputs, cache)?)?;
@@ -415,6 +417,7 @@ fn serve_mix(
                 tokens: p,
                 start_pos: 0,
                 block_table: &s.blocks,
+                adapter: None,
             })
             .collect();
         let next = argmax_rows(&m.forward(&inputs, cache)?)?;
@@ -541,6 +544,7 @@ fn prefill_batch(
             tokens: p,
             start_pos: 0,
             block_table: t,
+            adapter: None,
         })
         .collect();
     let start = Instant::now();

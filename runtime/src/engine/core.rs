@@ -413,6 +413,7 @@ impl Engine {
                 tokens: &self.seqs[&s.id].tokens[s.start..s.start + s.len],
                 start_pos: s.start,
                 block_table: t,
+                adapter: None,
             })
             .collect();
         Ok(self.model.forward(&inputs, &self.cache)?)

@@ -216,6 +216,7 @@ fn warm(loaded: &LoadedModel, cache: &mut KvCache) -> Result<(), StartError> {
         tokens: &tokens,
         start_pos: 0,
         block_table: &blocks,
+        adapter: None,
     };
     let forward = loaded.model.forward(&[input], cache).map(drop);
     cache

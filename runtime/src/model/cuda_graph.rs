@@ -239,6 +239,7 @@ mod runner {
             tokens: &[0],
             start_pos: 0,
             block_table: scratch,
+            adapter: None,
         }
     }
 

@@ -2,8 +2,11 @@
 //! through mixed prefill-chunk/decode batches. Benchmarks and runtime tests use it; the serving
 //! engine has its own scheduler and sampler.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
+use super::lora::LoraAdapter;
 use super::{LlamaModel, ModelError, SeqInput};
 use crate::kv::{BlockId, KvCache, blocks_for_tokens};
 
@@ -23,6 +26,8 @@ pub struct GreedySeq {
     /// Keep the logits of every generated token in `all_logits` (batch-invariance checks).
     pub keep_all_logits: bool,
     pub all_logits: Vec<Vec<f32>>,
+    /// The LoRA adapter it runs with (`None`: the base model).
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
 impl GreedySeq {
@@ -37,6 +42,7 @@ impl GreedySeq {
             first_logits: None,
             keep_all_logits: false,
             all_logits: Vec::new(),
+            adapter: None,
         }
     }
 
@@ -87,6 +93,7 @@ pub fn run_greedy(
                 tokens: toks,
                 start_pos: seqs[*i].computed,
                 block_table: &seqs[*i].blocks,
+                adapter: seqs[*i].adapter.as_deref(),
             })
             .collect();
         let logits = model.forward(&batch, cache)?;

@@ -6,6 +6,7 @@ use super::ModelError;
 use super::attention::{AttentionBackend, AttnMeta, paged_attention};
 use super::cache_write::{CacheWriter, Heads};
 use super::config::ModelConfig;
+use super::lora::{LoraStep, Proj};
 use super::norm::residual_norm;
 use super::rope::Rope;
 pub use super::step::SeqInput;
@@ -150,6 +151,14 @@ impl LlamaModel {
             {
                 return bad(i, format!("block {b} is not allocated"));
             }
+            if let Some(a) = s.adapter
+                && !a.fits(&self.cfg)
+            {
+                return bad(
+                    i,
+                    format!("adapter {} was loaded for another base model", a.name()),
+                );
+            }
             if let Some(&t) = s
                 .tokens
                 .iter()
@@ -200,6 +209,7 @@ impl LlamaModel {
         if self.max_graph_batch == 0
             || self.attention != AttentionBackend::Auto
             || batch.len() > self.max_graph_batch
+            || batch.iter().any(|s| s.adapter.is_some())
             || batch.iter().any(|s| s.tokens.len() != 1)
         {
             return Ok(None);
@@ -251,7 +261,8 @@ impl LlamaModel {
         let packed = PackedStep::new(batch, bs);
         let meta = packed.meta(&self.cfg, bs);
         let step = StepTensors::new(&packed.upload(&self.device)?, &packed, &meta)?;
-        let h = self.run_layers(&step, &meta, cache)?;
+        let lora = LoraStep::new(batch.iter().map(|s| (s.adapter, s.tokens.len())));
+        let h = self.run_layers(&step, &meta, cache, &lora)?;
         Ok(h.index_select(&step.last, 0)?)
     }
 
@@ -263,6 +274,7 @@ impl LlamaModel {
         step: &StepTensors,
         meta: &AttnMeta,
         cache: &KvCache,
+        lora: &LoraStep,
     ) -> Result<Tensor, ModelError> {
         let cfg = &self.cfg;
         let heads = Heads {
@@ -280,17 +292,19 @@ impl LlamaModel {
         let (mut x, mut h) =
             residual_norm(&self.weights.embed.lookup(&step.ids)?, None, first, eps)?;
         for (l, w) in layers.iter().enumerate() {
-            let qkv = w.qkv.forward(&h)?;
+            let qkv = lora.apply(l, Proj::Qkv, &h, w.qkv.forward(&h)?)?;
             let (kc, vc) = cache.layer(l);
             let q = writer.write(&qkv, heads, kc, vc)?;
             let attn = paged_attention(&q, kc, vc, meta, self.attention)?;
-            (x, h) = residual_norm(&x, Some(&w.o.forward(&attn)?), &w.ffn_norm, eps)?;
-            let gate_up = w.gate_up.forward(&h)?;
+            let o = lora.apply(l, Proj::O, &attn, w.o.forward(&attn)?)?;
+            (x, h) = residual_norm(&x, Some(&o), &w.ffn_norm, eps)?;
+            let gate_up = lora.apply(l, Proj::GateUp, &h, w.gate_up.forward(&h)?)?;
             let act = super::activation::swiglu(&gate_up, cfg.intermediate_size)?;
             let next = layers
                 .get(l + 1)
                 .map_or(&self.weights.norm, |n| &n.attn_norm);
-            (x, h) = residual_norm(&x, Some(&w.down.forward(&act)?), next, eps)?;
+            let down = lora.apply(l, Proj::Down, &act, w.down.forward(&act)?)?;
+            (x, h) = residual_norm(&x, Some(&down), next, eps)?;
         }
         Ok(h)
     }
@@ -325,7 +339,7 @@ impl super::cuda_graph::StepForward for LlamaModel {
         meta: &AttnMeta,
         cache: &KvCache,
     ) -> Result<Tensor, ModelError> {
-        self.head(&self.run_layers(step, meta, cache)?)
+        self.head(&self.run_layers(step, meta, cache, &LoraStep::default())?)
     }
 }
 
@@ -356,6 +370,7 @@ fn slices<'a>(batch: &[SeqInput<'a>], max_tokens: usize) -> Vec<Vec<Piece<'a>>> 
                     tokens: &s.tokens[done..done + n],
                     start_pos: s.start_pos + done,
                     block_table: s.block_table,
+                    adapter: s.adapter,
                 },
                 ends_sequence: done + n == s.tokens.len(),
             };
@@ -378,6 +393,7 @@ mod tests {
             tokens,
             start_pos,
             block_table: &[],
+            adapter: None,
         }
     }
 

@@ -15,6 +15,7 @@ mod cuda_view;
 pub mod driver;
 pub mod gguf;
 pub mod llama;
+pub mod lora;
 pub mod norm;
 pub mod rope;
 pub mod safetensors;

@@ -19,6 +19,8 @@ pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
     pub start_pos: usize,
     pub block_table: &'a [u32],
+    /// The LoRA adapter this sequence runs with (`None`: the base model).
+    pub adapter: Option<&'a super::lora::LoraAdapter>,
 }
 
 /// A batch's inputs, packed: `[ids | positions | slots | token_seq]` with one entry per token,
@@ -157,11 +159,13 @@ mod tests {
                 tokens: &a,
                 start_pos: 14,
                 block_table: &ta,
+                adapter: None,
             },
             SeqInput {
                 tokens: &b,
                 start_pos: 3,
                 block_table: &tb,
+                adapter: None,
             },
         ];
         let p = PackedStep::new(&batch, 16);
@@ -187,6 +191,7 @@ mod tests {
             tokens: &ids,
             start_pos: pos,
             block_table: table,
+            adapter: None,
         };
         let short: &'static [u32] = Box::leak(short.into_boxed_slice());
         let long: &'static [u32] = Box::leak(long.into_boxed_slice());

@@ -82,6 +82,7 @@ fn input<'a>(tokens: &'a [u32], start_pos: usize, block_table: &'a [u32]) -> Seq
         tokens,
         start_pos,
         block_table,
+        adapter: None,
     }
 }
 

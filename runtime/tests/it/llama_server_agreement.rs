@@ -95,8 +95,23 @@ fn greedy_answers_agree_with_llama_server() {
         "llama_server_greedy.json",
         &common::default_model(),
         WeightMode::Packed,
+        None,
     );
     eprintln!("{exact} of 10 answers identical to llama.cpp's");
+}
+
+/// With a LoRA adapter (`scripts/lora-adapter.py`'s default, every projection at rank 8), in
+/// its PEFT form, against llama-server's `--lora` with the GGUF form of the same adapter.
+#[test]
+fn greedy_answers_with_a_lora_adapter_agree_with_llama_server() {
+    let adapter = crate::lora::adapter_dir(1).join("peft");
+    let exact = agree(
+        "llama_server_greedy_lora.json",
+        &common::default_model(),
+        WeightMode::Packed,
+        Some(&adapter),
+    );
+    eprintln!("LoRA: {exact} of 10 answers identical to llama.cpp's");
 }
 
 /// An F16 checkpoint computes at F16 precision by default (`--weights auto` keeps it dense on
@@ -107,16 +122,19 @@ fn greedy_answers_of_an_f16_checkpoint_agree_with_llama_server() {
         "llama_server_greedy_f16.json",
         &f16_model(),
         WeightMode::Dense,
+        None,
     );
     eprintln!("F16: {exact} of 10 answers identical to llama.cpp's");
 }
 
-/// Runs the fixture's prompts greedily on `model` with the default load options, checks that
+/// Runs the fixture's prompts greedily on `model` (with `adapter`, a LoRA adapter's path, on
+/// every sequence) with the default load options, checks that
 /// `auto` resolved to `mode`, and that every answer agrees with llama.cpp's for
 /// [`MIN_AGREED`] tokens or parts only at a near-tie. Returns how many are identical.
-fn agree(fixture_name: &str, model_path: &Path, mode: WeightMode) -> usize {
+fn agree(fixture_name: &str, model_path: &Path, mode: WeightMode, adapter: Option<&Path>) -> usize {
     let fx = fixture(fixture_name);
     let loaded = model::load(model_path, &LoadOptions::default()).expect("load");
+    let adapter = adapter.map(|p| crate::lora::load_adapter(&loaded, "adapter", p));
     assert_eq!(
         loaded.weight_mode,
         mode,
@@ -137,6 +155,7 @@ fn agree(fixture_name: &str, model_path: &Path, mode: WeightMode) -> usize {
             assert_eq!(ours, want, "tokens of {:?}", p["text"]);
             let mut s = GreedySeq::new(want, ids(&p["tokens"]).len());
             s.keep_all_logits = true;
+            s.adapter = adapter.clone();
             s
         })
         .collect();

@@ -9,6 +9,7 @@ mod cuda_kernel_on_cpu;
 mod engine;
 mod kv_cache;
 mod llama_server_agreement;
+mod lora;
 mod model_formats;
 mod runtime_reference;
 mod runtime_reference_dense;

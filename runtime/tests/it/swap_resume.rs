@@ -24,6 +24,7 @@ fn step(
         tokens,
         start_pos: start,
         block_table: blocks,
+        adapter: None,
     };
     argmax_rows(&m.model.forward(&[input], cache).expect("forward")).expect("argmax")[0]
 }

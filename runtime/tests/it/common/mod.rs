@@ -314,6 +314,7 @@ pub fn forced_logits(
             tokens: &tokens[pos..pos + n],
             start_pos: pos,
             block_table: &blocks,
+            adapter: None,
         };
         let out = m.model.forward(&[input], &cache).expect("forward");
         pos += n;

@@ -1,0 +1,469 @@
+//! LoRA adapters: low-rank updates `y += s · B (A x)` to a base model's projections, so that one
+//! base model serves many fine-tunes.
+//!
+//! An adapter is read from a Hugging Face PEFT folder ([`peft`]) or a llama.cpp GGUF LoRA file
+//! ([`gguf`]), checked against the base model's shapes, and kept as f32 factors per layer and
+//! projection, placed at its columns in the fused projections the model runs (Q/K/V and
+//! gate/up are one matrix each here). A forward applies each sequence's own adapter, or none,
+//! to its rows ([`LoraStep`]): one batch may mix any number of adapters and the base model,
+//! the S-LoRA/Punica idea, never one forward per adapter.
+
+mod apply;
+mod gguf;
+mod peft;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+
+pub use apply::LoraStep;
+
+use super::config::{Arch, ModelConfig, RopeStyle};
+
+/// Why an adapter could not be loaded. Messages name the file and tensor at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum LoraError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {reason}")]
+    Invalid { path: PathBuf, reason: String },
+    #[error("{path}: adapter rank {rank} exceeds the limit of {max} (--max-lora-rank)")]
+    RankTooLarge {
+        path: PathBuf,
+        rank: usize,
+        max: usize,
+    },
+    #[error("{0}")]
+    Tensor(#[from] candle_core::Error),
+}
+
+/// The projections of a Llama block an adapter may change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Target {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    /// The module's name in a Hugging Face checkpoint (`model.layers.N.<name>`).
+    fn hf_name(self) -> &'static str {
+        match self {
+            Target::Q => "self_attn.q_proj",
+            Target::K => "self_attn.k_proj",
+            Target::V => "self_attn.v_proj",
+            Target::O => "self_attn.o_proj",
+            Target::Gate => "mlp.gate_proj",
+            Target::Up => "mlp.up_proj",
+            Target::Down => "mlp.down_proj",
+        }
+    }
+
+    /// The tensor's name in a llama.cpp GGUF (`blk.N.<name>.weight`).
+    fn gguf_name(self) -> &'static str {
+        match self {
+            Target::Q => "attn_q",
+            Target::K => "attn_k",
+            Target::V => "attn_v",
+            Target::O => "attn_output",
+            Target::Gate => "ffn_gate",
+            Target::Up => "ffn_up",
+            Target::Down => "ffn_down",
+        }
+    }
+
+    /// `(in, out)` features of this projection in `cfg`.
+    fn dims(self, cfg: &ModelConfig) -> (usize, usize) {
+        let q = cfg.num_heads * cfg.head_dim;
+        let kv = cfg.num_kv_heads * cfg.head_dim;
+        let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
+        match self {
+            Target::Q => (h, q),
+            Target::K | Target::V => (h, kv),
+            Target::O => (q, h),
+            Target::Gate | Target::Up => (h, f),
+            Target::Down => (f, h),
+        }
+    }
+
+    /// The fused projection this one is part of, and its first column there.
+    fn place(self, cfg: &ModelConfig) -> (Proj, usize) {
+        let q = cfg.num_heads * cfg.head_dim;
+        let kv = cfg.num_kv_heads * cfg.head_dim;
+        match self {
+            Target::Q => (Proj::Qkv, 0),
+            Target::K => (Proj::Qkv, q),
+            Target::V => (Proj::Qkv, q + kv),
+            Target::O => (Proj::O, 0),
+            Target::Gate => (Proj::GateUp, 0),
+            Target::Up => (Proj::GateUp, cfg.intermediate_size),
+            Target::Down => (Proj::Down, 0),
+        }
+    }
+}
+
+/// The matrices a layer runs (`weights::LayerWeights`): Q/K/V and gate/up fused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proj {
+    Qkv,
+    O,
+    GateUp,
+    Down,
+}
+
+impl Proj {
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// `general.architecture` values of GGUF files made for a base of `arch` (llama.cpp files
+/// Mistral models as "llama").
+fn config_arch_names(arch: Arch) -> &'static [&'static str] {
+    match arch {
+        Arch::Llama | Arch::Mistral => &["llama", "mistral"],
+        Arch::Qwen2 => &["qwen2"],
+    }
+}
+
+/// Row order of Q's and K's output features in a file. llama.cpp's converter permutes them for
+/// Llama and Mistral (its RoPE pairs adjacent dimensions); Hugging Face keeps each head's two
+/// halves apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RowOrder {
+    Hf,
+    LlamaCpp,
+}
+
+/// One target's factors, laid out for the rows of a fused projection.
+#[derive(Debug)]
+struct Pair {
+    target: Target,
+    /// `[rank, in]`.
+    a: Vec<f32>,
+    /// `[out, rank]`.
+    b: Vec<f32>,
+    rank: usize,
+    fan_in: usize,
+    fan_out: usize,
+    /// First column of this target in the fused projection's output.
+    offset: usize,
+    scale: f32,
+    /// `a` and `b` as tensors on the model's device, for non-CPU forwards.
+    on_device: Option<(Tensor, Tensor)>,
+}
+
+/// A loaded adapter, checked against one base model's shapes.
+#[derive(Debug)]
+pub struct LoraAdapter {
+    name: String,
+    rank: usize,
+    /// `[layer][Proj::index]`: the pairs updating that fused projection.
+    layers: Vec<[Vec<Pair>; 4]>,
+    bytes: usize,
+    /// The base model's shapes it was checked against.
+    base: BaseShape,
+}
+
+/// What of a base model an adapter's placement depends on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BaseShape {
+    layers: usize,
+    hidden: usize,
+    intermediate: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rope_style: RopeStyle,
+}
+
+impl BaseShape {
+    fn of(cfg: &ModelConfig) -> Self {
+        BaseShape {
+            layers: cfg.num_layers,
+            hidden: cfg.hidden_size,
+            intermediate: cfg.intermediate_size,
+            heads: cfg.num_heads,
+            kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            rope_style: cfg.rope_style,
+        }
+    }
+}
+
+impl LoraAdapter {
+    /// Whether it was loaded for a base model of `cfg`'s shapes.
+    pub fn fits(&self, cfg: &ModelConfig) -> bool {
+        self.base == BaseShape::of(cfg)
+    }
+
+    /// The name requests use for it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The largest rank of its pairs.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Bytes its factors take (f32), once per device copy.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The projections it changes in any layer (for logs and listings).
+    pub fn targets(&self) -> Vec<Target> {
+        let mut seen: Vec<Target> = self
+            .layers
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|p| p.target)
+            .collect();
+        seen.sort();
+        seen.dedup();
+        seen
+    }
+
+    fn pairs(&self, layer: usize, proj: Proj) -> &[Pair] {
+        self.layers
+            .get(layer)
+            .map_or(&[], |l| l[proj.index()].as_slice())
+    }
+}
+
+/// One factor pair as a file holds it, before it is checked and placed.
+struct RawPair {
+    layer: usize,
+    target: Target,
+    /// `[rank, in]`, row-major.
+    a: Vec<f32>,
+    a_shape: (usize, usize),
+    /// `[out, rank]`, row-major.
+    b: Vec<f32>,
+    b_shape: (usize, usize),
+}
+
+/// What a reader returns: the pairs, how to scale each by its rank, and the file's Q/K order.
+struct RawAdapter {
+    pairs: Vec<RawPair>,
+    /// `scale(rank)`: PEFT's `alpha / r` (rsLoRA `alpha / √r`), llama.cpp's `alpha / r`.
+    scale: Box<dyn Fn(usize) -> f32>,
+    order: RowOrder,
+}
+
+/// Where the adapter's files are and which reader they need.
+fn format_of(path: &Path) -> Result<Format, LoraError> {
+    let io = |source| LoraError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if meta.is_dir() {
+        return Ok(Format::Peft(path.to_path_buf()));
+    }
+    let mut magic = [0u8; 4];
+    use std::io::Read;
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .map_err(io)?;
+    if &magic == b"GGUF" {
+        return Ok(Format::Gguf(path.to_path_buf()));
+    }
+    if path
+        .file_name()
+        .is_some_and(|n| n == "adapter_model.safetensors")
+        && let Some(dir) = path.parent()
+    {
+        return Ok(Format::Peft(dir.to_path_buf()));
+    }
+    Err(LoraError::Invalid {
+        path: path.to_path_buf(),
+        reason: "not a PEFT adapter folder (adapter_config.json and \
+                 adapter_model.safetensors) nor a GGUF LoRA file"
+            .into(),
+    })
+}
+
+enum Format {
+    Peft(PathBuf),
+    Gguf(PathBuf),
+}
+
+/// Reads the adapter at `path` (a PEFT folder, its `adapter_model.safetensors`, or a GGUF
+/// LoRA file) for a base model of `cfg` on `device`, refusing ranks above `max_rank`.
+pub fn load(
+    name: &str,
+    path: &Path,
+    cfg: &ModelConfig,
+    device: &Device,
+    max_rank: usize,
+) -> Result<LoraAdapter, LoraError> {
+    let raw = match format_of(path)? {
+        Format::Peft(dir) => peft::read(&dir)?,
+        Format::Gguf(file) => gguf::read(&file, cfg)?,
+    };
+    build(name, path, raw, cfg, device, max_rank)
+}
+
+/// Checks every pair against the base model's shapes and places it in its fused projection.
+fn build(
+    name: &str,
+    path: &Path,
+    raw: RawAdapter,
+    cfg: &ModelConfig,
+    device: &Device,
+    max_rank: usize,
+) -> Result<LoraAdapter, LoraError> {
+    let invalid = |reason: String| LoraError::Invalid {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if raw.pairs.is_empty() {
+        return Err(invalid("the adapter holds no LoRA weights".into()));
+    }
+    // The base's own Q/K order: a GGUF Llama is permuted (interleaved RoPE), a Hugging Face one
+    // is not; Qwen2's GGUF files are not permuted either.
+    let base_order = match (cfg.rope_style, cfg.arch) {
+        (RopeStyle::Interleaved, _) => RowOrder::LlamaCpp,
+        _ => RowOrder::Hf,
+    };
+    let file_order = match (raw.order, cfg.arch) {
+        (RowOrder::LlamaCpp, Arch::Qwen2) => RowOrder::Hf,
+        (o, _) => o,
+    };
+    let mut layers: Vec<[Vec<Pair>; 4]> = (0..cfg.num_layers).map(|_| Default::default()).collect();
+    let mut seen = std::collections::HashSet::new();
+    let (mut rank, mut bytes) = (0, 0);
+    for p in raw.pairs {
+        let what = format!("layer {} {:?}", p.layer, p.target);
+        if p.layer >= cfg.num_layers {
+            return Err(invalid(format!(
+                "{what}: the base model has {} layers",
+                cfg.num_layers
+            )));
+        }
+        if !seen.insert((p.layer, p.target)) {
+            return Err(invalid(format!("{what} appears twice")));
+        }
+        let (fan_in, fan_out) = p.target.dims(cfg);
+        let r = p.a_shape.0;
+        if p.a_shape != (r, fan_in) || p.b_shape != (fan_out, r) || r == 0 {
+            return Err(invalid(format!(
+                "{what}: A is {:?} and B {:?}, expected [r, {fan_in}] and [{fan_out}, r] \
+                 (an adapter for another base model?)",
+                p.a_shape, p.b_shape
+            )));
+        }
+        if r > max_rank {
+            return Err(LoraError::RankTooLarge {
+                path: path.to_path_buf(),
+                rank: r,
+                max: max_rank,
+            });
+        }
+        if p.a.iter().chain(&p.b).any(|v| !v.is_finite()) {
+            return Err(invalid(format!("{what} holds a NaN or infinite value")));
+        }
+        let mut b = p.b;
+        if matches!(p.target, Target::Q | Target::K) && file_order != base_order {
+            let heads = if p.target == Target::Q {
+                cfg.num_heads
+            } else {
+                cfg.num_kv_heads
+            };
+            b = reorder_rows(&b, heads, cfg.head_dim, r, base_order);
+        }
+        let (proj, offset) = p.target.place(cfg);
+        let on_device = if device.is_cpu() {
+            None
+        } else {
+            Some((
+                Tensor::from_slice(&p.a, (r, fan_in), device)?,
+                Tensor::from_slice(&b, (fan_out, r), device)?,
+            ))
+        };
+        rank = rank.max(r);
+        bytes += (p.a.len() + b.len()) * size_of::<f32>();
+        layers[p.layer][proj.index()].push(Pair {
+            target: p.target,
+            a: p.a,
+            b,
+            rank: r,
+            fan_in,
+            fan_out,
+            offset,
+            scale: (raw.scale)(r),
+            on_device,
+        });
+    }
+    for layer in &mut layers {
+        for pairs in layer.iter_mut() {
+            pairs.sort_by_key(|p| p.offset);
+        }
+    }
+    Ok(LoraAdapter {
+        name: name.to_string(),
+        rank,
+        layers,
+        bytes,
+        base: BaseShape::of(cfg),
+    })
+}
+
+/// B's rows (one per output feature, `rank` wide) from one Q/K order into `to`: per head of
+/// `head_dim` rows, Hugging Face row `t · head_dim/2 + j` is llama.cpp row `2j + t`.
+fn reorder_rows(b: &[f32], heads: usize, head_dim: usize, rank: usize, to: RowOrder) -> Vec<f32> {
+    let half = head_dim / 2;
+    let mut out = vec![0f32; b.len()];
+    for h in 0..heads {
+        for j in 0..half {
+            for t in 0..2 {
+                let hf = h * head_dim + t * half + j;
+                let cpp = h * head_dim + 2 * j + t;
+                let (from, into) = match to {
+                    RowOrder::LlamaCpp => (hf, cpp),
+                    RowOrder::Hf => (cpp, hf),
+                };
+                out[into * rank..][..rank].copy_from_slice(&b[from * rank..][..rank]);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_orders_are_inverse_permutations() {
+        let (heads, hd, rank) = (3, 8, 2);
+        let b: Vec<f32> = (0..heads * hd * rank).map(|v| v as f32).collect();
+        let cpp = reorder_rows(&b, heads, hd, rank, RowOrder::LlamaCpp);
+        assert_ne!(cpp, b);
+        // Head 0's rows 0..4 (the first half) go to even rows.
+        assert_eq!(&cpp[2 * rank..3 * rank], &b[rank..2 * rank]);
+        assert_eq!(&cpp[rank..2 * rank], &b[4 * rank..5 * rank]);
+        assert_eq!(reorder_rows(&cpp, heads, hd, rank, RowOrder::Hf), b);
+    }
+}

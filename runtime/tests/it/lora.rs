@@ -1,0 +1,219 @@
+//! LoRA adapters on the default model: the PEFT and GGUF forms of one adapter are the same
+//! adapter, an adapter changes the answers, and a sequence gets the same bits alone and in a
+//! batch mixing three adapters and the base model. (Agreement with llama-server's `--lora` is
+//! in `llama_server_agreement.rs`.) The adapters are made by `scripts/lora-adapter.py`.
+
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+
+use candle_core::Device;
+use ferrite_runtime::kv::{KvCache, KvCacheConfig};
+use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
+use ferrite_runtime::model::lora::{self, LoraAdapter, LoraError, Target};
+use ferrite_runtime::model::{self, LoadOptions, LoadedModel};
+
+use crate::common;
+
+/// The folder `scripts/lora-adapter.py --seed SEED` wrote for the default model (`peft/` and
+/// `adapter.gguf`), made once per version of the script next to the model.
+pub fn adapter_dir(seed: u64) -> PathBuf {
+    let src = common::default_model();
+    let script = ferrite_testkit::kube::workspace_root().join("scripts/lora-adapter.py");
+    let text = std::fs::read(&script).expect("scripts/lora-adapter.py");
+    let mut h = std::hash::DefaultHasher::new();
+    text.hash(&mut h);
+    let out = src.with_file_name(format!("lora-{:016x}-seed{seed}", h.finish()));
+    if !out.join("adapter.gguf").exists() {
+        // Tests run in parallel processes: each writes its own copy and the first to finish
+        // puts it in place.
+        let partial = out.with_extension(format!("partial-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&partial);
+        let status = Command::new(ferrite_testkit::tools::python())
+            .arg(&script)
+            .arg(&partial)
+            .arg("--model")
+            .arg(&src)
+            .arg("--seed")
+            .arg(seed.to_string())
+            .status()
+            .expect("run scripts/lora-adapter.py");
+        assert!(status.success(), "scripts/lora-adapter.py failed: {status}");
+        if std::fs::rename(&partial, &out).is_err() {
+            assert!(
+                out.join("adapter.gguf").exists(),
+                "could not put {} in place",
+                out.display()
+            );
+            let _ = std::fs::remove_dir_all(&partial);
+        }
+    }
+    out
+}
+
+pub fn load_adapter(loaded: &LoadedModel, name: &str, path: &std::path::Path) -> Arc<LoraAdapter> {
+    let adapter = lora::load(name, path, loaded.model.config(), &Device::Cpu, 64)
+        .unwrap_or_else(|e| panic!("load {}: {e}", path.display()));
+    Arc::new(adapter)
+}
+
+fn questions() -> Vec<&'static str> {
+    vec![
+        "Name three rivers in Africa.",
+        "Why is the sky blue?",
+        "Translate 'good morning' into Spanish.",
+    ]
+}
+
+fn prompt(loaded: &LoadedModel, q: &str) -> Vec<u32> {
+    let text = format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n");
+    loaded.tokenizer.encode(&text, false).expect("encode")
+}
+
+/// Greedy answers of `seqs` run together (staggered by `start_step`), with every step's logits.
+fn run(loaded: &LoadedModel, seqs: &mut [GreedySeq]) {
+    let cfg = KvCacheConfig::for_model(loaded.model.config(), 16, 256, 0);
+    let mut cache = KvCache::new(cfg, &Device::Cpu).expect("cache");
+    run_greedy(&loaded.model, &mut cache, seqs, 7).expect("run");
+}
+
+fn seq(prompt: Vec<u32>, adapter: Option<&Arc<LoraAdapter>>) -> GreedySeq {
+    let mut s = GreedySeq::new(prompt, 16);
+    s.keep_all_logits = true;
+    s.adapter = adapter.cloned();
+    s
+}
+
+#[test]
+fn peft_and_gguf_forms_are_the_same_adapter_and_change_the_answers() {
+    let loaded = model::load(&common::default_model(), &LoadOptions::default()).expect("load");
+    let dir = adapter_dir(1);
+    let peft = load_adapter(&loaded, "peft", &dir.join("peft"));
+    let gguf = load_adapter(&loaded, "gguf", &dir.join("adapter.gguf"));
+    assert_eq!(peft.targets(), Target::ALL.to_vec());
+    assert_eq!((peft.rank(), gguf.rank()), (8, 8));
+    assert_eq!(peft.bytes(), gguf.bytes());
+
+    let mut changed = 0;
+    for q in questions() {
+        let p = prompt(&loaded, q);
+        let mut seqs = vec![
+            seq(p.clone(), Some(&peft)),
+            seq(p.clone(), Some(&gguf)),
+            seq(p, None),
+        ];
+        run(&loaded, &mut seqs);
+        // The GGUF file stores Q's and K's rows in llama.cpp's order, as the base model does;
+        // the PEFT file in Hugging Face's, which the loader permutes: same floats, same bits.
+        assert_eq!(seqs[0].generated, seqs[1].generated, "{q}");
+        assert_eq!(seqs[0].all_logits, seqs[1].all_logits, "{q}");
+        if seqs[0].generated != seqs[2].generated {
+            changed += 1;
+        }
+        let text = |s: &GreedySeq| loaded.tokenizer.decode(&s.generated, true).expect("decode");
+        eprintln!(
+            "{q:?}\n  adapter: {:?}\n  base:    {:?}",
+            text(&seqs[0]),
+            text(&seqs[2])
+        );
+    }
+    assert!(changed > 0, "the adapter changed none of the answers");
+}
+
+#[test]
+fn a_sequence_gets_the_same_bits_alone_and_among_three_adapters_and_the_base() {
+    let loaded = model::load(&common::default_model(), &LoadOptions::default()).expect("load");
+    let adapters: Vec<Arc<LoraAdapter>> = (1..=3)
+        .map(|seed| {
+            load_adapter(
+                &loaded,
+                &format!("seed{seed}"),
+                &adapter_dir(seed).join("peft"),
+            )
+        })
+        .collect();
+    let qs = questions();
+    // Four sequences: each adapter and the base, on different prompts, joining at different
+    // steps so prefill chunks and decodes of different adapters share forwards.
+    let make = |i: usize| {
+        let mut s = seq(prompt(&loaded, qs[i % qs.len()]), adapters.get(i));
+        s.start_step = i;
+        s
+    };
+    let mut together: Vec<GreedySeq> = (0..4).map(make).collect();
+    run(&loaded, &mut together);
+    for (i, mixed) in together.iter().enumerate() {
+        let mut alone = vec![make(i)];
+        alone[0].start_step = 0;
+        run(&loaded, &mut alone);
+        assert_eq!(mixed.generated, alone[0].generated, "sequence {i}");
+        assert_eq!(
+            mixed.all_logits, alone[0].all_logits,
+            "sequence {i}: logits"
+        );
+    }
+    // The three adapters are different fine-tunes: not all answers coincide.
+    let answers: std::collections::HashSet<_> =
+        together[..3].iter().map(|s| s.generated.clone()).collect();
+    assert!(answers.len() > 1, "three adapters gave identical answers");
+}
+
+#[test]
+fn bad_adapters_are_refused_with_the_reason() {
+    let loaded = model::load(&common::default_model(), &LoadOptions::default()).expect("load");
+    let cfg = loaded.model.config();
+    let dir = adapter_dir(1);
+    let err = lora::load("big", &dir.join("peft"), cfg, &Device::Cpu, 4).expect_err("rank 8 > 4");
+    assert!(
+        matches!(
+            err,
+            LoraError::RankTooLarge {
+                rank: 8,
+                max: 4,
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    // An adapter for another base model: one with a narrower MLP.
+    let mut other = cfg.clone();
+    other.intermediate_size = 1024;
+    let err = lora::load("other", &dir.join("peft"), &other, &Device::Cpu, 64).expect_err("shapes");
+    assert!(err.to_string().contains("another base model"), "{err}");
+
+    // Not an adapter at all: the base model's own GGUF, and a folder without adapter files.
+    let err = lora::load("base", &common::default_model(), cfg, &Device::Cpu, 64)
+        .expect_err("a model is not an adapter");
+    assert!(err.to_string().contains("not a LoRA adapter"), "{err}");
+    let empty = tempdir();
+    let err = lora::load("empty", &empty, cfg, &Device::Cpu, 64).expect_err("empty folder");
+    assert!(err.to_string().contains("adapter_config.json"), "{err}");
+
+    // A PEFT folder whose config asks for DoRA.
+    let dora = tempdir();
+    std::fs::copy(
+        dir.join("peft/adapter_model.safetensors"),
+        dora.join("adapter_model.safetensors"),
+    )
+    .expect("copy");
+    std::fs::write(
+        dora.join("adapter_config.json"),
+        r#"{"r": 8, "lora_alpha": 16, "use_dora": true}"#,
+    )
+    .expect("write");
+    let err = lora::load("dora", &dora, cfg, &Device::Cpu, 64).expect_err("DoRA");
+    assert!(err.to_string().contains("DoRA"), "{err}");
+}
+
+fn tempdir() -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "ferrite-lora-test-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
