@@ -35,6 +35,10 @@ struct Args {
     /// The `model` field to send.
     #[arg(long, default_value = "default")]
     model: String,
+    /// `name=m1,m2,...` (repeatable): target `name`'s requests name these models in turn
+    /// instead of `--model` (request `i` sends model `i mod n`), e.g. one LoRA adapter each.
+    #[arg(long = "target-models")]
+    target_models: Vec<String>,
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     concurrency: Vec<usize>,
     /// Requests per concurrency level, as a multiple of the concurrency (at least 4 requests).
@@ -137,6 +141,8 @@ struct Target {
     name: String,
     host: String,
     addr: String,
+    /// The `model` of each request, in turn.
+    models: Vec<String>,
 }
 
 fn parse_target(s: &str) -> Result<Target> {
@@ -151,7 +157,31 @@ fn parse_target(s: &str) -> Result<Target> {
         name: name.to_string(),
         addr: host.clone(),
         host,
+        models: Vec::new(),
     })
+}
+
+/// Sets each target's models: its `--target-models` list, else `--model`.
+fn assign_models(targets: &mut [Target], args: &Args) -> Result<()> {
+    for t in targets.iter_mut() {
+        t.models = vec![args.model.clone()];
+    }
+    for spec in &args.target_models {
+        let (name, list) = spec
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--target-models wants name=m1,m2,..., got {spec}"))?;
+        let t = targets
+            .iter_mut()
+            .find(|t| t.name == name)
+            .ok_or_else(|| anyhow!("--target-models names no --target: {name}"))?;
+        t.models = list
+            .split(',')
+            .filter(|m| !m.is_empty())
+            .map(String::from)
+            .collect();
+        anyhow::ensure!(!t.models.is_empty(), "--target-models {name}: no model");
+    }
+    Ok(())
 }
 
 async fn one_request(t: &Target, body: &Value) -> Result<Sample> {
@@ -326,8 +356,7 @@ async fn run_level(
     let mut workers = Vec::new();
     for _ in 0..concurrency {
         let (t, next) = (t.clone(), next.clone());
-        let (model, prompt_tokens, max_tokens) =
-            (args.model.clone(), args.prompt_tokens, args.max_tokens);
+        let (prompt_tokens, max_tokens) = (args.prompt_tokens, args.max_tokens);
         let timeout = Duration::from_secs(args.timeout);
         workers.push(tokio::spawn(async move {
             let mut out = Vec::new();
@@ -337,7 +366,7 @@ async fn run_level(
                     break;
                 }
                 let body = json!({
-                    "model": model,
+                    "model": t.models[i % t.models.len()],
                     "prompt": prompt(seed + i, prompt_tokens),
                     "max_tokens": max_tokens,
                     "temperature": 0,
@@ -565,11 +594,13 @@ async fn main() -> Result<()> {
     if !args.pool.is_empty() {
         return pool_saved(&args.pool);
     }
-    let targets: Vec<Arc<Target>> = args
+    let mut targets: Vec<Target> = args
         .targets
         .iter()
-        .map(|s| parse_target(s).map(Arc::new))
+        .map(|s| parse_target(s))
         .collect::<Result<_>>()?;
+    assign_models(&mut targets, &args)?;
+    let targets: Vec<Arc<Target>> = targets.into_iter().map(Arc::new).collect();
     let pids = args
         .pids
         .iter()
@@ -580,7 +611,7 @@ async fn main() -> Result<()> {
         for ti in alternating(targets.len(), rep + usize::from(args.reverse)) {
             let t = &targets[ti];
             // One short warm-up request so lazy initialisation is not measured.
-            let warm = json!({"model": args.model, "prompt": "warm up", "max_tokens": 4,
+            let warm = json!({"model": t.models[0], "prompt": "warm up", "max_tokens": 4,
                               "temperature": 0, "stream": true});
             one_request(t, &warm)
                 .await

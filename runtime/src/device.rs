@@ -1,6 +1,6 @@
 //! `--device` parsing. CUDA is compiled in only with the `cuda` cargo feature.
 
-use candle_core::Device;
+pub use candle_core::Device;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {

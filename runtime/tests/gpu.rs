@@ -337,3 +337,33 @@ fn gpu_decode_graphs_replay_the_eager_steps() {
         assert!(worst < bound, "{mode:?}: {worst} over {bound}");
     }
 }
+
+/// A LoRA adapter on the GPU (each adapter's rows gathered and multiplied as two matrix
+/// products) against the CPU's row-by-row update, dense weights, f32 cache on the CPU: the
+/// CPU's greedy tokens, or parting only at a near-tie after 16; first-step logits within 1e-2.
+#[test]
+fn gpu_lora_adapter_decodes_as_the_cpu_does() {
+    let Some(gpu) = cuda("gpu_lora_adapter_decodes_as_the_cpu_does") else {
+        return;
+    };
+    let peft = common::lora_adapter_dir(1).join("peft");
+    let (exact, exact_tokens, exact_text) = common::ours_all_with(
+        &Device::Cpu,
+        AttentionBackend::Auto,
+        WeightMode::Dense,
+        DType::F32,
+        Some(&peft),
+    );
+    let (logits, tokens, text) = common::ours_all_with(
+        &gpu,
+        AttentionBackend::Auto,
+        WeightMode::Dense,
+        CacheDtype::Auto.dtype(),
+        Some(&peft),
+    );
+    eprintln!("LoRA on the CPU: {exact_text:?}\nLoRA on CUDA:    {text:?}");
+    common::agreed("LoRA on CUDA", &tokens, &exact_tokens, &exact);
+    let err = rel_err(&logits[0], &exact[0]);
+    eprintln!("LoRA on CUDA: first-step relative logit error against the CPU {err:.2e}");
+    assert!(err < 1e-2, "first-step error {err}");
+}

@@ -122,6 +122,29 @@ pub struct ServerArgs {
     /// Turn off the stats log line and the average-throughput gauges.
     #[arg(long)]
     pub disable_log_stats: bool,
+    /// Serve LoRA adapters (vLLM's flag; implied by `--lora-modules`).
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// Adapters to serve from the start, each `name=source` or vLLM's JSON form
+    /// `{"name": ..., "path": ...}`: a PEFT folder (adapter_config.json and
+    /// adapter_model.safetensors) or a llama.cpp GGUF LoRA file, on disk or at any source
+    /// `--model` takes. Requests name an adapter in `model`.
+    #[arg(long, num_args = 1.., value_parser = crate::api::lora::parse_module)]
+    pub lora_modules: Vec<(String, String)>,
+    /// Most distinct adapters among the running requests; requests for another adapter wait.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_loras: u64,
+    /// Largest adapter rank accepted: bounds each adapter's memory and per-token work.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=512))]
+    pub max_lora_rank: u64,
+    /// Most adapters held at once (default: the larger of `--max-loras` and the number of
+    /// `--lora-modules`); loading more at runtime is refused.
+    #[arg(long)]
+    pub max_cpu_loras: Option<usize>,
+    /// Let `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` change the adapters
+    /// of a running server (vLLM's environment variable; the operator sets it).
+    #[arg(long, env = "VLLM_ALLOW_RUNTIME_LORA_UPDATING", value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set, default_value = "false")]
+    pub allow_runtime_lora_updating: bool,
     /// How many nice levels the engine and compute threads run below the HTTP threads, so
     /// probes, scrapes and token streams get a core promptly under load (0 turns it off).
     #[arg(long, default_value_t = ferrite_runtime::priority::COMPUTE_NICE, value_parser = clap::value_parser!(i32).range(0..=19))]
@@ -130,6 +153,26 @@ pub struct ServerArgs {
 
 /// A positive, finite number of seconds.
 impl ServerArgs {
+    /// Whether adapters are served (`--enable-lora`, or any `--lora-modules`).
+    pub fn lora_enabled(&self) -> bool {
+        self.enable_lora || !self.lora_modules.is_empty()
+    }
+
+    /// What bounds the adapters, when LoRA is on.
+    pub fn lora_settings(&self) -> Option<crate::api::lora::LoraSettings> {
+        self.lora_enabled().then(|| crate::api::lora::LoraSettings {
+            max_rank: self.max_lora_rank as usize,
+            max_loaded: self
+                .max_cpu_loras
+                .unwrap_or((self.max_loras as usize).max(self.lora_modules.len())),
+            allow_runtime_updates: self.allow_runtime_lora_updating,
+            download_dir: self
+                .download_dir
+                .clone()
+                .unwrap_or_else(crate::fetch::default_cache_dir),
+        })
+    }
+
     /// Whether automatic prefix caching is on.
     pub fn prefix_caching(&self) -> bool {
         !self.no_enable_prefix_caching
@@ -159,6 +202,7 @@ impl ServerArgs {
                 max_num_batched_tokens: self.max_num_batched_tokens,
                 chunked_prefill: self.enable_chunked_prefill,
                 prefix_caching: self.prefix_caching(),
+                max_loras: self.max_loras as usize,
             },
             compute_nice: self.compute_nice,
         })

@@ -11,6 +11,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
 use ferrite_api::termination::{LOAD_FAILED, START_FAILED};
 use ferrite_runtime::engine::{self, stats::StatsSink};
+use ferrite_server::api::lora::Adapters;
 use ferrite_server::api::{self, state::AppState, state::RequestLimits, state::Serving};
 use ferrite_server::config::ServerArgs;
 use ferrite_server::fetch;
@@ -68,7 +69,12 @@ async fn run(args: ServerArgs) -> Result<()> {
     let Some((started, log_sink)) = until_stopped(&stop, "loading", starting).await? else {
         return Ok(());
     };
-    let (handle, engine_thread) = serve_with(&args, &state, &registry, &served, started, log_sink)?;
+    let adapters = load_adapters(&args, &state, &started);
+    let Some(adapters) = until_stopped(&stop, "loading LoRA adapters", adapters).await? else {
+        return Ok(());
+    };
+    let serving = (started, adapters, log_sink);
+    let (handle, engine_thread) = serve_with(&args, &state, &registry, &served, serving)?;
     // An engine that dies ends the process: a server that cannot generate must not stay up
     // looking ready (its pod restarts, and the termination message says why).
     tokio::select! {
@@ -243,14 +249,41 @@ async fn start_engine(
     }
 }
 
-/// Hands the running engine to the API (from here `/health` is 200) and starts the stats log.
+/// The `--lora-modules` adapters, loaded for the started model (`None` when LoRA is off). As
+/// in vLLM, one that cannot be loaded stops the start, and the termination message says why.
+async fn load_adapters(
+    args: &ServerArgs,
+    state: &AppState,
+    started: &engine::Started,
+) -> Result<Option<Adapters>> {
+    let Some(settings) = args.lora_settings() else {
+        return Ok(None);
+    };
+    let adapters = Adapters::new(
+        settings,
+        started.model_config.clone(),
+        started.device.clone(),
+    );
+    for (name, source) in &args.lora_modules {
+        if let Err(e) = adapters.load(name, source, |n| state.is_base_name(n)).await {
+            if let Some(path) = &args.termination_message_path {
+                let msg = format!("{LOAD_FAILED}: LoRA adapter {name}: {}", e.message);
+                fetch::write_termination_message(path, &msg);
+            }
+            anyhow::bail!("loading LoRA adapter {name} from {source}: {}", e.message);
+        }
+    }
+    Ok(Some(adapters))
+}
+
+/// Hands the running engine and its adapters to the API (from here `/health` is 200) and
+/// starts the stats log.
 fn serve_with(
     args: &ServerArgs,
     state: &AppState,
     registry: &prometheus::Registry,
     served: &str,
-    started: engine::Started,
-    log_sink: stats_log::LogSink,
+    (started, adapters, log_sink): (engine::Started, Option<Adapters>, stats_log::LogSink),
 ) -> Result<(engine::EngineHandle, std::thread::JoinHandle<()>)> {
     let engine::Started {
         handle,
@@ -258,6 +291,7 @@ fn serve_with(
         info,
         tokenizer,
         chat_template,
+        ..
     } = started;
     if !args.disable_log_stats {
         let every = Duration::from_secs_f64(args.log_stats_interval);
@@ -269,6 +303,7 @@ fn serve_with(
         chat_template,
         max_model_len: info.max_model_len,
         vocab_size: info.vocab_size,
+        adapters,
     });
     let sched = info.scheduler;
     info!(
@@ -335,12 +370,11 @@ fn sinks(
         swap_space_gib: args.swap_space,
         enable_prefix_caching: args.prefix_caching(),
     };
-    let mut sinks: Vec<Box<dyn StatsSink>> = vec![Box::new(EngineMetrics::new(
-        registry,
-        served,
-        info.max_model_len,
-        &cache,
-    )?)];
+    let mut metrics = EngineMetrics::new(registry, served, info.max_model_len, &cache)?;
+    if args.lora_enabled() {
+        metrics = metrics.with_lora(registry, args.max_loras as usize)?;
+    }
+    let mut sinks: Vec<Box<dyn StatsSink>> = vec![Box::new(metrics)];
     if !args.disable_log_stats {
         sinks.push(Box::new(log));
     }

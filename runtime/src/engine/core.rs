@@ -17,8 +17,9 @@ use super::output::{OutputProcessor, RequestOutput};
 use super::request::{Event, EventSender, FinishReason, Request, SLOW_READER};
 use super::sampler::{Rng, sample};
 use super::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId, SeqOutput, StepPlan};
-use super::stats::{IterationStats, SchedulerStats, StatsSink};
+use super::stats::{IterationStats, LoraStats, SchedulerStats, StatsSink};
 use crate::kv::KvCache;
+use crate::model::lora::LoraAdapter;
 use crate::model::{LlamaModel, SeqInput};
 
 #[derive(Debug, thiserror::Error)]
@@ -185,6 +186,33 @@ impl Engine {
         }
     }
 
+    /// The names of the adapters the scheduler's running and queued sequences use.
+    fn lora_stats(&self) -> LoraStats {
+        let adapters: Vec<&LoraAdapter> = self
+            .seqs
+            .values()
+            .filter_map(|d| d.req.adapter.as_deref())
+            .collect();
+        if adapters.is_empty() {
+            return LoraStats::default();
+        }
+        let names = |ids: Vec<u64>| {
+            let mut v: Vec<String> = ids
+                .into_iter()
+                .filter_map(|id| adapters.iter().find(|a| a.id() == id))
+                .map(|a| a.name().to_string())
+                .collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        let (running, waiting) = self.scheduler.loras();
+        LoraStats {
+            running: names(running),
+            waiting: names(waiting),
+        }
+    }
+
     /// Ends a pass of the loop: publishes the state, hands the records to the sink, then
     /// sends the pass's events.
     fn publish(&mut self) {
@@ -192,6 +220,7 @@ impl Engine {
         if let Ok(mut g) = self.stats.lock() {
             *g = s;
         }
+        self.iteration.lora = self.lora_stats();
         self.sink.record(&s, &self.iteration);
         self.iteration = IterationStats::default();
         let mut lagging = Vec::new();
@@ -274,6 +303,15 @@ impl Engine {
                     );
                     return;
                 }
+                if let Some(a) = req
+                    .adapter
+                    .as_ref()
+                    .filter(|a| !a.fits(self.model.config()))
+                {
+                    let msg = format!("adapter {} was loaded for another base model", a.name());
+                    self.send(None, &req.events, Event::Failed(msg));
+                    return;
+                }
                 let id = self.next_id;
                 self.next_id += 1;
                 let rng = req
@@ -281,7 +319,8 @@ impl Engine {
                     .seed
                     .map(Rng::new)
                     .unwrap_or_else(Rng::from_entropy);
-                self.scheduler.add(id, &req.prompt);
+                let lora = req.adapter.as_ref().map(|a| a.id());
+                self.scheduler.add_with_lora(id, &req.prompt, lora);
                 let data = SeqData {
                     tokens: req.prompt.clone(),
                     prompt_len: req.prompt.len(),
@@ -409,11 +448,14 @@ impl Engine {
             .scheduled
             .iter()
             .zip(&tables)
-            .map(|(s, t)| SeqInput {
-                tokens: &self.seqs[&s.id].tokens[s.start..s.start + s.len],
-                start_pos: s.start,
-                block_table: t,
-                adapter: None,
+            .map(|(s, t)| {
+                let d = &self.seqs[&s.id];
+                SeqInput {
+                    tokens: &d.tokens[s.start..s.start + s.len],
+                    start_pos: s.start,
+                    block_table: t,
+                    adapter: d.req.adapter.as_deref(),
+                }
             })
             .collect();
         Ok(self.model.forward(&inputs, &self.cache)?)

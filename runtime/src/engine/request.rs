@@ -10,6 +10,7 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 
 use super::sampler::SamplingParams;
+use crate::model::lora::LoraAdapter;
 
 /// Events one sequence may have waiting for its reader. A client that reads a stream slower
 /// than the engine writes it would otherwise make the server hold every token it has not read
@@ -43,6 +44,8 @@ pub struct Request {
     pub arrival: Instant,
     /// The API request this sequence is one choice of (`None`: a request of its own).
     pub group: Option<Arc<RequestGroup>>,
+    /// The LoRA adapter to run it with (`None`: the base model).
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
 /// What the `n` sequences of one API request share, so that per-request metrics (`n`,

@@ -35,6 +35,9 @@ pub struct SchedulerConfig {
     pub watermark_blocks: usize,
     /// Share full blocks between sequences with equal prefixes and keep freed ones cached.
     pub prefix_caching: bool,
+    /// Most distinct LoRA adapters among the running sequences (vLLM's `--max-loras`): a
+    /// queued sequence of another adapter waits, and sequences behind it may go first.
+    pub max_loras: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -89,6 +92,8 @@ pub struct SeqState {
     pub host_blocks: Vec<BlockId>,
     pub status: SeqStatus,
     pub num_preemptions: u32,
+    /// The LoRA adapter it runs with ([`crate::model::lora::LoraAdapter::id`]).
+    pub lora: Option<u64>,
     /// Prefix hashes of the sequence's full blocks.
     hasher: BlockHasher,
     /// Leading entries of `blocks` registered in the prefix cache (or taken from it).
@@ -189,7 +194,16 @@ impl Scheduler {
 
     /// Queues a new sequence with this prompt.
     pub fn add(&mut self, id: SeqId, prompt: &[u32]) {
-        let mut hasher = BlockHasher::new(self.cfg.block_size);
+        self.add_with_lora(id, prompt, None);
+    }
+
+    /// Queues a new sequence with this prompt under LoRA adapter `lora` (an adapter's id): its
+    /// cached blocks are keyed by the adapter, so other adapters and the base never share them.
+    pub fn add_with_lora(&mut self, id: SeqId, prompt: &[u32], lora: Option<u64>) {
+        let mut hasher = match lora {
+            Some(l) => BlockHasher::with_extra(self.cfg.block_size, l),
+            None => BlockHasher::new(self.cfg.block_size),
+        };
         if self.cfg.prefix_caching {
             hasher.extend(prompt);
         }
@@ -201,6 +215,7 @@ impl Scheduler {
             host_blocks: Vec::new(),
             status: SeqStatus::Waiting,
             num_preemptions: 0,
+            lora,
             hasher,
             num_registered: 0,
         });
@@ -298,7 +313,10 @@ impl Scheduler {
         plan: &mut StepPlan,
     ) -> Result<(), SchedulerError> {
         let mut budget = self.budget(plan);
-        while let Some((n, _)) = (self.swapped.front()).and_then(|f| self.admit(f, budget, space)) {
+        while let Some((n, _)) = (self.swapped.front())
+            .filter(|f| self.lora_fits(f))
+            .and_then(|f| self.admit(f, budget, space))
+        {
             let mut seq = self
                 .swapped
                 .pop_front()
@@ -325,12 +343,20 @@ impl Scheduler {
     ) -> Result<(), SchedulerError> {
         let bs = self.cfg.block_size;
         let mut budget = self.budget(plan);
-        while let Some((n, cached)) =
-            (self.waiting.front()).and_then(|f| self.admit(f, budget, space))
-        {
+        // First come first served, except that a sequence whose adapter cannot join yet is
+        // passed over (vLLM's skip), so it does not hold up the sequences behind it.
+        let mut i = 0;
+        while let Some(next) = self.waiting.get(i) {
+            if !self.lora_fits(next) {
+                i += 1;
+                continue;
+            }
+            let Some((n, cached)) = self.admit(next, budget, space) else {
+                break;
+            };
             let mut seq = self
                 .waiting
-                .pop_front()
+                .remove(i)
                 .ok_or(SchedulerError::Invalid("empty queue"))?;
             seq.status = SeqStatus::Running;
             if cached > 0 {
@@ -413,6 +439,24 @@ impl Scheduler {
         Ok(seq)
     }
 
+    /// Whether `seq` may join the running sequences without their adapters exceeding
+    /// `max_loras`.
+    fn lora_fits(&self, seq: &SeqState) -> bool {
+        let Some(l) = seq.lora else {
+            return true;
+        };
+        let active = distinct_loras(self.running.iter());
+        active.contains(&l) || active.len() < self.cfg.max_loras
+    }
+
+    /// Adapters of the running and of the queued (waiting or swapped) sequences, each once.
+    pub fn loras(&self) -> (Vec<u64>, Vec<u64>) {
+        (
+            distinct_loras(self.running.iter()),
+            distinct_loras(self.waiting.iter().chain(self.swapped.iter())),
+        )
+    }
+
     /// Tokens `seq` can run this step within `budget`, from its first uncomputed token.
     fn chunk(&self, seq: &SeqState, budget: usize) -> usize {
         self.chunk_from(seq, seq.num_computed, budget)
@@ -471,6 +515,14 @@ impl Scheduler {
         };
         need + reserve <= space.device.num_free()
     }
+}
+
+/// The adapters of `seqs`, each once, sorted.
+fn distinct_loras<'a>(seqs: impl Iterator<Item = &'a SeqState>) -> Vec<u64> {
+    let mut v: Vec<u64> = seqs.filter_map(|s| s.lora).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
 }
 
 impl SchedulerConfig {

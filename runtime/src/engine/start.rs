@@ -73,6 +73,8 @@ pub struct Scheduling {
     pub max_num_batched_tokens: usize,
     pub chunked_prefill: bool,
     pub prefix_caching: bool,
+    /// Most distinct LoRA adapters running at once (`--max-loras`).
+    pub max_loras: usize,
 }
 
 /// What the engine sized, for its sinks and its caller.
@@ -95,6 +97,10 @@ pub struct Started {
     pub info: EngineInfo,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
+    /// The model's shapes and device, which LoRA adapters are loaded for
+    /// (`model::lora::load`): an adapter's tensors must live on the model's own device.
+    pub model_config: crate::model::ModelConfig,
+    pub device: candle_core::Device,
 }
 
 /// Why the engine did not start. [`StartError::is_load`] tells a model that cannot be served
@@ -146,6 +152,7 @@ where
     let sink = sinks(&info).map_err(StartError::Sinks)?;
     let tokenizer = loaded.tokenizer.clone();
     let chat_template = loaded.chat_template.take();
+    let (model_config, device) = (loaded.model.config().clone(), loaded.model.device().clone());
     let (handle, thread) = core::spawn(loaded, cache, info.scheduler, sink)?;
     Ok(Started {
         handle,
@@ -153,6 +160,8 @@ where
         info,
         tokenizer,
         chat_template,
+        model_config,
+        device,
     })
 }
 
@@ -249,6 +258,7 @@ fn info(config: &EngineConfig, loaded: &LoadedModel, cache: &KvCache) -> EngineI
             // 1% of the blocks kept back when admitting, as vLLM's default watermark.
             watermark_blocks: num_gpu_blocks / 100,
             prefix_caching: s.prefix_caching,
+            max_loras: s.max_loras,
         },
     }
 }

@@ -46,6 +46,17 @@ pub struct IterationStats {
     /// Per later token: the gap since the request's previous token, in seconds.
     pub inter_token_latencies: Vec<f64>,
     pub finished: Vec<FinishedRequest>,
+    /// The LoRA adapters of the running and the queued sequences after this pass.
+    pub lora: LoraStats,
+}
+
+/// Which LoRA adapters are in use (vLLM's `vllm:lora_requests_info` labels).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoraStats {
+    /// Adapters of the running sequences, by name, sorted.
+    pub running: Vec<String>,
+    /// Adapters of the waiting and swapped sequences, by name, sorted.
+    pub waiting: Vec<String>,
 }
 
 impl IterationStats {

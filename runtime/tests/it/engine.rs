@@ -55,6 +55,7 @@ fn engine_with(
             max_num_batched_tokens: 256,
             chunked_prefill: true,
             prefix_caching,
+            max_loras: 1,
         },
         compute_nice: 0,
     };
@@ -100,6 +101,7 @@ fn submit_with(
         events: tx,
         arrival: std::time::Instant::now(),
         group: None,
+        adapter: None,
     })
     .expect("submit");
     rx
@@ -443,6 +445,7 @@ fn a_reader_that_falls_behind_is_ended_not_buffered() {
         events: tx,
         arrival: Instant::now(),
         group: None,
+        adapter: None,
     })
     .expect("submit");
     // A reader that keeps up is not affected.

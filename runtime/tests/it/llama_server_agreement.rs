@@ -104,7 +104,7 @@ fn greedy_answers_agree_with_llama_server() {
 /// its PEFT form, against llama-server's `--lora` with the GGUF form of the same adapter.
 #[test]
 fn greedy_answers_with_a_lora_adapter_agree_with_llama_server() {
-    let adapter = crate::lora::adapter_dir(1).join("peft");
+    let adapter = common::lora_adapter_dir(1).join("peft");
     let exact = agree(
         "llama_server_greedy_lora.json",
         &common::default_model(),

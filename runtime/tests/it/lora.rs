@@ -3,9 +3,7 @@
 //! batch mixing three adapters and the base model. (Agreement with llama-server's `--lora` is
 //! in `llama_server_agreement.rs`.) The adapters are made by `scripts/lora-adapter.py`.
 
-use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 
 use candle_core::Device;
@@ -15,42 +13,6 @@ use ferrite_runtime::model::lora::{self, LoraAdapter, LoraError, Target};
 use ferrite_runtime::model::{self, LoadOptions, LoadedModel};
 
 use crate::common;
-
-/// The folder `scripts/lora-adapter.py --seed SEED` wrote for the default model (`peft/` and
-/// `adapter.gguf`), made once per version of the script next to the model.
-pub fn adapter_dir(seed: u64) -> PathBuf {
-    let src = common::default_model();
-    let script = ferrite_testkit::kube::workspace_root().join("scripts/lora-adapter.py");
-    let text = std::fs::read(&script).expect("scripts/lora-adapter.py");
-    let mut h = std::hash::DefaultHasher::new();
-    text.hash(&mut h);
-    let out = src.with_file_name(format!("lora-{:016x}-seed{seed}", h.finish()));
-    if !out.join("adapter.gguf").exists() {
-        // Tests run in parallel processes: each writes its own copy and the first to finish
-        // puts it in place.
-        let partial = out.with_extension(format!("partial-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&partial);
-        let status = Command::new(ferrite_testkit::tools::python())
-            .arg(&script)
-            .arg(&partial)
-            .arg("--model")
-            .arg(&src)
-            .arg("--seed")
-            .arg(seed.to_string())
-            .status()
-            .expect("run scripts/lora-adapter.py");
-        assert!(status.success(), "scripts/lora-adapter.py failed: {status}");
-        if std::fs::rename(&partial, &out).is_err() {
-            assert!(
-                out.join("adapter.gguf").exists(),
-                "could not put {} in place",
-                out.display()
-            );
-            let _ = std::fs::remove_dir_all(&partial);
-        }
-    }
-    out
-}
 
 pub fn load_adapter(loaded: &LoadedModel, name: &str, path: &std::path::Path) -> Arc<LoraAdapter> {
     let adapter = lora::load(name, path, loaded.model.config(), &Device::Cpu, 64)
@@ -88,7 +50,7 @@ fn seq(prompt: Vec<u32>, adapter: Option<&Arc<LoraAdapter>>) -> GreedySeq {
 #[test]
 fn peft_and_gguf_forms_are_the_same_adapter_and_change_the_answers() {
     let loaded = model::load(&common::default_model(), &LoadOptions::default()).expect("load");
-    let dir = adapter_dir(1);
+    let dir = common::lora_adapter_dir(1);
     let peft = load_adapter(&loaded, "peft", &dir.join("peft"));
     let gguf = load_adapter(&loaded, "gguf", &dir.join("adapter.gguf"));
     assert_eq!(peft.targets(), Target::ALL.to_vec());
@@ -129,7 +91,7 @@ fn a_sequence_gets_the_same_bits_alone_and_among_three_adapters_and_the_base() {
             load_adapter(
                 &loaded,
                 &format!("seed{seed}"),
-                &adapter_dir(seed).join("peft"),
+                &common::lora_adapter_dir(seed).join("peft"),
             )
         })
         .collect();
@@ -163,7 +125,7 @@ fn a_sequence_gets_the_same_bits_alone_and_among_three_adapters_and_the_base() {
 fn bad_adapters_are_refused_with_the_reason() {
     let loaded = model::load(&common::default_model(), &LoadOptions::default()).expect("load");
     let cfg = loaded.model.config();
-    let dir = adapter_dir(1);
+    let dir = common::lora_adapter_dir(1);
     let err = lora::load("big", &dir.join("peft"), cfg, &Device::Cpu, 4).expect_err("rank 8 > 4");
     assert!(
         matches!(

@@ -24,6 +24,7 @@ fn cfg() -> SchedulerConfig {
         chunked_prefill: true,
         watermark_blocks: 1,
         prefix_caching: false,
+        max_loras: 4,
     }
 }
 
@@ -35,9 +36,10 @@ fn cached_cfg() -> SchedulerConfig {
 }
 
 /// Identity of the prefix ending at each position: what the keys and values there depend on.
-fn prefix_ids(tokens: &[u32]) -> Vec<u64> {
+/// Under a LoRA adapter the keys and values also depend on it.
+fn prefix_ids(lora: Option<u64>, tokens: &[u32]) -> Vec<u64> {
     let mut out = Vec::with_capacity(tokens.len());
-    let mut prev = 0u64;
+    let mut prev = lora.map_or(0, |l| l.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     for t in tokens {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         (prev, t).hash(&mut h);
@@ -62,6 +64,8 @@ struct Sim {
     slots: HashMap<(BlockId, usize), u64>,
     /// The same for the host swap pool.
     host_slots: HashMap<(BlockId, usize), u64>,
+    /// The LoRA adapter of each sequence that has one.
+    loras: HashMap<SeqId, u64>,
 }
 
 impl Sim {
@@ -75,6 +79,7 @@ impl Sim {
             tokens: HashMap::new(),
             slots: HashMap::new(),
             host_slots: HashMap::new(),
+            loras: HashMap::new(),
         }
     }
 
@@ -87,7 +92,15 @@ impl Sim {
     }
 
     fn add_tokens(&mut self, id: SeqId, prompt: Vec<u32>, max_tokens: usize) {
-        self.sched.add(id, &prompt);
+        self.add_adapted(id, prompt, max_tokens, None);
+    }
+
+    /// A sequence under LoRA adapter `lora`.
+    fn add_adapted(&mut self, id: SeqId, prompt: Vec<u32>, max_tokens: usize, lora: Option<u64>) {
+        self.sched.add_with_lora(id, &prompt, lora);
+        if let Some(l) = lora {
+            self.loras.insert(id, l);
+        }
         self.tokens.insert(id, prompt);
         self.left.insert(id, max_tokens);
     }
@@ -187,7 +200,7 @@ impl Sim {
         let mut written = HashSet::new();
         for s in &plan.scheduled {
             let seq = self.sched.get(s.id).expect("scheduled sequences exist");
-            let ids = prefix_ids(&self.tokens[&s.id]);
+            let ids = prefix_ids(self.loras.get(&s.id).copied(), &self.tokens[&s.id]);
             for (pos, &id) in ids.iter().enumerate().skip(s.start).take(s.len) {
                 let slot = (seq.blocks[pos / bs], pos % bs);
                 assert!(
@@ -199,7 +212,7 @@ impl Sim {
         }
         for s in &plan.scheduled {
             let seq = self.sched.get(s.id).expect("scheduled sequences exist");
-            let ids = prefix_ids(&self.tokens[&s.id]);
+            let ids = prefix_ids(self.loras.get(&s.id).copied(), &self.tokens[&s.id]);
             for (pos, &id) in ids.iter().enumerate().take(s.start + s.len) {
                 let slot = (seq.blocks[pos / bs], pos % bs);
                 assert_eq!(
@@ -459,6 +472,7 @@ proptest! {
             chunked_prefill: chunked,
             watermark_blocks: 1,
             prefix_caching: false,
+            max_loras: 4,
         };
         let mut sim = Sim::new(c, blocks.max(8), host);
         let mut computed: HashMap<SeqId, usize> = HashMap::new();
@@ -709,6 +723,7 @@ proptest! {
             chunked_prefill: true,
             watermark_blocks: 1,
             prefix_caching: caching,
+            max_loras: 4,
         };
         let mut sim = Sim::new(c, blocks, host);
         let mut pending: Vec<(usize, usize, Arrival)> = arrivals
@@ -745,4 +760,76 @@ proptest! {
             prop_assert_eq!(sim.space.device.num_cached(), 0);
         }
     }
+}
+
+/// Equal prompts under different adapters (or none) have different keys and values: a
+/// sequence finds cached blocks only of its own adapter, and the slot check of every step
+/// (`Sim::execute`) would catch one reading another adapter's.
+#[test]
+fn the_prefix_cache_keeps_adapters_apart() {
+    let mut sim = Sim::new(cached_cfg(), 64, 0);
+    let prompt: Vec<u32> = (0..50).collect();
+    let hit = |sim: &mut Sim, id: SeqId, lora: Option<u64>| {
+        sim.add_adapted(id, prompt.clone(), 2, lora);
+        let plan = sim.step();
+        sim.run(100);
+        let lookup = plan
+            .prefix_lookups
+            .iter()
+            .find(|l| l.id == id)
+            .expect("looked up");
+        lookup.hit
+    };
+    assert_eq!(hit(&mut sim, 1, Some(7)), 0, "nothing cached yet");
+    assert_eq!(
+        hit(&mut sim, 2, Some(8)),
+        0,
+        "another adapter's blocks are not ours"
+    );
+    assert_eq!(hit(&mut sim, 3, None), 0, "nor are they the base model's");
+    assert_eq!(hit(&mut sim, 4, Some(7)), 48, "the same adapter's are");
+    assert_eq!(hit(&mut sim, 5, None), 48);
+}
+
+/// With `max_loras` 1, a queued sequence of a second adapter waits while the first runs, and
+/// the sequences queued behind it (the base model's, the first adapter's) go ahead of it.
+#[test]
+fn max_loras_bounds_the_running_adapters_and_others_pass_the_waiting_one() {
+    let c = SchedulerConfig {
+        max_loras: 1,
+        ..cfg()
+    };
+    let mut sim = Sim::new(c, 64, 0);
+    let p = |id: u32| (0..20).map(|i| id * 1000 + i).collect::<Vec<u32>>();
+    sim.add_adapted(1, p(1), 5, Some(10));
+    sim.add_adapted(2, p(2), 5, Some(20));
+    sim.add_adapted(3, p(3), 5, None);
+    sim.add_adapted(4, p(4), 5, Some(10));
+    let first = sim.step();
+    let ran: Vec<SeqId> = first.scheduled.iter().map(|s| s.id).collect();
+    assert_eq!(ran, vec![1, 3, 4], "2's adapter waits; 3 and 4 pass it");
+    let mut second_ran_at = None;
+    for step in 1..50 {
+        let plan = sim.step();
+        let (running, _) = sim.sched.loras();
+        assert!(
+            running.len() <= 1,
+            "step {step}: adapters {running:?} run together"
+        );
+        if second_ran_at.is_none() && plan.scheduled.iter().any(|s| s.id == 2) {
+            second_ran_at = Some(step);
+            assert!(
+                !plan.scheduled.iter().any(|s| s.id == 1 || s.id == 4),
+                "2 runs only once adapter 10's sequences are done"
+            );
+        }
+        if sim.sched.is_idle() {
+            break;
+        }
+    }
+    assert!(
+        second_ran_at.is_some(),
+        "the waiting adapter's sequence ran"
+    );
+    assert!(sim.sched.is_idle(), "every sequence finished");
 }

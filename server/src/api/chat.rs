@@ -26,7 +26,7 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let arrival = std::time::Instant::now();
     let serving = state.serving()?;
-    state.check_model(req.model.as_deref())?;
+    let model = state.resolve_model(req.model.as_deref())?;
     refuse_unsupported(&req)?;
     let want = wanted_logprobs(&req)?;
     let n = validate::choices_per_prompt(&req.sampling)?;
@@ -39,7 +39,7 @@ pub async fn chat_completions(
     let requested = req.max_completion_tokens.or(req.max_tokens);
     let max_tokens =
         validate::max_tokens_for(prompt.len(), requested, None, serving.max_model_len)?;
-    let g = Generation::new(
+    let mut g = Generation::new(
         &req.sampling,
         want,
         n,
@@ -47,9 +47,10 @@ pub async fn chat_completions(
         vec![max_tokens],
         serving.vocab_size,
     )?;
+    g.adapter = model.adapter;
     generate::admit(&state, serving, seqs)?;
     let receivers = generate::submit(serving, &g, arrival)?;
-    let head = Head::new("chatcmpl", &state.served_model_name);
+    let head = Head::new("chatcmpl", &model.name);
     match validate::stream_mode(&req.sampling) {
         Some(include_usage) => {
             let render = chunk_renderer(state.clone(), head);

@@ -27,7 +27,7 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let arrival = std::time::Instant::now();
     let serving = state.serving()?;
-    state.check_model(req.model.as_deref())?;
+    let model = state.resolve_model(req.model.as_deref())?;
     let want = wanted_logprobs(&req)?;
     let vocab = serving.vocab_size;
     let n = validate::choices_per_prompt(&req.sampling)?;
@@ -43,11 +43,12 @@ pub async fn completions(
             validate::max_tokens_for(p.len(), req.max_tokens, default, serving.max_model_len)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let g = Generation::new(&req.sampling, want, n, prompts, max_tokens, vocab)?;
+    let mut g = Generation::new(&req.sampling, want, n, prompts, max_tokens, vocab)?;
+    g.adapter = model.adapter;
     generate::admit(&state, serving, seqs)?;
     let echoes = echoes(&serving.tokenizer, &g, req.echo.unwrap_or(false));
     let receivers = generate::submit(serving, &g, arrival)?;
-    let head = Head::new("cmpl", &state.served_model_name);
+    let head = Head::new("cmpl", &model.name);
     match validate::stream_mode(&req.sampling) {
         Some(include_usage) => {
             let render = chunk_renderer(state.clone(), head, echoes, g.n);

@@ -65,6 +65,7 @@ pub fn submit(
                     events: tx,
                     arrival,
                     group: Some(group.clone()),
+                    adapter: g.adapter.clone(),
                 })
                 .map_err(|e| ApiError::unavailable(e.to_string(), 5))?;
             receivers.push(rx);

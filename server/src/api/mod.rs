@@ -6,6 +6,7 @@ pub mod completions;
 pub mod error;
 pub mod extract;
 pub mod generate;
+pub mod lora;
 pub mod protocol;
 pub mod response;
 pub mod state;
@@ -35,6 +36,8 @@ pub fn router(state: Arc<AppState>, http: HttpMetrics, body_read_timeout: Durati
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
+        .route("/v1/load_lora_adapter", post(lora::load_adapter))
+        .route("/v1/unload_lora_adapter", post(lora::unload_adapter))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
@@ -72,17 +75,37 @@ async fn version() -> Json<response::Version> {
     })
 }
 
+/// The base model, then its adapters with `parent` set to it (vLLM's listing).
 async fn models(State(s): State<Arc<AppState>>) -> Json<response::ModelList> {
+    let max_model_len = s.loaded().map(|l| l.max_model_len);
+    let mut data = vec![response::ModelCard {
+        id: s.served_model_name.clone(),
+        object: "model",
+        created: s.created,
+        owned_by: "ferrite",
+        root: s.served_model_name.clone(),
+        parent: None,
+        max_model_len,
+    }];
+    if let Some(adapters) = s.loaded().and_then(|l| l.adapters.as_ref()) {
+        data.extend(
+            adapters
+                .list()
+                .into_iter()
+                .map(|(name, a)| response::ModelCard {
+                    id: name,
+                    object: "model",
+                    created: a.created,
+                    owned_by: "ferrite",
+                    root: a.source.clone(),
+                    parent: Some(s.served_model_name.clone()),
+                    max_model_len,
+                }),
+        );
+    }
     Json(response::ModelList {
         object: "list",
-        data: vec![response::ModelCard {
-            id: s.served_model_name.clone(),
-            object: "model",
-            created: s.created,
-            owned_by: "ferrite",
-            root: s.served_model_name.clone(),
-            max_model_len: s.loaded().map(|l| l.max_model_len),
-        }],
+        data,
     })
 }
 

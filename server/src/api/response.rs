@@ -168,6 +168,8 @@ pub struct ModelCard {
     pub created: u64,
     pub owned_by: &'static str,
     pub root: String,
+    /// The base model of an adapter (`null` for the base model itself).
+    pub parent: Option<String>,
     pub max_model_len: Option<usize>,
 }
 

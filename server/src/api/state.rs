@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use super::error::ApiError;
+use super::lora::Adapters;
 use ferrite_runtime::engine::EngineHandle;
+use ferrite_runtime::model::lora::LoraAdapter;
 use ferrite_runtime::model::{ChatTemplate, Tokenizer};
 use prometheus::Registry;
 
@@ -45,6 +47,16 @@ pub struct Serving {
     /// Token ids below this are valid in prompts: both the tokenizer and the model's
     /// embedding know them.
     pub vocab_size: usize,
+    /// The LoRA adapters served (`None`: LoRA is off).
+    pub adapters: Option<Adapters>,
+}
+
+/// What a request's `model` names: the base model or one of its adapters.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// The name responses carry.
+    pub name: String,
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
 impl AppState {
@@ -115,19 +127,42 @@ impl AppState {
         self.draining.load(Ordering::SeqCst)
     }
 
-    /// 400 unless `model` is absent or names the served model.
-    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
-        match model {
-            Some(m) if m != self.served_model_name && !self.aliases.iter().any(|a| a == m) => {
-                Err(ApiError::invalid_param(
-                    "model",
-                    format!(
-                        "The model `{m}` does not exist. This server serves `{}`.",
-                        self.served_model_name
-                    ),
-                ))
-            }
-            _ => Ok(()),
+    /// Whether `name` is one the base model answers to.
+    pub fn is_base_name(&self, name: &str) -> bool {
+        name == self.served_model_name || self.aliases.iter().any(|a| a == name)
+    }
+
+    /// The base model when `model` is absent or one of its names, else the adapter it names;
+    /// 400 for anything else.
+    pub fn resolve_model(&self, model: Option<&str>) -> Result<Resolved, ApiError> {
+        let base = || Resolved {
+            name: self.served_model_name.clone(),
+            adapter: None,
+        };
+        let Some(m) = model.filter(|m| !self.is_base_name(m)) else {
+            return Ok(base());
+        };
+        let served = self
+            .loaded()
+            .and_then(|s| s.adapters.as_ref())
+            .and_then(|a| a.get(m));
+        match served {
+            Some(s) => Ok(Resolved {
+                name: m.to_string(),
+                adapter: Some(s.adapter.clone()),
+            }),
+            None => Err(ApiError::invalid_param(
+                "model",
+                format!(
+                    "The model `{m}` does not exist. This server serves `{}`{}.",
+                    self.served_model_name,
+                    if self.loaded().is_some_and(|s| s.adapters.is_some()) {
+                        " and the adapters /v1/models lists"
+                    } else {
+                        ""
+                    }
+                ),
+            )),
         }
     }
 }

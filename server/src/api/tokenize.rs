@@ -18,7 +18,7 @@ pub async fn tokenize(
     JsonBody(req): JsonBody<TokenizeRequest>,
 ) -> Result<Json<Tokenized>, ApiError> {
     state.serving()?;
-    state.check_model(req.model.as_deref())?;
+    state.resolve_model(req.model.as_deref())?;
     state
         .blocking(move |serving| tokenized(serving, &req))
         .await
@@ -57,7 +57,7 @@ pub async fn detokenize(
     JsonBody(req): JsonBody<DetokenizeRequest>,
 ) -> Result<Json<Detokenized>, ApiError> {
     let serving = state.serving()?;
-    state.check_model(req.model.as_deref())?;
+    state.resolve_model(req.model.as_deref())?;
     let vocab = serving.tokenizer.vocab_size();
     let ids = req
         .tokens

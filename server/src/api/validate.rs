@@ -32,6 +32,8 @@ pub struct Generation {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// The LoRA adapter `model` named (`None`: the base model).
+    pub adapter: Option<std::sync::Arc<ferrite_runtime::model::lora::LoraAdapter>>,
 }
 
 impl Generation {
@@ -53,6 +55,7 @@ impl Generation {
             stop,
             stop_token_ids,
             ignore_eos: f.ignore_eos.unwrap_or(false),
+            adapter: None,
             prompts,
         })
     }

@@ -7,7 +7,9 @@ use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 use ferrite_api::vllm;
 use ferrite_runtime::engine::FinishReason;
-use ferrite_runtime::engine::stats::{FinishedRequest, IterationStats, SchedulerStats, StatsSink};
+use ferrite_runtime::engine::stats::{
+    FinishedRequest, IterationStats, LoraStats, SchedulerStats, StatsSink,
+};
 
 use super::{ENGINE, LABELS, MetricsError, buckets_1_2_5};
 
@@ -52,6 +54,7 @@ pub struct EngineMetrics {
     finished: FinishCounters,
     latency: LatencyHistograms,
     sizes: SizeHistograms,
+    lora: Option<LoraInfo>,
 }
 
 impl EngineMetrics {
@@ -74,7 +77,53 @@ impl EngineMetrics {
             finished: FinishCounters::new(&b)?,
             latency: LatencyHistograms::new(&b)?,
             sizes: SizeHistograms::new(&b, max_model_len)?,
+            lora: None,
         })
+    }
+
+    /// Also reports the adapters in use (`vllm:lora_requests_info`), as vLLM does when LoRA
+    /// is on.
+    pub fn with_lora(
+        mut self,
+        registry: &Registry,
+        max_loras: usize,
+    ) -> Result<Self, MetricsError> {
+        self.lora = Some(LoraInfo::new(registry, max_loras)?);
+        Ok(self)
+    }
+}
+
+/// `vllm:lora_requests_info`. vLLM adds a series for every new combination of adapters and
+/// keeps the old ones; here the gauge holds only the current one, so a server whose adapters
+/// change all day does not grow its exposition (readers take the newest series anyway).
+#[derive(Debug, Clone)]
+struct LoraInfo {
+    gauge: GaugeVec,
+    max_lora: String,
+}
+
+impl LoraInfo {
+    fn new(registry: &Registry, max_loras: usize) -> Result<Self, MetricsError> {
+        let gauge = GaugeVec::new(
+            Opts::new(vllm::LORA_REQUESTS_INFO, "Running stats on lora requests."),
+            &[vllm::LORA_MAX, vllm::LORA_WAITING, vllm::LORA_RUNNING],
+        )?;
+        registry.register(Box::new(gauge.clone()))?;
+        Ok(Self {
+            gauge,
+            max_lora: max_loras.to_string(),
+        })
+    }
+
+    fn record(&self, l: &LoraStats) {
+        let (waiting, running) = (l.waiting.join(","), l.running.join(","));
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.gauge.reset();
+        self.gauge
+            .with_label_values(&[&self.max_lora, &waiting, &running])
+            .set(now);
     }
 }
 
@@ -83,6 +132,9 @@ impl StatsSink for EngineMetrics {
         self.scheduler.record(s);
         self.tokens.record(it);
         self.latency.record_step(it);
+        if let Some(l) = &self.lora {
+            l.record(&it.lora);
+        }
         for f in &it.finished {
             self.finished.record(f.reason);
             self.latency.record_finished(f);

@@ -248,6 +248,7 @@ mod tests {
         let mut layer: [Vec<Pair>; 4] = Default::default();
         layer[Proj::Qkv.index()] = vec![pair(0, 12, 5, &mut next), pair(7, 12, 3, &mut next)];
         LoraAdapter {
+            id: seed,
             name: name.into(),
             rank,
             layers: vec![layer],

@@ -174,6 +174,9 @@ struct Pair {
 /// A loaded adapter, checked against one base model's shapes.
 #[derive(Debug)]
 pub struct LoraAdapter {
+    /// Unique to this load: equal tokens under two loads (even of the same files) never share
+    /// cached keys and values.
+    id: u64,
     name: String,
     rank: usize,
     /// `[layer][Proj::index]`: the pairs updating that fused projection.
@@ -210,6 +213,11 @@ impl BaseShape {
 }
 
 impl LoraAdapter {
+    /// Unique to this load of the adapter (the prefix cache keys blocks by it).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// Whether it was loaded for a base model of `cfg`'s shapes.
     pub fn fits(&self, cfg: &ModelConfig) -> bool {
         self.base == BaseShape::of(cfg)
@@ -421,7 +429,9 @@ fn build(
             pairs.sort_by_key(|p| p.offset);
         }
     }
+    static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     Ok(LoraAdapter {
+        id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         name: name.to_string(),
         rank,
         layers,

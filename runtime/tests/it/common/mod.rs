@@ -1,6 +1,10 @@
 //! Shared helpers for tests that need the default model.
 #![allow(dead_code)]
 
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::process::Command;
+
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use ferrite_runtime::engine::sampler::argmax;
@@ -102,6 +106,17 @@ pub fn ours_all_on(
     mode: WeightMode,
     kv: DType,
 ) -> (Vec<Vec<f32>>, Vec<u32>, String) {
+    ours_all_with(device, backend, mode, kv, None)
+}
+
+/// As [`ours_all_on`], with the LoRA adapter at `adapter` (loaded on `device`).
+pub fn ours_all_with(
+    device: &Device,
+    backend: AttentionBackend,
+    mode: WeightMode,
+    kv: DType,
+    adapter: Option<&std::path::Path>,
+) -> (Vec<Vec<f32>>, Vec<u32>, String) {
     let opts = LoadOptions {
         device: device.clone(),
         weight_mode: mode,
@@ -114,6 +129,11 @@ pub fn ours_all_on(
     let mut cache = KvCache::new(cfg, device).expect("cache");
     let mut seqs = vec![GreedySeq::new(prompt, NEW_TOKENS)];
     seqs[0].keep_all_logits = true;
+    seqs[0].adapter = adapter.map(|p| {
+        let a = ferrite_runtime::model::lora::load("adapter", p, loaded.model.config(), device, 64)
+            .unwrap_or_else(|e| panic!("load {}: {e}", p.display()));
+        std::sync::Arc::new(a)
+    });
     run_greedy(&loaded.model, &mut cache, &mut seqs, 7).expect("run");
     assert_eq!(
         cache.allocator().num_used(),
@@ -123,6 +143,42 @@ pub fn ours_all_on(
     let s = seqs.pop().expect("seq");
     let text = loaded.tokenizer.decode(&s.generated, true).expect("decode");
     (s.all_logits, s.generated, text)
+}
+
+/// The folder `scripts/lora-adapter.py --seed SEED` wrote for the default model (`peft/` and
+/// `adapter.gguf`), made once per version of the script next to the model.
+pub fn lora_adapter_dir(seed: u64) -> PathBuf {
+    let src = default_model();
+    let script = ferrite_testkit::kube::workspace_root().join("scripts/lora-adapter.py");
+    let text = std::fs::read(&script).expect("scripts/lora-adapter.py");
+    let mut h = std::hash::DefaultHasher::new();
+    text.hash(&mut h);
+    let out = src.with_file_name(format!("lora-{:016x}-seed{seed}", h.finish()));
+    if !out.join("adapter.gguf").exists() {
+        // Tests run in parallel processes: each writes its own copy and the first to finish
+        // puts it in place.
+        let partial = out.with_extension(format!("partial-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&partial);
+        let status = Command::new(ferrite_testkit::tools::python())
+            .arg(&script)
+            .arg(&partial)
+            .arg("--model")
+            .arg(&src)
+            .arg("--seed")
+            .arg(seed.to_string())
+            .status()
+            .expect("run scripts/lora-adapter.py");
+        assert!(status.success(), "scripts/lora-adapter.py failed: {status}");
+        if std::fs::rename(&partial, &out).is_err() {
+            assert!(
+                out.join("adapter.gguf").exists(),
+                "could not put {} in place",
+                out.display()
+            );
+            let _ = std::fs::remove_dir_all(&partial);
+        }
+    }
+    out
 }
 
 pub fn prompt_ids() -> Vec<u32> {
