@@ -8,6 +8,7 @@
 //! serves every row of a step, unlike candle's per-row quantized matmul.
 
 pub(crate) mod exp;
+pub mod lora;
 pub mod norm;
 pub mod pool;
 pub mod qgemm;

@@ -1,15 +1,16 @@
 //! Applying adapters in a batched forward: each token row gets its own sequence's adapter, or
 //! none, added to a fused projection's output.
 //!
-//! On the CPU each row is updated alone, in a fixed order of operations (`u = A x`, then
-//! `y += s · (B u)` per output), so a row's result does not depend on the rows beside it and
-//! the forward stays bitwise batch invariant with adapters mixed in. Elsewhere the rows of
-//! each adapter are gathered and multiplied as two small matrix products.
+//! On the CPU each row is updated alone, in a fixed order of operations (`kernels::lora`), so
+//! a row's result does not depend on the rows beside it and the forward stays bitwise batch
+//! invariant with adapters mixed in. Elsewhere the rows of each adapter
+//! are gathered and multiplied as small matrix products.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
 use rayon::prelude::*;
 
-use super::{LoraAdapter, Pair, Proj};
+use super::{Group, LoraAdapter, Proj};
+use crate::kernels::lora;
 use crate::model::cpu_view::contiguous;
 
 /// No adapter for this row.
@@ -24,8 +25,10 @@ pub struct LoraStep<'a> {
     rows: Vec<u32>,
 }
 
-/// Rows a CPU task updates at least (fewer run on the calling thread).
-const MIN_ROWS_PER_TASK: usize = 8;
+/// Most rows of one adapter a CPU task updates: its rows follow each other through the same
+/// factors (a rank-16 adapter's are ~650 KB per layer for the default model), which stay in
+/// the core's caches between them, and a long prefill still splits across the threads.
+const ROWS_PER_TASK: usize = 16;
 
 impl<'a> LoraStep<'a> {
     /// A step whose sequences, in order, have `tokens` rows each under `adapter`.
@@ -56,26 +59,27 @@ impl<'a> LoraStep<'a> {
     }
 
     /// `y` (the output of `proj` in `layer` for inputs `x`, `[tokens, in]`) with each row's
-    /// adapter update added; `y` itself when no row has one.
+    /// adapter update added; `y` itself when no row has one. On the CPU `y` is updated in
+    /// place, so it must be a tensor no other holds (the projection's own new output, as the
+    /// forward passes it); a test that keeps its input passes a `copy()`.
     pub fn apply(&self, layer: usize, proj: Proj, x: &Tensor, y: Tensor) -> Result<Tensor> {
-        if self
-            .adapters
-            .iter()
-            .all(|a| a.pairs(layer, proj).is_empty())
-        {
+        if self.adapters.iter().all(|a| a.group(layer, proj).is_none()) {
             return Ok(y);
         }
         if x.device().is_cpu() && x.dtype() == DType::F32 && y.dtype() == DType::F32 {
             let x = x.contiguous()?;
+            // `y` is the projection's own new output (the callers pass it by value), so it is
+            // updated where it is rather than copied.
             let y = y.contiguous()?;
-            return x.apply_op2_no_bwd(
-                &y,
+            y.inplace_op2(
+                &x,
                 &RowUpdate {
                     step: self,
                     layer,
                     proj,
                 },
-            );
+            )?;
+            return Ok(y);
         }
         self.apply_gathered(layer, proj, x, y)
     }
@@ -90,35 +94,36 @@ impl<'a> LoraStep<'a> {
     ) -> Result<Tensor> {
         let (dev, width) = (x.device().clone(), y.dim(1)?);
         for (i, adapter) in self.adapters.iter().enumerate() {
-            let pairs = adapter.pairs(layer, proj);
             let rows: Vec<u32> = (0..self.rows.len() as u32)
                 .filter(|&t| self.rows[t as usize] == i as u32)
                 .collect();
-            if pairs.is_empty() || rows.is_empty() {
+            let Some(g) = adapter.group(layer, proj).filter(|_| !rows.is_empty()) else {
                 continue;
-            }
+            };
             let n = rows.len();
             let idx = Tensor::from_vec(rows, n, &dev)?;
             let xs = x.index_select(&idx, 0)?.to_dtype(DType::F32)?;
+            let at = match &g.at_on_device {
+                Some(t) => t.clone(),
+                None => Tensor::from_slice(&g.at, (g.fan_in, g.rank), &dev)?,
+            };
+            let u = xs.matmul(&at)?;
             let mut parts = Vec::new();
-            let mut at = 0;
-            for p in pairs {
-                let (a, b) = match &p.on_device {
-                    Some((a, b)) => (a.clone(), b.clone()),
-                    None => (
-                        Tensor::from_slice(&p.a, (p.rank, p.fan_in), &dev)?,
-                        Tensor::from_slice(&p.b, (p.fan_out, p.rank), &dev)?,
-                    ),
+            let mut col = 0;
+            for p in &g.pairs {
+                let bt = match &p.bt_on_device {
+                    Some(t) => t.clone(),
+                    None => Tensor::from_slice(&p.bt, (p.rank, p.fan_out), &dev)?,
                 };
-                if p.offset > at {
-                    parts.push(Tensor::zeros((n, p.offset - at), DType::F32, &dev)?);
+                if p.offset > col {
+                    parts.push(Tensor::zeros((n, p.offset - col), DType::F32, &dev)?);
                 }
-                let u = xs.matmul(&a.t()?)?;
-                parts.push((u.matmul(&b.t()?)? * f64::from(p.scale))?);
-                at = p.offset + p.fan_out;
+                let up = u.narrow(1, p.u_at, p.rank)?.contiguous()?;
+                parts.push((up.matmul(&bt)? * f64::from(p.scale))?);
+                col = p.offset + p.fan_out;
             }
-            if at < width {
-                parts.push(Tensor::zeros((n, width - at), DType::F32, &dev)?);
+            if col < width {
+                parts.push(Tensor::zeros((n, width - col), DType::F32, &dev)?);
             }
             let delta = Tensor::cat(&parts, 1)?.to_dtype(y.dtype())?;
             y = y.index_add(&idx, &delta, 0)?;
@@ -127,29 +132,34 @@ impl<'a> LoraStep<'a> {
     }
 }
 
-/// The CPU update: `y` with every adapted row's update added, one row at a time.
+/// The CPU update: every adapted row of `y` gets its update, in place.
 struct RowUpdate<'s, 'a> {
     step: &'s LoraStep<'a>,
     layer: usize,
     proj: Proj,
 }
 
-impl CustomOp2 for RowUpdate<'_, '_> {
+impl InplaceOp2 for RowUpdate<'_, '_> {
     fn name(&self) -> &'static str {
         "lora-rows"
     }
 
     fn cpu_fwd(
         &self,
+        ys: &mut CpuStorage,
+        yl: &Layout,
         xs: &CpuStorage,
         xl: &Layout,
-        ys: &CpuStorage,
-        yl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    ) -> Result<()> {
         let x = contiguous::<f32>(xs, xl, "lora: the input")?;
-        let y = contiguous::<f32>(ys, yl, "lora: the projection")?;
         let (tokens, fan_in) = xl.shape().dims2()?;
         let (y_tokens, width) = yl.shape().dims2()?;
+        let Some((start, end)) = yl.contiguous_offsets() else {
+            candle_core::bail!("lora: the projection is strided");
+        };
+        let CpuStorage::F32(y) = ys else {
+            candle_core::bail!("lora: the projection is not f32");
+        };
         if tokens != y_tokens || tokens != self.step.rows.len() {
             candle_core::bail!(
                 "lora: {tokens} input rows, {y_tokens} output rows, {} rows assigned",
@@ -157,76 +167,60 @@ impl CustomOp2 for RowUpdate<'_, '_> {
             );
         }
         for a in &self.step.adapters {
-            if let Some(p) = a
-                .pairs(self.layer, self.proj)
-                .iter()
-                .find(|p| p.fan_in != fan_in || p.offset + p.fan_out > width)
-            {
+            let Some(g) = a.group(self.layer, self.proj) else {
+                continue;
+            };
+            if g.fan_in != fan_in || g.pairs.iter().any(|p| p.offset + p.fan_out > width) {
                 candle_core::bail!(
-                    "lora: adapter {} expects {} inputs and {} outputs at {}, the projection \
-                     has {fan_in} and {width}",
-                    a.name,
-                    p.fan_in,
-                    p.fan_out,
-                    p.offset
+                    "lora: adapter {} does not fit a projection of {fan_in} inputs and {width} \
+                     outputs",
+                    a.name
                 );
             }
         }
-        let mut out = y.to_vec();
-        out.par_chunks_mut(width)
-            .zip(x.par_chunks(fan_in))
-            .zip(&self.step.rows)
-            .with_min_len(MIN_ROWS_PER_TASK)
-            .for_each(|((y, x), &r)| {
-                if let Some(a) = self.step.adapters.get(r as usize) {
-                    update_row(a.pairs(self.layer, self.proj), x, y);
-                }
-            });
-        Ok((CpuStorage::F32(out), Shape::from((tokens, width))))
+        // Tasks of up to ROWS_PER_TASK rows of one adapter, each holding its rows' outputs.
+        let mut rows: Vec<Option<&mut [f32]>> = y[start..end].chunks_mut(width).map(Some).collect();
+        let mut tasks = Vec::new();
+        for (i, adapter) in self.step.adapters.iter().enumerate() {
+            let Some(g) = adapter.group(self.layer, self.proj) else {
+                continue;
+            };
+            let mine: Vec<usize> = (0..tokens)
+                .filter(|&t| self.step.rows[t] == i as u32)
+                .collect();
+            for chunk in mine.chunks(ROWS_PER_TASK) {
+                let xs: Vec<&[f32]> = chunk.iter().map(|&t| &x[t * fan_in..][..fan_in]).collect();
+                let ys: Vec<&mut [f32]> = chunk.iter().filter_map(|&t| rows[t].take()).collect();
+                tasks.push((g, xs, ys));
+            }
+        }
+        tasks.into_par_iter().for_each(|(g, xs, ys)| {
+            for (x, y) in xs.into_iter().zip(ys) {
+                update_row(g, x, y);
+            }
+        });
+        Ok(())
     }
 }
 
-/// `y += s · B (A x)` for each pair, on one row.
-fn update_row(pairs: &[Pair], x: &[f32], y: &mut [f32]) {
-    let mut u = Vec::new();
-    for p in pairs {
-        u.clear();
-        u.extend(p.a.chunks_exact(p.fan_in).map(|a| dot(a, x)));
-        for (yo, b) in y[p.offset..][..p.fan_out]
-            .iter_mut()
-            .zip(p.b.chunks_exact(p.rank))
-        {
-            *yo += p.scale * dot(b, &u);
-        }
+/// `y += s · B (A x)` for each of the group's targets, on one row (`kernels::lora`).
+fn update_row(g: &Group, x: &[f32], y: &mut [f32]) {
+    let u = lora::shrink(&g.at, g.rank, x);
+    for p in &g.pairs {
+        let out = &mut y[p.offset..][..p.fan_out];
+        lora::expand(&p.bt, &u[p.u_at..p.u_at + p.rank], p.scale, out);
     }
-}
-
-/// A dot product in a fixed order: eight running sums, a fixed tree, then the tail. The same
-/// on every CPU (vectorized or not, the compiler may not reorder float adds).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .fold(0.0, |s, v| s + v);
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::lora::Target;
+    use crate::model::lora::{BaseShape, Placed, Target};
     use candle_core::Device;
 
-    fn adapter(name: &str, seed: u64, rank: usize) -> LoraAdapter {
+    /// A one-layer adapter updating columns 0..5 and 7..10 of an 11-wide projection of 12
+    /// inputs, and its pairs as plain `(offset, rank, A [rank][12], B [out][rank])`.
+    fn adapter(name: &str, seed: u64, rank: usize) -> (LoraAdapter, Vec<Reference>) {
         let mut s = seed;
         let mut next = move || {
             s = s
@@ -234,26 +228,39 @@ mod tests {
                 .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
         };
-        let pair = |offset, fan_in, fan_out, next: &mut dyn FnMut() -> f32| Pair {
-            target: Target::Q,
-            a: (0..rank * fan_in).map(|_| next()).collect(),
-            b: (0..fan_out * rank).map(|_| next()).collect(),
-            rank,
-            fan_in,
-            fan_out,
-            offset,
-            scale: 0.5,
-            on_device: None,
-        };
-        let mut layer: [Vec<Pair>; 4] = Default::default();
-        layer[Proj::Qkv.index()] = vec![pair(0, 12, 5, &mut next), pair(7, 12, 3, &mut next)];
-        LoraAdapter {
+        let mut refs = Vec::new();
+        let placed: Vec<Placed> = [(0, 5), (7, 3)]
+            .into_iter()
+            .map(|(offset, fan_out)| {
+                let a: Vec<f32> = (0..rank * 12).map(|_| next()).collect();
+                let b: Vec<f32> = (0..fan_out * rank).map(|_| next()).collect();
+                refs.push(Reference {
+                    offset,
+                    rank,
+                    fan_out,
+                    a: a.clone(),
+                    b: b.clone(),
+                });
+                Placed {
+                    target: Target::Q,
+                    rank,
+                    fan_in: 12,
+                    fan_out,
+                    offset,
+                    scale: 0.5,
+                    a,
+                    b,
+                }
+            })
+            .collect();
+        let group = Group::new(placed, &Device::Cpu).expect("group");
+        let adapter = LoraAdapter {
             id: seed,
             name: name.into(),
             rank,
-            layers: vec![layer],
+            layers: vec![[group, None, None, None]],
             bytes: 0,
-            base: crate::model::lora::BaseShape {
+            base: BaseShape {
                 layers: 1,
                 hidden: 12,
                 intermediate: 0,
@@ -262,7 +269,16 @@ mod tests {
                 head_dim: 12,
                 rope_style: crate::model::RopeStyle::Half,
             },
-        }
+        };
+        (adapter, refs)
+    }
+
+    struct Reference {
+        offset: usize,
+        rank: usize,
+        fan_out: usize,
+        a: Vec<f32>,
+        b: Vec<f32>,
     }
 
     fn input(tokens: usize, width: usize, seed: f32) -> Tensor {
@@ -274,12 +290,12 @@ mod tests {
 
     #[test]
     fn rows_match_a_plain_computation_and_skip_the_base_rows() {
-        let (a, b) = (adapter("a", 1, 4), adapter("b", 2, 3));
+        let ((a, ra), (b, rb)) = (adapter("a", 1, 4), adapter("b", 2, 3));
         let step = LoraStep::new([(Some(&a), 2), (None, 1), (Some(&b), 1), (Some(&a), 1)]);
         assert_eq!(step.adapters().len(), 2);
         let (x, y) = (input(5, 12, 0.0), input(5, 11, 9.0));
         let got = step
-            .apply(0, Proj::Qkv, &x, y.clone())
+            .apply(0, Proj::Qkv, &x, y.copy().expect("copy"))
             .expect("apply")
             .to_vec2::<f32>()
             .expect("rows");
@@ -287,10 +303,10 @@ mod tests {
             x.to_vec2::<f32>().expect("tensor"),
             y.to_vec2::<f32>().expect("tensor"),
         );
-        let owner = [Some(&a), Some(&a), None, Some(&b), Some(&a)];
+        let owner = [Some(&ra), Some(&ra), None, Some(&rb), Some(&ra)];
         for (t, who) in owner.iter().enumerate() {
             let mut want = yv[t].clone();
-            for p in who.map_or(&[][..], |w| w.pairs(0, Proj::Qkv)) {
+            for p in who.map_or(&[][..], |w| w.as_slice()) {
                 let u: Vec<f64> = (0..p.rank)
                     .map(|j| (0..12).map(|i| f64::from(p.a[j * 12 + i] * xv[t][i])).sum())
                     .collect();
@@ -298,7 +314,7 @@ mod tests {
                     let d: f64 = (0..p.rank)
                         .map(|j| f64::from(p.b[o * p.rank + j]) * u[j])
                         .sum();
-                    want[p.offset + o] += (f64::from(p.scale) * d) as f32;
+                    want[p.offset + o] += (0.5 * d) as f32;
                 }
             }
             for (g, w) in got[t].iter().zip(&want) {
@@ -325,18 +341,20 @@ mod tests {
 
     #[test]
     fn a_row_gets_the_same_bits_alone_and_in_any_batch() {
-        let (a, b) = (adapter("a", 3, 5), adapter("b", 4, 2));
+        let ((a, _), (b, _)) = (adapter("a", 3, 5), adapter("b", 4, 2));
         let x = input(9, 12, 1.0);
         let y = input(9, 11, 2.0);
         let batch = LoraStep::new([(Some(&b), 4), (Some(&a), 1), (None, 4)]);
-        let all = batch.apply(0, Proj::Qkv, &x, y.clone()).expect("tensor");
+        let all = batch
+            .apply(0, Proj::Qkv, &x, y.copy().expect("copy"))
+            .expect("tensor");
         let alone = LoraStep::new([(Some(&a), 1)]);
         let one = alone
             .apply(
                 0,
                 Proj::Qkv,
                 &x.narrow(0, 4, 1).expect("tensor"),
-                y.narrow(0, 4, 1).expect("tensor"),
+                y.narrow(0, 4, 1).and_then(|t| t.copy()).expect("tensor"),
             )
             .expect("tensor");
         assert_eq!(
@@ -350,7 +368,7 @@ mod tests {
 
     #[test]
     fn without_adapters_the_projection_is_returned_as_it_is() {
-        let a = adapter("a", 5, 2);
+        let (a, _) = adapter("a", 5, 2);
         let y = input(3, 11, 0.0);
         let x = input(3, 12, 0.0);
         let none = LoraStep::new([(None, 3)]);

@@ -153,22 +153,112 @@ enum RowOrder {
     LlamaCpp,
 }
 
-/// One target's factors, laid out for the rows of a fused projection.
+/// An adapter's update of one fused projection of one layer. The A factors of its targets
+/// share the projection's input, so they are stacked and stored transposed, `[in][R]` (`R` the
+/// sum of their ranks): `u = A x` is then one pass over `x` that adds whole vectors of `u`.
+/// Each B is stored transposed too, `[rank][out]`, so `B u` adds whole vectors of outputs.
+/// Neither needs a horizontal sum, which on the CPU cost more than the products themselves.
+#[derive(Debug)]
+struct Group {
+    fan_in: usize,
+    /// `R`: the rows of the stacked A.
+    rank: usize,
+    /// The stacked A, transposed: `[fan_in][rank]`.
+    at: Vec<f32>,
+    /// Its targets, by column.
+    pairs: Vec<Pair>,
+    /// `at` on the model's device, for non-CPU forwards.
+    at_on_device: Option<Tensor>,
+}
+
+/// One target's B and where its update goes.
 #[derive(Debug)]
 struct Pair {
     target: Target,
-    /// `[rank, in]`.
-    a: Vec<f32>,
-    /// `[out, rank]`.
-    b: Vec<f32>,
+    /// Its rows of the group's `u`: `u_at..u_at + rank`.
+    u_at: usize,
     rank: usize,
-    fan_in: usize,
     fan_out: usize,
     /// First column of this target in the fused projection's output.
     offset: usize,
     scale: f32,
-    /// `a` and `b` as tensors on the model's device, for non-CPU forwards.
-    on_device: Option<(Tensor, Tensor)>,
+    /// B transposed: `[rank][fan_out]`.
+    bt: Vec<f32>,
+    /// `bt` on the model's device, for non-CPU forwards.
+    bt_on_device: Option<Tensor>,
+}
+
+/// A checked pair before it is stacked into its group.
+pub(crate) struct Placed {
+    target: Target,
+    rank: usize,
+    fan_in: usize,
+    fan_out: usize,
+    offset: usize,
+    scale: f32,
+    /// `[rank, in]`.
+    a: Vec<f32>,
+    /// `[out, rank]`.
+    b: Vec<f32>,
+}
+
+/// `m` (`[rows, cols]`, row-major) transposed.
+fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; m.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = m[r * cols + c];
+        }
+    }
+    t
+}
+
+impl Group {
+    /// Stacks `placed` (one fused projection's targets, by column) into a group.
+    fn new(mut placed: Vec<Placed>, device: &Device) -> Result<Option<Group>, LoraError> {
+        placed.sort_by_key(|p| p.offset);
+        let Some(fan_in) = placed.first().map(|p| p.fan_in) else {
+            return Ok(None);
+        };
+        let rank: usize = placed.iter().map(|p| p.rank).sum();
+        let mut at = vec![0f32; fan_in * rank];
+        let mut pairs = Vec::with_capacity(placed.len());
+        let mut u_at = 0;
+        for p in placed {
+            for j in 0..p.rank {
+                for i in 0..fan_in {
+                    at[i * rank + u_at + j] = p.a[j * fan_in + i];
+                }
+            }
+            let bt = transpose(&p.b, p.fan_out, p.rank);
+            let bt_on_device = match device.is_cpu() {
+                true => None,
+                false => Some(Tensor::from_slice(&bt, (p.rank, p.fan_out), device)?),
+            };
+            pairs.push(Pair {
+                target: p.target,
+                u_at,
+                rank: p.rank,
+                fan_out: p.fan_out,
+                offset: p.offset,
+                scale: p.scale,
+                bt,
+                bt_on_device,
+            });
+            u_at += p.rank;
+        }
+        let at_on_device = match device.is_cpu() {
+            true => None,
+            false => Some(Tensor::from_slice(&at, (fan_in, rank), device)?),
+        };
+        Ok(Some(Group {
+            fan_in,
+            rank,
+            at,
+            pairs,
+            at_on_device,
+        }))
+    }
 }
 
 /// A loaded adapter, checked against one base model's shapes.
@@ -179,8 +269,8 @@ pub struct LoraAdapter {
     id: u64,
     name: String,
     rank: usize,
-    /// `[layer][Proj::index]`: the pairs updating that fused projection.
-    layers: Vec<[Vec<Pair>; 4]>,
+    /// `[layer][Proj::index]`: the update of that fused projection, if any.
+    layers: Vec<[Option<Group>; 4]>,
     bytes: usize,
     /// The base model's shapes it was checked against.
     base: BaseShape,
@@ -188,7 +278,7 @@ pub struct LoraAdapter {
 
 /// What of a base model an adapter's placement depends on.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct BaseShape {
+pub(crate) struct BaseShape {
     layers: usize,
     hidden: usize,
     intermediate: usize,
@@ -245,17 +335,15 @@ impl LoraAdapter {
             .iter()
             .flatten()
             .flatten()
-            .map(|p| p.target)
+            .flat_map(|g| g.pairs.iter().map(|p| p.target))
             .collect();
         seen.sort();
         seen.dedup();
         seen
     }
 
-    fn pairs(&self, layer: usize, proj: Proj) -> &[Pair] {
-        self.layers
-            .get(layer)
-            .map_or(&[], |l| l[proj.index()].as_slice())
+    fn group(&self, layer: usize, proj: Proj) -> Option<&Group> {
+        self.layers.get(layer)?[proj.index()].as_ref()
     }
 }
 
@@ -359,7 +447,8 @@ fn build(
         (RowOrder::LlamaCpp, Arch::Qwen2) => RowOrder::Hf,
         (o, _) => o,
     };
-    let mut layers: Vec<[Vec<Pair>; 4]> = (0..cfg.num_layers).map(|_| Default::default()).collect();
+    let mut placed: Vec<[Vec<Placed>; 4]> =
+        (0..cfg.num_layers).map(|_| Default::default()).collect();
     let mut seen = std::collections::HashSet::new();
     let (mut rank, mut bytes) = (0, 0);
     for p in raw.pairs {
@@ -402,32 +491,23 @@ fn build(
             b = reorder_rows(&b, heads, cfg.head_dim, r, base_order);
         }
         let (proj, offset) = p.target.place(cfg);
-        let on_device = if device.is_cpu() {
-            None
-        } else {
-            Some((
-                Tensor::from_slice(&p.a, (r, fan_in), device)?,
-                Tensor::from_slice(&b, (fan_out, r), device)?,
-            ))
-        };
         rank = rank.max(r);
         bytes += (p.a.len() + b.len()) * size_of::<f32>();
-        layers[p.layer][proj.index()].push(Pair {
+        placed[p.layer][proj.index()].push(Placed {
             target: p.target,
-            a: p.a,
-            b,
             rank: r,
             fan_in,
             fan_out,
             offset,
             scale: (raw.scale)(r),
-            on_device,
+            a: p.a,
+            b,
         });
     }
-    for layer in &mut layers {
-        for pairs in layer.iter_mut() {
-            pairs.sort_by_key(|p| p.offset);
-        }
+    let mut layers = Vec::with_capacity(placed.len());
+    for layer in placed {
+        let [a, b, c, d] = layer.map(|p| Group::new(p, device));
+        layers.push([a?, b?, c?, d?]);
     }
     static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     Ok(LoraAdapter {

@@ -1,0 +1,294 @@
+//! The two halves of a LoRA update of one row, `y += s · B (A x)`, with the factors stored
+//! transposed (`model::lora`): `shrink` (`u = A x`) and `expand` (`y += s · B u`).
+//!
+//! Both are written once over [`super::simd`] and run 16, 8 or 4 lanes at a time on AVX-512,
+//! AVX2 or NEON, or as plain loops; each lane does the portable loop's operations in its order
+//! (a multiply, then an add: never a fused multiply-add), so every path gives the same bits.
+//! Nothing depends on other rows, so a row's update is the same alone or in any batch.
+//!
+//! - `shrink`: `u[j] = (p0[j] + p1[j]) + (p2[j] + p3[j])`, where running sum `pc` adds
+//!   `A[j][i] · x[i]` for the inputs `i ≡ c (mod 4)` in order; lanes run over `j`, and the four
+//!   sums are independent chains.
+//! - `expand`: `y[o] += s · Σ_j B[o][j] · u[j]`, the sum in order of `j` from 0; lanes run over
+//!   `o`, four vectors of outputs at a time (independent chains), the sum kept in registers.
+
+use super::simd::F32Path;
+
+/// Running sums `shrink` keeps along the input.
+const SPLIT: usize = 4;
+
+/// `u = A x` for `at` = Aᵀ (`[fan_in][rank]`, row-major) and `x` (`fan_in` long).
+pub fn shrink(at: &[f32], rank: usize, x: &[f32]) -> Vec<f32> {
+    assert_eq!(at.len(), x.len() * rank, "Aᵀ is not {} x {rank}", x.len());
+    let mut u = vec![0f32; rank];
+    match F32Path::best() {
+        // SAFETY: `best` is a path this CPU has.
+        #[cfg(target_arch = "x86_64")]
+        F32Path::Avx512 => unsafe { vector::shrink_avx512(at, rank, x, &mut u) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        F32Path::Avx2 => unsafe { vector::shrink_avx2(at, rank, x, &mut u) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "aarch64")]
+        F32Path::Neon => unsafe { vector::shrink_neon(at, rank, x, &mut u) },
+        _ => shrink_portable(at, rank, x, &mut u, 0),
+    }
+    u
+}
+
+/// `y[o] += scale · Σ_j B[o][j] · u[j]` for `bt` = Bᵀ (`[u.len()][y.len()]`, row-major).
+pub fn expand(bt: &[f32], u: &[f32], scale: f32, y: &mut [f32]) {
+    assert_eq!(
+        bt.len(),
+        u.len() * y.len(),
+        "Bᵀ is not {} x {}",
+        u.len(),
+        y.len()
+    );
+    match F32Path::best() {
+        // SAFETY: `best` is a path this CPU has.
+        #[cfg(target_arch = "x86_64")]
+        F32Path::Avx512 => unsafe { vector::expand_avx512(bt, u, scale, y) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        F32Path::Avx2 => unsafe { vector::expand_avx2(bt, u, scale, y) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "aarch64")]
+        F32Path::Neon => unsafe { vector::expand_neon(bt, u, scale, y) },
+        _ => expand_portable(bt, u, scale, y, 0),
+    }
+}
+
+/// [`shrink`] for `u[from..]`, one element at a time: the reference, and the vector paths' tail.
+fn shrink_portable(at: &[f32], rank: usize, x: &[f32], u: &mut [f32], from: usize) {
+    for (j, uj) in u.iter_mut().enumerate().skip(from) {
+        let mut p = [0f32; SPLIT];
+        for (i, &xi) in x.iter().enumerate() {
+            p[i % SPLIT] += at[i * rank + j] * xi;
+        }
+        *uj = (p[0] + p[1]) + (p[2] + p[3]);
+    }
+}
+
+/// [`expand`] for `y[from..]`, one element at a time: the reference, and the vector paths' tail.
+fn expand_portable(bt: &[f32], u: &[f32], scale: f32, y: &mut [f32], from: usize) {
+    let n = y.len();
+    for (o, yo) in y.iter_mut().enumerate().skip(from) {
+        let mut acc = 0f32;
+        for (j, &uj) in u.iter().enumerate() {
+            acc += bt[j * n + o] * uj;
+        }
+        *yo += scale * acc;
+    }
+}
+
+mod vector {
+    use crate::kernels::simd::*;
+
+    /// [`super::shrink_portable`] a vector of `u` at a time; the tail on the portable loop.
+    ///
+    /// # Safety
+    /// The CPU has `S`'s features; `at` is `[x.len()][rank]` and `u` is `rank` long.
+    #[inline(always)]
+    unsafe fn shrink<S: F32s>(at: &[f32], rank: usize, x: &[f32], u: &mut [f32]) {
+        let lanes = S::LANES;
+        let mut j = 0;
+        // SAFETY: the caller checked `S`'s features; lanes j..j + LANES of every row of `at`
+        // and of `u` are in bounds (j + LANES <= rank).
+        unsafe {
+            while j + lanes <= rank {
+                let mut p = [S::splat(0.0); super::SPLIT];
+                let mut i = 0;
+                while i + super::SPLIT <= x.len() {
+                    for (c, pc) in p.iter_mut().enumerate() {
+                        let a = S::load(at.as_ptr().add((i + c) * rank + j));
+                        *pc = S::add(*pc, S::mul(a, S::splat(x[i + c])));
+                    }
+                    i += super::SPLIT;
+                }
+                for (c, &xi) in x[i..].iter().enumerate() {
+                    let a = S::load(at.as_ptr().add((i + c) * rank + j));
+                    p[c] = S::add(p[c], S::mul(a, S::splat(xi)));
+                }
+                let v = S::add(S::add(p[0], p[1]), S::add(p[2], p[3]));
+                S::store(u.as_mut_ptr().add(j), v);
+                j += lanes;
+            }
+        }
+        super::shrink_portable(at, rank, x, u, j);
+    }
+
+    /// [`super::expand_portable`] four vectors of `y` at a time, then one, then the portable
+    /// loop for the tail.
+    ///
+    /// # Safety
+    /// The CPU has `S`'s features; `bt` is `[u.len()][y.len()]`.
+    #[inline(always)]
+    unsafe fn expand<S: F32s>(bt: &[f32], u: &[f32], scale: f32, y: &mut [f32]) {
+        const BLOCK: usize = 4;
+        let (lanes, n) = (S::LANES, y.len());
+        let mut o = 0;
+        // SAFETY: the caller checked `S`'s features; lanes o..o + width of every row of `bt`
+        // and of `y` are in bounds.
+        unsafe {
+            let s = S::splat(scale);
+            while o + BLOCK * lanes <= n {
+                let mut acc = [S::splat(0.0); BLOCK];
+                for (j, &uj) in u.iter().enumerate() {
+                    let w = S::splat(uj);
+                    for (b, a) in acc.iter_mut().enumerate() {
+                        let v = S::load(bt.as_ptr().add(j * n + o + b * lanes));
+                        *a = S::add(*a, S::mul(v, w));
+                    }
+                }
+                for (b, a) in acc.into_iter().enumerate() {
+                    let at = y.as_mut_ptr().add(o + b * lanes);
+                    S::store(at, S::add(S::load(at), S::mul(s, a)));
+                }
+                o += BLOCK * lanes;
+            }
+            while o + lanes <= n {
+                let mut a = S::splat(0.0);
+                for (j, &uj) in u.iter().enumerate() {
+                    a = S::add(a, S::mul(S::load(bt.as_ptr().add(j * n + o)), S::splat(uj)));
+                }
+                let at = y.as_mut_ptr().add(o);
+                S::store(at, S::add(S::load(at), S::mul(s, a)));
+                o += lanes;
+            }
+        }
+        super::expand_portable(bt, u, scale, y, o);
+    }
+
+    macro_rules! entry {
+        ($shrink:ident, $expand:ident, $s:ty, $feat:literal, $arch:literal) => {
+            /// # Safety
+            /// The CPU has the features named in the attribute.
+            #[cfg(target_arch = $arch)]
+            #[target_feature(enable = $feat)]
+            pub(super) unsafe fn $shrink(at: &[f32], rank: usize, x: &[f32], u: &mut [f32]) {
+                // SAFETY: the caller checked the features; the wrapper checked the shapes.
+                unsafe { shrink::<$s>(at, rank, x, u) }
+            }
+
+            /// # Safety
+            /// The CPU has the features named in the attribute.
+            #[cfg(target_arch = $arch)]
+            #[target_feature(enable = $feat)]
+            pub(super) unsafe fn $expand(bt: &[f32], u: &[f32], scale: f32, y: &mut [f32]) {
+                // SAFETY: as above.
+                unsafe { expand::<$s>(bt, u, scale, y) }
+            }
+        };
+    }
+
+    entry!(shrink_avx512, expand_avx512, Avx512, "avx512f", "x86_64");
+    entry!(shrink_avx2, expand_avx2, Avx2, "avx2,fma", "x86_64");
+    entry!(shrink_neon, expand_neon, Neon, "neon", "aarch64");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Every path this CPU has, for one case: `(u, y)` bits.
+    fn on_every_path(
+        at: &[f32],
+        rank: usize,
+        x: &[f32],
+        bt: &[f32],
+        y0: &[f32],
+    ) -> Vec<(F32Path, Vec<u32>, Vec<u32>)> {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+        F32Path::available()
+            .into_iter()
+            .map(|path| {
+                let mut u = vec![0f32; rank];
+                let mut y = y0.to_vec();
+                match path {
+                    // SAFETY: `available` lists paths this CPU has; shapes as the wrappers check.
+                    #[cfg(target_arch = "x86_64")]
+                    F32Path::Avx512 => unsafe {
+                        vector::shrink_avx512(at, rank, x, &mut u);
+                        vector::expand_avx512(bt, &u, 0.75, &mut y);
+                    },
+                    // SAFETY: as above.
+                    #[cfg(target_arch = "x86_64")]
+                    F32Path::Avx2 => unsafe {
+                        vector::shrink_avx2(at, rank, x, &mut u);
+                        vector::expand_avx2(bt, &u, 0.75, &mut y);
+                    },
+                    // SAFETY: as above.
+                    #[cfg(target_arch = "aarch64")]
+                    F32Path::Neon => unsafe {
+                        vector::shrink_neon(at, rank, x, &mut u);
+                        vector::expand_neon(bt, &u, 0.75, &mut y);
+                    },
+                    _ => {
+                        shrink_portable(at, rank, x, &mut u, 0);
+                        expand_portable(bt, &u, 0.75, &mut y, 0);
+                    }
+                }
+                (path, bits(&u), bits(&y))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn close_to_the_f64_product() {
+        let (fan_in, rank, fan_out) = (45, 6, 21);
+        let at = ferrite_testkit::random::values(fan_in * rank, 1, 1.0);
+        let bt = ferrite_testkit::random::values(rank * fan_out, 2, 1.0);
+        let x = ferrite_testkit::random::values(fan_in, 3, 1.0);
+        let y0 = ferrite_testkit::random::values(fan_out, 4, 1.0);
+        let u = shrink(&at, rank, &x);
+        let mut y = y0.clone();
+        expand(&bt, &u, 0.5, &mut y);
+        for (j, &uj) in u.iter().enumerate() {
+            let want: f64 = (0..fan_in)
+                .map(|i| f64::from(at[i * rank + j] * x[i]))
+                .sum();
+            assert!((f64::from(uj) - want).abs() < 1e-4, "u[{j}] {uj} vs {want}");
+        }
+        for (o, &yo) in y.iter().enumerate() {
+            let d: f64 = (0..rank)
+                .map(|j| f64::from(bt[j * fan_out + o]) * f64::from(u[j]))
+                .sum();
+            let want = f64::from(y0[o]) + 0.5 * d;
+            assert!((f64::from(yo) - want).abs() < 1e-4, "y[{o}] {yo} vs {want}");
+        }
+    }
+
+    #[test]
+    fn vector_paths_this_cpu_lacks_are_named() {
+        for (path, name, have) in F32Path::all() {
+            if !have {
+                eprintln!("lora kernels: skipping the {name} path ({path:?}): this CPU lacks it");
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Every vector path gives the portable loop's bits, at every shape (both tails).
+        #[test]
+        fn vector_paths_match_portable(
+            fan_in in 1usize..70,
+            rank in 1usize..40,
+            fan_out in 1usize..90,
+            seed in any::<u64>(),
+        ) {
+            let at = ferrite_testkit::random::values(fan_in * rank, seed, 1.0);
+            let bt = ferrite_testkit::random::values(rank * fan_out, seed ^ 1, 1.0);
+            let x = ferrite_testkit::random::values(fan_in, seed ^ 2, 3.0);
+            let y0 = ferrite_testkit::random::values(fan_out, seed ^ 3, 3.0);
+            let runs = on_every_path(&at, rank, &x, &bt, &y0);
+            let (_, u0, y0bits) = runs.last().cloned().expect("the portable path");
+            for (path, u, y) in runs {
+                prop_assert_eq!(&u, &u0, "u on {:?}", path);
+                prop_assert_eq!(&y, &y0bits, "y on {:?}", path);
+            }
+        }
+    }
+}
