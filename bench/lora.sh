@@ -8,7 +8,8 @@
 #   hot load:   POST /v1/load_lora_adapter of one more adapter, PEFT then GGUF form, 3 times
 #               each (unloaded in between), in ms;
 #   memory:     the server's VmRSS before and after loading 8 more adapters, per adapter, and
-#               the f32 bytes one adapter's factors take (from the server's log).
+#               the bytes one adapter's factors take (from the server's log).
+# LORA_DTYPE (default float32) is the server's --lora-dtype.
 #
 #   bench/lora.sh
 set -euo pipefail
@@ -23,7 +24,8 @@ modules=() names=()
 for s in $(seq 1 8); do modules+=("a$s=$dir/s$s/peft"); names+=("a$s"); done
 port=18190 log=/tmp/bench-lora-server.log
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True serve "$port" "$log" --no-enable-prefix-caching \
-  --max-loras 8 --max-lora-rank "$rank" --max-cpu-loras 17 --lora-modules "${modules[@]}"
+  --max-loras 8 --max-lora-rank "$rank" --max-cpu-loras 17 --lora-dtype "${LORA_DTYPE:-float32}" \
+  --lora-modules "${modules[@]}"
 pid=${pids[-1]}
 wait_health "$port"
 url=http://127.0.0.1:$port
@@ -58,5 +60,5 @@ done
 after=$(rss)
 bytes=$(sed -n 's/.*adapter="\{0,1\}a1"\{0,1\}.*bytes=\([0-9]*\).*/\1/p; s/.*adapter=a1 .*bytes=\([0-9]*\).*/\1/p' "$log" | head -1)
 awk -v b="$before" -v a="$after" -v f="${bytes:-0}" 'BEGIN {
-  printf "VmRSS %.1f MiB -> %.1f MiB with 8 more adapters: %.2f MiB each (factors: %.2f MiB f32)\n",
+  printf "VmRSS %.1f MiB -> %.1f MiB with 8 more adapters: %.2f MiB each (factors: %.2f MiB)\n",
     b / 1024, a / 1024, (a - b) / 1024 / 8, f / 1048576 }'

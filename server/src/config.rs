@@ -7,6 +7,7 @@ use clap::Parser;
 use ferrite_runtime::device::{DeviceError, parse_device};
 use ferrite_runtime::engine::{Budget, EngineConfig, KvSizing, Scheduling};
 use ferrite_runtime::kv::CacheDtype;
+use ferrite_runtime::model::lora::LoraDtype;
 use ferrite_runtime::model::{LoadOptions, WeightMode};
 
 #[derive(Debug, Clone, Parser)]
@@ -137,6 +138,10 @@ pub struct ServerArgs {
     /// Largest adapter rank accepted: bounds each adapter's memory and per-token work.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=512))]
     pub max_lora_rank: u64,
+    /// What adapters' factors are kept in: `float32` (exact) or `bfloat16` (half the memory
+    /// and the bytes each step reads per adapter; each factor rounded once at load).
+    #[arg(long, value_enum, default_value_t = LoraDtype::Float32)]
+    pub lora_dtype: LoraDtype,
     /// Most adapters held at once (default: the larger of `--max-loras` and the number of
     /// `--lora-modules`); loading more at runtime is refused.
     #[arg(long)]
@@ -162,6 +167,7 @@ impl ServerArgs {
     pub fn lora_settings(&self) -> Option<crate::api::lora::LoraSettings> {
         self.lora_enabled().then(|| crate::api::lora::LoraSettings {
             max_rank: self.max_lora_rank as usize,
+            dtype: self.lora_dtype,
             max_loaded: self
                 .max_cpu_loras
                 .unwrap_or((self.max_loras as usize).max(self.lora_modules.len())),

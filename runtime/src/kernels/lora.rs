@@ -1,5 +1,6 @@
 //! The two halves of a LoRA update of one row, `y += s · B (A x)`, with the factors stored
-//! transposed (`model::lora`): `shrink` (`u = A x`) and `expand` (`y += s · B u`).
+//! transposed (`model::lora`): `shrink` (`u = A x`) and `expand` (`y += s · B u`). Factors are
+//! f32 or bfloat16 ([`Factor`]), widened to f32 exactly as they are loaded; the sums are f32.
 //!
 //! Both are written once over [`super::simd`] and run 16, 8 or 4 lanes at a time on AVX-512,
 //! AVX2 or NEON, or as plain loops; each lane does the portable loop's operations in its order
@@ -12,13 +13,50 @@
 //! - `expand`: `y[o] += s · Σ_j B[o][j] · u[j]`, the sum in order of `j` from 0; lanes run over
 //!   `o`, four vectors of outputs at a time (independent chains), the sum kept in registers.
 
-use super::simd::F32Path;
+use half::bf16;
+
+use super::simd::{F32Path, F32s};
+
+/// An element of stored factors: f32 as it is, or bfloat16, whose widening to f32 is exact
+/// (a 16-bit shift), so a kernel sums the same values whatever the path.
+pub(crate) trait Factor: Copy + Send + Sync + 'static {
+    fn widen(self) -> f32;
+    /// [`F32s::LANES`] elements from `p`, widened.
+    ///
+    /// # Safety
+    /// The CPU has `S`'s features; `p` is valid for reading [`F32s::LANES`] elements.
+    unsafe fn load<S: F32s>(p: *const Self) -> S::V;
+}
+
+impl Factor for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    unsafe fn load<S: F32s>(p: *const f32) -> S::V {
+        // SAFETY: as the trait says.
+        unsafe { S::load(p) }
+    }
+}
+
+impl Factor for bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    unsafe fn load<S: F32s>(p: *const bf16) -> S::V {
+        // SAFETY: as the trait says; bf16 is a u16 of the same layout.
+        unsafe { S::load_bf16(p.cast::<u16>()) }
+    }
+}
 
 /// Running sums `shrink` keeps along the input.
 const SPLIT: usize = 4;
 
 /// `u = A x` for `at` = Aᵀ (`[fan_in][rank]`, row-major) and `x` (`fan_in` long).
-pub fn shrink(at: &[f32], rank: usize, x: &[f32]) -> Vec<f32> {
+pub(crate) fn shrink<W: Factor>(at: &[W], rank: usize, x: &[f32]) -> Vec<f32> {
     assert_eq!(at.len(), x.len() * rank, "Aᵀ is not {} x {rank}", x.len());
     let mut u = vec![0f32; rank];
     match F32Path::best() {
@@ -37,7 +75,7 @@ pub fn shrink(at: &[f32], rank: usize, x: &[f32]) -> Vec<f32> {
 }
 
 /// `y[o] += scale · Σ_j B[o][j] · u[j]` for `bt` = Bᵀ (`[u.len()][y.len()]`, row-major).
-pub fn expand(bt: &[f32], u: &[f32], scale: f32, y: &mut [f32]) {
+pub(crate) fn expand<W: Factor>(bt: &[W], u: &[f32], scale: f32, y: &mut [f32]) {
     assert_eq!(
         bt.len(),
         u.len() * y.len(),
@@ -60,29 +98,30 @@ pub fn expand(bt: &[f32], u: &[f32], scale: f32, y: &mut [f32]) {
 }
 
 /// [`shrink`] for `u[from..]`, one element at a time: the reference, and the vector paths' tail.
-fn shrink_portable(at: &[f32], rank: usize, x: &[f32], u: &mut [f32], from: usize) {
+fn shrink_portable<W: Factor>(at: &[W], rank: usize, x: &[f32], u: &mut [f32], from: usize) {
     for (j, uj) in u.iter_mut().enumerate().skip(from) {
         let mut p = [0f32; SPLIT];
         for (i, &xi) in x.iter().enumerate() {
-            p[i % SPLIT] += at[i * rank + j] * xi;
+            p[i % SPLIT] += at[i * rank + j].widen() * xi;
         }
         *uj = (p[0] + p[1]) + (p[2] + p[3]);
     }
 }
 
 /// [`expand`] for `y[from..]`, one element at a time: the reference, and the vector paths' tail.
-fn expand_portable(bt: &[f32], u: &[f32], scale: f32, y: &mut [f32], from: usize) {
+fn expand_portable<W: Factor>(bt: &[W], u: &[f32], scale: f32, y: &mut [f32], from: usize) {
     let n = y.len();
     for (o, yo) in y.iter_mut().enumerate().skip(from) {
         let mut acc = 0f32;
         for (j, &uj) in u.iter().enumerate() {
-            acc += bt[j * n + o] * uj;
+            acc += bt[j * n + o].widen() * uj;
         }
         *yo += scale * acc;
     }
 }
 
 mod vector {
+    use super::Factor;
     use crate::kernels::simd::*;
 
     /// [`super::shrink_portable`] a vector of `u` at a time; the tail on the portable loop.
@@ -90,7 +129,7 @@ mod vector {
     /// # Safety
     /// The CPU has `S`'s features; `at` is `[x.len()][rank]` and `u` is `rank` long.
     #[inline(always)]
-    unsafe fn shrink<S: F32s>(at: &[f32], rank: usize, x: &[f32], u: &mut [f32]) {
+    unsafe fn shrink<S: F32s, W: Factor>(at: &[W], rank: usize, x: &[f32], u: &mut [f32]) {
         let lanes = S::LANES;
         let mut j = 0;
         // SAFETY: the caller checked `S`'s features; lanes j..j + LANES of every row of `at`
@@ -101,13 +140,13 @@ mod vector {
                 let mut i = 0;
                 while i + super::SPLIT <= x.len() {
                     for (c, pc) in p.iter_mut().enumerate() {
-                        let a = S::load(at.as_ptr().add((i + c) * rank + j));
+                        let a = W::load::<S>(at.as_ptr().add((i + c) * rank + j));
                         *pc = S::add(*pc, S::mul(a, S::splat(x[i + c])));
                     }
                     i += super::SPLIT;
                 }
                 for (c, &xi) in x[i..].iter().enumerate() {
-                    let a = S::load(at.as_ptr().add((i + c) * rank + j));
+                    let a = W::load::<S>(at.as_ptr().add((i + c) * rank + j));
                     p[c] = S::add(p[c], S::mul(a, S::splat(xi)));
                 }
                 let v = S::add(S::add(p[0], p[1]), S::add(p[2], p[3]));
@@ -124,7 +163,7 @@ mod vector {
     /// # Safety
     /// The CPU has `S`'s features; `bt` is `[u.len()][y.len()]`.
     #[inline(always)]
-    unsafe fn expand<S: F32s>(bt: &[f32], u: &[f32], scale: f32, y: &mut [f32]) {
+    unsafe fn expand<S: F32s, W: Factor>(bt: &[W], u: &[f32], scale: f32, y: &mut [f32]) {
         const BLOCK: usize = 4;
         let (lanes, n) = (S::LANES, y.len());
         let mut o = 0;
@@ -137,7 +176,7 @@ mod vector {
                 for (j, &uj) in u.iter().enumerate() {
                     let w = S::splat(uj);
                     for (b, a) in acc.iter_mut().enumerate() {
-                        let v = S::load(bt.as_ptr().add(j * n + o + b * lanes));
+                        let v = W::load::<S>(bt.as_ptr().add(j * n + o + b * lanes));
                         *a = S::add(*a, S::mul(v, w));
                     }
                 }
@@ -150,7 +189,8 @@ mod vector {
             while o + lanes <= n {
                 let mut a = S::splat(0.0);
                 for (j, &uj) in u.iter().enumerate() {
-                    a = S::add(a, S::mul(S::load(bt.as_ptr().add(j * n + o)), S::splat(uj)));
+                    let v = W::load::<S>(bt.as_ptr().add(j * n + o));
+                    a = S::add(a, S::mul(v, S::splat(uj)));
                 }
                 let at = y.as_mut_ptr().add(o);
                 S::store(at, S::add(S::load(at), S::mul(s, a)));
@@ -166,18 +206,28 @@ mod vector {
             /// The CPU has the features named in the attribute.
             #[cfg(target_arch = $arch)]
             #[target_feature(enable = $feat)]
-            pub(super) unsafe fn $shrink(at: &[f32], rank: usize, x: &[f32], u: &mut [f32]) {
+            pub(super) unsafe fn $shrink<W: Factor>(
+                at: &[W],
+                rank: usize,
+                x: &[f32],
+                u: &mut [f32],
+            ) {
                 // SAFETY: the caller checked the features; the wrapper checked the shapes.
-                unsafe { shrink::<$s>(at, rank, x, u) }
+                unsafe { shrink::<$s, W>(at, rank, x, u) }
             }
 
             /// # Safety
             /// The CPU has the features named in the attribute.
             #[cfg(target_arch = $arch)]
             #[target_feature(enable = $feat)]
-            pub(super) unsafe fn $expand(bt: &[f32], u: &[f32], scale: f32, y: &mut [f32]) {
+            pub(super) unsafe fn $expand<W: Factor>(
+                bt: &[W],
+                u: &[f32],
+                scale: f32,
+                y: &mut [f32],
+            ) {
                 // SAFETY: as above.
-                unsafe { expand::<$s>(bt, u, scale, y) }
+                unsafe { expand::<$s, W>(bt, u, scale, y) }
             }
         };
     }
@@ -193,11 +243,11 @@ mod tests {
     use proptest::prelude::*;
 
     /// Every path this CPU has, for one case: `(u, y)` bits.
-    fn on_every_path(
-        at: &[f32],
+    fn on_every_path<W: Factor>(
+        at: &[W],
         rank: usize,
         x: &[f32],
-        bt: &[f32],
+        bt: &[W],
         y0: &[f32],
     ) -> Vec<(F32Path, Vec<u32>, Vec<u32>)> {
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
@@ -288,6 +338,15 @@ mod tests {
             for (path, u, y) in runs {
                 prop_assert_eq!(&u, &u0, "u on {:?}", path);
                 prop_assert_eq!(&y, &y0bits, "y on {:?}", path);
+            }
+            // The same with bfloat16 factors, which every path widens exactly.
+            let (at, bt) = (at.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(),
+                            bt.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+            let runs = on_every_path(&at, rank, &x, &bt, &y0);
+            let (_, u0, y0bits) = runs.last().cloned().expect("the portable path");
+            for (path, u, y) in runs {
+                prop_assert_eq!(&u, &u0, "bf16 u on {:?}", path);
+                prop_assert_eq!(&y, &y0bits, "bf16 y on {:?}", path);
             }
         }
     }

@@ -79,6 +79,11 @@ pub(crate) trait F32s {
     /// # Safety
     /// `p` is valid for reading [`F32s::LANES`] floats (unaligned is fine).
     unsafe fn load(p: *const f32) -> Self::V;
+    /// [`F32s::LANES`] bfloat16 values (their bits) widened to f32, exactly.
+    ///
+    /// # Safety
+    /// `p` is valid for reading [`F32s::LANES`] `u16`s (unaligned is fine).
+    unsafe fn load_bf16(p: *const u16) -> Self::V;
     /// # Safety
     /// `p` is valid for writing [`F32s::LANES`] floats (unaligned is fine).
     unsafe fn store(p: *mut f32, v: Self::V);
@@ -194,6 +199,13 @@ mod x86 {
         }
         #[inline]
         #[target_feature(enable = "avx512f")]
+        unsafe fn load_bf16(p: *const u16) -> __m512 {
+            // SAFETY: the caller passes 16 readable values.
+            let h = unsafe { _mm256_loadu_si256(p.cast()) };
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
         unsafe fn store(p: *mut f32, v: __m512) {
             // SAFETY: the caller passes room for 16 floats.
             unsafe { _mm512_storeu_ps(p, v) }
@@ -284,6 +296,13 @@ mod x86 {
         unsafe fn load(p: *const f32) -> __m256 {
             // SAFETY: the caller passes 8 readable floats.
             unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn load_bf16(p: *const u16) -> __m256 {
+            // SAFETY: the caller passes 8 readable values.
+            let h = unsafe { _mm_loadu_si128(p.cast()) };
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
         }
         #[inline]
         #[target_feature(enable = "avx2,fma")]
@@ -392,6 +411,12 @@ mod arm {
         unsafe fn load(p: *const f32) -> float32x4_t {
             // SAFETY: the caller passes 4 readable floats.
             unsafe { vld1q_f32(p) }
+        }
+        #[inline]
+        #[target_feature(enable = "neon")]
+        unsafe fn load_bf16(p: *const u16) -> float32x4_t {
+            // SAFETY: the caller passes 4 readable values.
+            unsafe { vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16(p))) }
         }
         #[inline]
         #[target_feature(enable = "neon")]

@@ -9,14 +9,20 @@ use std::sync::Arc;
 use candle_core::Device;
 use ferrite_runtime::kv::{KvCache, KvCacheConfig};
 use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
-use ferrite_runtime::model::lora::{self, LoraAdapter, LoraError, Target};
+use ferrite_runtime::model::lora::{self, LoraAdapter, LoraDtype, LoraError, LoraOptions, Target};
 use ferrite_runtime::model::{self, LoadOptions, LoadedModel};
 
 use crate::common;
 
 pub fn load_adapter(loaded: &LoadedModel, name: &str, path: &std::path::Path) -> Arc<LoraAdapter> {
-    let adapter = lora::load(name, path, loaded.model.config(), &Device::Cpu, 64)
-        .unwrap_or_else(|e| panic!("load {}: {e}", path.display()));
+    let adapter = lora::load(
+        name,
+        path,
+        loaded.model.config(),
+        &Device::Cpu,
+        LoraOptions::max_rank(64),
+    )
+    .unwrap_or_else(|e| panic!("load {}: {e}", path.display()));
     Arc::new(adapter)
 }
 
@@ -126,7 +132,14 @@ fn bad_adapters_are_refused_with_the_reason() {
     let loaded = model::load(&common::default_model(), &LoadOptions::default()).expect("load");
     let cfg = loaded.model.config();
     let dir = common::lora_adapter_dir(1);
-    let err = lora::load("big", &dir.join("peft"), cfg, &Device::Cpu, 4).expect_err("rank 8 > 4");
+    let err = lora::load(
+        "big",
+        &dir.join("peft"),
+        cfg,
+        &Device::Cpu,
+        LoraOptions::max_rank(4),
+    )
+    .expect_err("rank 8 > 4");
     assert!(
         matches!(
             err,
@@ -142,15 +155,35 @@ fn bad_adapters_are_refused_with_the_reason() {
     // An adapter for another base model: one with a narrower MLP.
     let mut other = cfg.clone();
     other.intermediate_size = 1024;
-    let err = lora::load("other", &dir.join("peft"), &other, &Device::Cpu, 64).expect_err("shapes");
+    let err = lora::load(
+        "other",
+        &dir.join("peft"),
+        &other,
+        &Device::Cpu,
+        LoraOptions::max_rank(64),
+    )
+    .expect_err("shapes");
     assert!(err.to_string().contains("another base model"), "{err}");
 
     // Not an adapter at all: the base model's own GGUF, and a folder without adapter files.
-    let err = lora::load("base", &common::default_model(), cfg, &Device::Cpu, 64)
-        .expect_err("a model is not an adapter");
+    let err = lora::load(
+        "base",
+        &common::default_model(),
+        cfg,
+        &Device::Cpu,
+        LoraOptions::max_rank(64),
+    )
+    .expect_err("a model is not an adapter");
     assert!(err.to_string().contains("not a LoRA adapter"), "{err}");
     let empty = tempdir();
-    let err = lora::load("empty", &empty, cfg, &Device::Cpu, 64).expect_err("empty folder");
+    let err = lora::load(
+        "empty",
+        &empty,
+        cfg,
+        &Device::Cpu,
+        LoraOptions::max_rank(64),
+    )
+    .expect_err("empty folder");
     assert!(err.to_string().contains("adapter_config.json"), "{err}");
 
     // A PEFT folder whose config asks for DoRA.
@@ -165,7 +198,8 @@ fn bad_adapters_are_refused_with_the_reason() {
         r#"{"r": 8, "lora_alpha": 16, "use_dora": true}"#,
     )
     .expect("write");
-    let err = lora::load("dora", &dora, cfg, &Device::Cpu, 64).expect_err("DoRA");
+    let err =
+        lora::load("dora", &dora, cfg, &Device::Cpu, LoraOptions::max_rank(64)).expect_err("DoRA");
     assert!(err.to_string().contains("DoRA"), "{err}");
 }
 
@@ -178,4 +212,47 @@ fn tempdir() -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("temp dir");
     d
+}
+
+/// `--lora-dtype bfloat16`: the factors take half the bytes, each rounded once at load, and the
+/// answers follow the f32 adapter's (the same tokens, or parting only where the f32 run's two
+/// best logits are within 0.5 of each other). First-step logits within 3e-2 relative: the
+/// rounding is ~0.2% of each factor, but the packed weights quantize every projection's input
+/// to 8 bits, which turns last-bit changes into whole steps (packed is ~7e-2 from f32 maths).
+#[test]
+fn bfloat16_factors_take_half_the_memory_and_follow_the_f32_adapter() {
+    let loaded = model::load(&common::default_model(), &LoadOptions::default()).expect("load");
+    let peft = common::lora_adapter_dir(1).join("peft");
+    let f32s = load_adapter(&loaded, "f32", &peft);
+    let opts = LoraOptions {
+        max_rank: 64,
+        dtype: LoraDtype::Bfloat16,
+    };
+    let bf16s = lora::load("bf16", &peft, loaded.model.config(), &Device::Cpu, opts)
+        .map(Arc::new)
+        .expect("load as bfloat16");
+    assert_eq!(bf16s.bytes() * 2, f32s.bytes());
+    for q in questions() {
+        let p = prompt(&loaded, q);
+        let mut seqs = vec![seq(p.clone(), Some(&f32s)), seq(p, Some(&bf16s))];
+        for s in &mut seqs {
+            s.max_new_tokens = 24;
+        }
+        run(&loaded, &mut seqs);
+        let err = common::rel_err(&seqs[1].all_logits[0], &seqs[0].all_logits[0]);
+        eprintln!("{q:?}: bfloat16 factors, first-step relative logit error {err:.2e}");
+        assert!(err < 3e-2, "{q}: {err}");
+        let (ours, exact) = (&seqs[1].generated, &seqs[0].generated);
+        let same = ours.iter().zip(exact).take_while(|(a, b)| a == b).count();
+        if same < exact.len() {
+            let mut top = seqs[0].all_logits[same].clone();
+            top.sort_by(|a, b| b.total_cmp(a));
+            let gap = top[0] - top[1];
+            eprintln!("{q:?}: parts at token {same}, where f32's top two are {gap:.3} apart");
+            assert!(
+                gap < 0.5,
+                "{q}: parts at token {same} without a near-tie ({gap})"
+            );
+        }
+    }
 }

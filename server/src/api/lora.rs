@@ -11,7 +11,7 @@ use std::sync::{Arc, RwLock};
 use axum::extract::State;
 use ferrite_runtime::device::Device;
 use ferrite_runtime::model::ModelConfig;
-use ferrite_runtime::model::lora::{self, LoraAdapter};
+use ferrite_runtime::model::lora::{self, LoraAdapter, LoraDtype, LoraOptions};
 use serde::Deserialize;
 
 use super::error::ApiError;
@@ -26,6 +26,8 @@ const MAX_NAME_LEN: usize = 128;
 pub struct LoraSettings {
     /// Largest rank accepted (`--max-lora-rank`): bounds the memory and work per adapter.
     pub max_rank: usize,
+    /// What factors are kept in (`--lora-dtype`).
+    pub dtype: LoraDtype,
     /// Most adapters loaded at once (`--max-cpu-loras`): bounds what runtime loads can hold.
     pub max_loaded: usize,
     /// Whether `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` may change the set.
@@ -98,14 +100,13 @@ impl Adapters {
         let path = crate::fetch::resolve(source, &self.settings.download_dir, None)
             .await
             .map_err(|e| ApiError::bad_request(format!("fetching adapter '{name}': {e}")))?;
-        let (name_owned, cfg, device, max_rank) = (
-            name.to_string(),
-            self.model.clone(),
-            self.device.clone(),
-            self.settings.max_rank,
-        );
+        let (name_owned, cfg, device) = (name.to_string(), self.model.clone(), self.device.clone());
+        let opts = LoraOptions {
+            max_rank: self.settings.max_rank,
+            dtype: self.settings.dtype,
+        };
         let adapter = tokio::task::spawn_blocking(move || {
-            lora::load(&name_owned, &path, &cfg, &device, max_rank)
+            lora::load(&name_owned, &path, &cfg, &device, opts)
         })
         .await
         .map_err(|e| ApiError::internal(format!("loading adapter '{name}' panicked: {e}")))?

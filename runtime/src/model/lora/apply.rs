@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
 use rayon::prelude::*;
 
-use super::{Group, LoraAdapter, Proj};
+use super::{Factors, Group, LoraAdapter, Proj};
 use crate::kernels::lora;
 use crate::model::cpu_view::contiguous;
 
@@ -105,7 +105,7 @@ impl<'a> LoraStep<'a> {
             let xs = x.index_select(&idx, 0)?.to_dtype(DType::F32)?;
             let at = match &g.at_on_device {
                 Some(t) => t.clone(),
-                None => Tensor::from_slice(&g.at, (g.fan_in, g.rank), &dev)?,
+                None => Tensor::from_slice(&g.at.to_f32(), (g.fan_in, g.rank), &dev)?,
             };
             let u = xs.matmul(&at)?;
             let mut parts = Vec::new();
@@ -113,7 +113,7 @@ impl<'a> LoraStep<'a> {
             for p in &g.pairs {
                 let bt = match &p.bt_on_device {
                     Some(t) => t.clone(),
-                    None => Tensor::from_slice(&p.bt, (p.rank, p.fan_out), &dev)?,
+                    None => Tensor::from_slice(&p.bt.to_f32(), (p.rank, p.fan_out), &dev)?,
                 };
                 if p.offset > col {
                     parts.push(Tensor::zeros((n, p.offset - col), DType::F32, &dev)?);
@@ -205,17 +205,23 @@ impl InplaceOp2 for RowUpdate<'_, '_> {
 
 /// `y += s · B (A x)` for each of the group's targets, on one row (`kernels::lora`).
 fn update_row(g: &Group, x: &[f32], y: &mut [f32]) {
-    let u = lora::shrink(&g.at, g.rank, x);
+    let u = match &g.at {
+        Factors::F32(at) => lora::shrink(at, g.rank, x),
+        Factors::Bf16(at) => lora::shrink(at, g.rank, x),
+    };
     for p in &g.pairs {
-        let out = &mut y[p.offset..][..p.fan_out];
-        lora::expand(&p.bt, &u[p.u_at..p.u_at + p.rank], p.scale, out);
+        let (u, out) = (&u[p.u_at..p.u_at + p.rank], &mut y[p.offset..][..p.fan_out]);
+        match &p.bt {
+            Factors::F32(bt) => lora::expand(bt, u, p.scale, out),
+            Factors::Bf16(bt) => lora::expand(bt, u, p.scale, out),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::lora::{BaseShape, Placed, Target};
+    use crate::model::lora::{BaseShape, LoraDtype, Placed, Target};
     use candle_core::Device;
 
     /// A one-layer adapter updating columns 0..5 and 7..10 of an 11-wide projection of 12
@@ -253,7 +259,7 @@ mod tests {
                 }
             })
             .collect();
-        let group = Group::new(placed, &Device::Cpu).expect("group");
+        let group = Group::new(placed, &Device::Cpu, LoraDtype::Float32).expect("group");
         let adapter = LoraAdapter {
             id: seed,
             name: name.into(),

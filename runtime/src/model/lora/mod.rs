@@ -164,7 +164,7 @@ struct Group {
     /// `R`: the rows of the stacked A.
     rank: usize,
     /// The stacked A, transposed: `[fan_in][rank]`.
-    at: Vec<f32>,
+    at: Factors,
     /// Its targets, by column.
     pairs: Vec<Pair>,
     /// `at` on the model's device, for non-CPU forwards.
@@ -183,7 +183,7 @@ struct Pair {
     offset: usize,
     scale: f32,
     /// B transposed: `[rank][fan_out]`.
-    bt: Vec<f32>,
+    bt: Factors,
     /// `bt` on the model's device, for non-CPU forwards.
     bt_on_device: Option<Tensor>,
 }
@@ -215,7 +215,11 @@ fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 impl Group {
     /// Stacks `placed` (one fused projection's targets, by column) into a group.
-    fn new(mut placed: Vec<Placed>, device: &Device) -> Result<Option<Group>, LoraError> {
+    fn new(
+        mut placed: Vec<Placed>,
+        device: &Device,
+        dtype: LoraDtype,
+    ) -> Result<Option<Group>, LoraError> {
         placed.sort_by_key(|p| p.offset);
         let Some(fan_in) = placed.first().map(|p| p.fan_in) else {
             return Ok(None);
@@ -230,10 +234,14 @@ impl Group {
                     at[i * rank + u_at + j] = p.a[j * fan_in + i];
                 }
             }
-            let bt = transpose(&p.b, p.fan_out, p.rank);
+            let bt = Factors::new(transpose(&p.b, p.fan_out, p.rank), dtype);
             let bt_on_device = match device.is_cpu() {
                 true => None,
-                false => Some(Tensor::from_slice(&bt, (p.rank, p.fan_out), device)?),
+                false => Some(Tensor::from_slice(
+                    &bt.to_f32(),
+                    (p.rank, p.fan_out),
+                    device,
+                )?),
             };
             pairs.push(Pair {
                 target: p.target,
@@ -247,9 +255,10 @@ impl Group {
             });
             u_at += p.rank;
         }
+        let at = Factors::new(at, dtype);
         let at_on_device = match device.is_cpu() {
             true => None,
-            false => Some(Tensor::from_slice(&at, (fan_in, rank), device)?),
+            false => Some(Tensor::from_slice(&at.to_f32(), (fan_in, rank), device)?),
         };
         Ok(Some(Group {
             fan_in,
@@ -323,7 +332,7 @@ impl LoraAdapter {
         self.rank
     }
 
-    /// Bytes its factors take (f32), once per device copy.
+    /// Bytes its factors take, once per device copy.
     pub fn bytes(&self) -> usize {
         self.bytes
     }
@@ -405,20 +414,79 @@ enum Format {
     Gguf(PathBuf),
 }
 
+/// What the factors are kept in (vLLM's `--lora-dtype`): f32 keeps any file's values exactly;
+/// bfloat16 halves the memory and the bytes a step reads per adapter, each factor rounded
+/// once at load (to nearest, ties to even) and widened exactly as the kernels read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LoraDtype {
+    #[default]
+    Float32,
+    Bfloat16,
+}
+
+/// How an adapter is loaded.
+#[derive(Debug, Clone, Copy)]
+pub struct LoraOptions {
+    /// Larger ranks are refused (`--max-lora-rank`).
+    pub max_rank: usize,
+    pub dtype: LoraDtype,
+}
+
+impl LoraOptions {
+    /// f32 factors, ranks up to `max_rank`.
+    pub fn max_rank(max_rank: usize) -> Self {
+        Self {
+            max_rank,
+            dtype: LoraDtype::Float32,
+        }
+    }
+}
+
 /// Reads the adapter at `path` (a PEFT folder, its `adapter_model.safetensors`, or a GGUF
-/// LoRA file) for a base model of `cfg` on `device`, refusing ranks above `max_rank`.
+/// LoRA file) for a base model of `cfg` on `device`.
 pub fn load(
     name: &str,
     path: &Path,
     cfg: &ModelConfig,
     device: &Device,
-    max_rank: usize,
+    opts: LoraOptions,
 ) -> Result<LoraAdapter, LoraError> {
     let raw = match format_of(path)? {
         Format::Peft(dir) => peft::read(&dir)?,
         Format::Gguf(file) => gguf::read(&file, cfg)?,
     };
-    build(name, path, raw, cfg, device, max_rank)
+    build(name, path, raw, cfg, device, opts)
+}
+
+/// Stored factors.
+#[derive(Debug)]
+enum Factors {
+    F32(Vec<f32>),
+    Bf16(Vec<half::bf16>),
+}
+
+impl Factors {
+    fn new(v: Vec<f32>, dtype: LoraDtype) -> Self {
+        match dtype {
+            LoraDtype::Float32 => Factors::F32(v),
+            LoraDtype::Bfloat16 => Factors::Bf16(v.into_iter().map(half::bf16::from_f32).collect()),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Factors::F32(v) => v.len() * size_of::<f32>(),
+            Factors::Bf16(v) => v.len() * size_of::<half::bf16>(),
+        }
+    }
+
+    /// The values as f32 (a copy for bfloat16).
+    fn to_f32(&self) -> std::borrow::Cow<'_, [f32]> {
+        match self {
+            Factors::F32(v) => std::borrow::Cow::Borrowed(v),
+            Factors::Bf16(v) => std::borrow::Cow::Owned(v.iter().map(|b| b.to_f32()).collect()),
+        }
+    }
 }
 
 /// Checks every pair against the base model's shapes and places it in its fused projection.
@@ -428,8 +496,9 @@ fn build(
     raw: RawAdapter,
     cfg: &ModelConfig,
     device: &Device,
-    max_rank: usize,
+    opts: LoraOptions,
 ) -> Result<LoraAdapter, LoraError> {
+    let max_rank = opts.max_rank;
     let invalid = |reason: String| LoraError::Invalid {
         path: path.to_path_buf(),
         reason,
@@ -450,7 +519,7 @@ fn build(
     let mut placed: Vec<[Vec<Placed>; 4]> =
         (0..cfg.num_layers).map(|_| Default::default()).collect();
     let mut seen = std::collections::HashSet::new();
-    let (mut rank, mut bytes) = (0, 0);
+    let mut rank = 0;
     for p in raw.pairs {
         let what = format!("layer {} {:?}", p.layer, p.target);
         if p.layer >= cfg.num_layers {
@@ -492,7 +561,6 @@ fn build(
         }
         let (proj, offset) = p.target.place(cfg);
         rank = rank.max(r);
-        bytes += (p.a.len() + b.len()) * size_of::<f32>();
         placed[p.layer][proj.index()].push(Placed {
             target: p.target,
             rank: r,
@@ -506,9 +574,15 @@ fn build(
     }
     let mut layers = Vec::with_capacity(placed.len());
     for layer in placed {
-        let [a, b, c, d] = layer.map(|p| Group::new(p, device));
+        let [a, b, c, d] = layer.map(|p| Group::new(p, device, opts.dtype));
         layers.push([a?, b?, c?, d?]);
     }
+    let bytes = layers
+        .iter()
+        .flatten()
+        .flatten()
+        .map(|g| g.at.bytes() + g.pairs.iter().map(|p| p.bt.bytes()).sum::<usize>())
+        .sum();
     static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     Ok(LoraAdapter {
         id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),

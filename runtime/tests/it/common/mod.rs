@@ -130,8 +130,14 @@ pub fn ours_all_with(
     let mut seqs = vec![GreedySeq::new(prompt, NEW_TOKENS)];
     seqs[0].keep_all_logits = true;
     seqs[0].adapter = adapter.map(|p| {
-        let a = ferrite_runtime::model::lora::load("adapter", p, loaded.model.config(), device, 64)
-            .unwrap_or_else(|e| panic!("load {}: {e}", p.display()));
+        let a = ferrite_runtime::model::lora::load(
+            "adapter",
+            p,
+            loaded.model.config(),
+            device,
+            ferrite_runtime::model::lora::LoraOptions::max_rank(64),
+        )
+        .unwrap_or_else(|e| panic!("load {}: {e}", p.display()));
         std::sync::Arc::new(a)
     });
     run_greedy(&loaded.model, &mut cache, &mut seqs, 7).expect("run");
