@@ -333,20 +333,17 @@ mod tests {
             let bt = ferrite_testkit::random::values(rank * fan_out, seed ^ 1, 1.0);
             let x = ferrite_testkit::random::values(fan_in, seed ^ 2, 3.0);
             let y0 = ferrite_testkit::random::values(fan_out, seed ^ 3, 3.0);
-            let runs = on_every_path(&at, rank, &x, &bt, &y0);
-            let (_, u0, y0bits) = runs.last().cloned().expect("the portable path");
-            for (path, u, y) in runs {
-                prop_assert_eq!(&u, &u0, "u on {:?}", path);
-                prop_assert_eq!(&y, &y0bits, "y on {:?}", path);
-            }
-            // The same with bfloat16 factors, which every path widens exactly.
-            let (at, bt) = (at.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(),
-                            bt.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
-            let runs = on_every_path(&at, rank, &x, &bt, &y0);
-            let (_, u0, y0bits) = runs.last().cloned().expect("the portable path");
-            for (path, u, y) in runs {
-                prop_assert_eq!(&u, &u0, "bf16 u on {:?}", path);
-                prop_assert_eq!(&y, &y0bits, "bf16 y on {:?}", path);
+            // f32 factors, then the same rounded to bfloat16, which every path widens exactly.
+            let half = |v: &[f32]| v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
+            for (dtype, runs) in [
+                ("f32", on_every_path(&at, rank, &x, &bt, &y0)),
+                ("bf16", on_every_path(&half(&at), rank, &x, &half(&bt), &y0)),
+            ] {
+                let (_, u0, y0bits) = runs.last().cloned().expect("the portable path");
+                for (path, u, y) in runs {
+                    prop_assert_eq!(&u, &u0, "{} u on {:?}", dtype, path);
+                    prop_assert_eq!(&y, &y0bits, "{} y on {:?}", dtype, path);
+                }
             }
         }
     }
