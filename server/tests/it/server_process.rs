@@ -65,3 +65,30 @@ fn cuda_device_without_the_feature_is_refused() {
     ]);
     assert!(err.contains("--features cuda"), "{err}");
 }
+
+/// A `--lora-modules` adapter that cannot be loaded stops the start, as in vLLM, and the
+/// termination message (what Kubernetes shows) names the adapter and why.
+#[test]
+fn an_adapter_that_does_not_load_stops_the_start_with_the_reason() {
+    let model = ferrite_testkit::model::default_model();
+    let dir = std::env::temp_dir().join(format!("ferrite-lora-term-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let message = dir.join("termination-log");
+    std::fs::write(&message, "").expect("empty termination log");
+    let err = run_failing(&[
+        "--model",
+        model.to_str().expect("utf-8"),
+        "--lora-modules",
+        "sql=/nonexistent/sql-adapter",
+        "--termination-message-path",
+        message.to_str().expect("utf-8"),
+    ]);
+    assert!(err.contains("LoRA adapter sql"), "{err}");
+    let written = std::fs::read_to_string(&message).expect("termination log");
+    assert!(
+        written.starts_with("ModelLoadFailed: LoRA adapter sql")
+            && written.contains("/nonexistent/sql-adapter"),
+        "{written}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
