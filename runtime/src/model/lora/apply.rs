@@ -3,8 +3,8 @@
 //!
 //! On the CPU each row is updated alone, in a fixed order of operations (`kernels::lora`), so
 //! a row's result does not depend on the rows beside it and the forward stays bitwise batch
-//! invariant with adapters mixed in. Elsewhere the rows of each adapter
-//! are gathered and multiplied as small matrix products.
+//! invariant with adapters mixed in. Elsewhere the rows of each adapter are gathered and
+//! multiplied as small matrix products.
 
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
 use rayon::prelude::*;
