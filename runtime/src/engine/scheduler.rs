@@ -313,8 +313,9 @@ impl Scheduler {
         plan: &mut StepPlan,
     ) -> Result<(), SchedulerError> {
         let mut budget = self.budget(plan);
+        let mut active = distinct_loras(self.running.iter());
         while let Some((n, _)) = (self.swapped.front())
-            .filter(|f| self.lora_fits(f))
+            .filter(|f| self.cfg.lora_fits(&active, f))
             .and_then(|f| self.admit(f, budget, space))
         {
             let mut seq = self
@@ -329,6 +330,7 @@ impl Scheduler {
             plan.swapped_in.push(seq.id);
             plan.scheduled.push(self.cfg.allocate(&mut seq, n, space)?);
             budget -= n;
+            active.extend(seq.lora.filter(|l| !active.contains(l)));
             self.running.push(seq);
         }
         Ok(())
@@ -344,10 +346,12 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         let mut budget = self.budget(plan);
         // First come first served, except that a sequence whose adapter cannot join yet is
-        // passed over (vLLM's skip), so it does not hold up the sequences behind it.
+        // passed over (vLLM's skip), so it does not hold up the sequences behind it. The
+        // running adapters are gathered once, not for every sequence passed over.
+        let mut active = distinct_loras(self.running.iter());
         let mut i = 0;
         while let Some(next) = self.waiting.get(i) {
-            if !self.lora_fits(next) {
+            if !self.cfg.lora_fits(&active, next) {
                 i += 1;
                 continue;
             }
@@ -375,6 +379,7 @@ impl Scheduler {
             }
             plan.scheduled.push(self.cfg.allocate(&mut seq, n, space)?);
             budget -= n;
+            active.extend(seq.lora.filter(|l| !active.contains(l)));
             self.running.push(seq);
         }
         Ok(())
@@ -437,16 +442,6 @@ impl Scheduler {
         space.device.free_all(&seq.blocks)?;
         space.host.free_all(&seq.host_blocks)?;
         Ok(seq)
-    }
-
-    /// Whether `seq` may join the running sequences without their adapters exceeding
-    /// `max_loras`.
-    fn lora_fits(&self, seq: &SeqState) -> bool {
-        let Some(l) = seq.lora else {
-            return true;
-        };
-        let active = distinct_loras(self.running.iter());
-        active.contains(&l) || active.len() < self.cfg.max_loras
     }
 
     /// Adapters of the running and of the queued (waiting or swapped) sequences, each once.
@@ -526,6 +521,13 @@ fn distinct_loras<'a>(seqs: impl Iterator<Item = &'a SeqState>) -> Vec<u64> {
 }
 
 impl SchedulerConfig {
+    /// Whether `seq` may join running sequences whose adapters are `active` without exceeding
+    /// `max_loras`.
+    fn lora_fits(&self, active: &[u64], seq: &SeqState) -> bool {
+        seq.lora
+            .is_none_or(|l| active.contains(&l) || active.len() < self.max_loras)
+    }
+
     /// Gives `seq` the blocks for its next `n` tokens and registers the blocks those tokens
     /// fill in the prefix cache.
     fn allocate(

@@ -8,9 +8,7 @@ use std::path::Path;
 use candle_core::Device;
 use candle_core::quantized::gguf_file::{Content, Value};
 
-use super::config_arch_names;
-use super::peft::matrix;
-use super::{LoraError, RawAdapter, RawPair, RowOrder, Target};
+use super::{LoraError, RawAdapter, RawPair, RowOrder, Target, config_arch_names, matrix};
 use crate::model::ModelConfig;
 
 pub(super) fn read(path: &Path, cfg: &ModelConfig) -> Result<RawAdapter, LoraError> {

@@ -376,6 +376,16 @@ struct RawAdapter {
     order: RowOrder,
 }
 
+/// A 2-D tensor's values as f32 (any float type) and its shape: what both readers hand over.
+fn matrix(t: &Tensor) -> Result<(Vec<f32>, (usize, usize)), candle_core::Error> {
+    let shape = t.dims2()?;
+    let v = t
+        .to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    Ok((v, shape))
+}
+
 /// Where the adapter's files are and which reader they need.
 fn format_of(path: &Path) -> Result<Format, LoraError> {
     let io = |source| LoraError::Io {

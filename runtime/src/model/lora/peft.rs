@@ -5,10 +5,10 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde::Deserialize;
 
-use super::{LoraError, RawAdapter, RawPair, RowOrder, Target};
+use super::{LoraError, RawAdapter, RawPair, RowOrder, Target, matrix};
 
 /// The fields of `adapter_config.json` that change what the weights mean. Options that
 /// change the computation in ways this runtime does not do (DoRA, trained biases, extra
@@ -152,13 +152,6 @@ fn pairs(tensors: &HashMap<String, Tensor>) -> Result<Vec<RawPair>, String> {
     }
     out.sort_by_key(|p| (p.layer, p.target));
     Ok(out)
-}
-
-/// A 2-D tensor's values as f32 (any float type) and its shape.
-pub(super) fn matrix(t: &Tensor) -> Result<(Vec<f32>, (usize, usize)), candle_core::Error> {
-    let shape = t.dims2()?;
-    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    Ok((v, shape))
 }
 
 #[cfg(test)]
