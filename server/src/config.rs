@@ -130,7 +130,7 @@ pub struct ServerArgs {
     /// `{"name": ..., "path": ...}`: a PEFT folder (adapter_config.json and
     /// adapter_model.safetensors) or a llama.cpp GGUF LoRA file, on disk or at any source
     /// `--model` takes. Requests name an adapter in `model`.
-    #[arg(long, num_args = 1.., value_parser = crate::api::lora::parse_module)]
+    #[arg(long, num_args = 1.., value_parser = crate::api::adapters::parse_module)]
     pub lora_modules: Vec<(String, String)>,
     /// Most distinct adapters among the running requests; requests for another adapter wait.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
@@ -164,19 +164,20 @@ impl ServerArgs {
     }
 
     /// What bounds the adapters, when LoRA is on.
-    pub fn lora_settings(&self) -> Option<crate::api::lora::LoraSettings> {
-        self.lora_enabled().then(|| crate::api::lora::LoraSettings {
-            max_rank: self.max_lora_rank as usize,
-            dtype: self.lora_dtype,
-            max_loaded: self
-                .max_cpu_loras
-                .unwrap_or((self.max_loras as usize).max(self.lora_modules.len())),
-            allow_runtime_updates: self.allow_runtime_lora_updating,
-            download_dir: self
-                .download_dir
-                .clone()
-                .unwrap_or_else(crate::fetch::default_cache_dir),
-        })
+    pub fn lora_settings(&self) -> Option<crate::api::adapters::LoraSettings> {
+        self.lora_enabled()
+            .then(|| crate::api::adapters::LoraSettings {
+                max_rank: self.max_lora_rank as usize,
+                dtype: self.lora_dtype,
+                max_loaded: self
+                    .max_cpu_loras
+                    .unwrap_or((self.max_loras as usize).max(self.lora_modules.len())),
+                allow_runtime_updates: self.allow_runtime_lora_updating,
+                download_dir: self
+                    .download_dir
+                    .clone()
+                    .unwrap_or_else(crate::fetch::default_cache_dir),
+            })
     }
 
     /// Whether automatic prefix caching is on.

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
 use ferrite_api::termination::{LOAD_FAILED, START_FAILED};
 use ferrite_runtime::engine::{self, stats::StatsSink};
-use ferrite_server::api::lora::Adapters;
+use ferrite_server::api::adapters::Adapters;
 use ferrite_server::api::{self, state::AppState, state::RequestLimits, state::Serving};
 use ferrite_server::config::ServerArgs;
 use ferrite_server::fetch;

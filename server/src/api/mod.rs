@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP layer. It knows requests, never tensors: everything model-side
 //! goes through the engine handle.
 
+pub mod adapters;
 pub mod chat;
 pub mod completions;
 pub mod error;

@@ -4,8 +4,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use super::adapters::Adapters;
 use super::error::ApiError;
-use super::lora::Adapters;
 use ferrite_runtime::engine::EngineHandle;
 use ferrite_runtime::model::lora::LoraAdapter;
 use ferrite_runtime::model::{ChatTemplate, Tokenizer};
