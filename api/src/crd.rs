@@ -15,6 +15,9 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// The forms of `model.source` and an adapter's `source` (see [`crate::source`]).
+const SOURCE_PATTERN: &str = r"^(/[^\s]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]+|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_.]+)?(/[^\s]*)?|(s3|gs)://[a-z0-9][-a-z0-9_.]*/[^\s?#]+|https?://[^\s/?#]+/[^\s?#]*[^\s?#/])$";
+
 /// Default HTTP port of both runtimes.
 pub const DEFAULT_PORT: i32 = 8000;
 
@@ -71,6 +74,7 @@ impl InferenceService {
     cel,
     doc = "An LLM served over the OpenAI API by ferrite-server or vLLM, with its Deployment, Service, monitoring and autoscaling managed by ferrite-operator.",
     validation = Rule::new("self.metadata.name.size() <= 63").message("the name must be at most 63 characters (it names the Service)"),
+    validation = Rule::new("has(self.spec.model.servedName) || !has(self.spec.model.adapters) || self.spec.model.adapters.all(a, a.name != self.metadata.name)").message("an adapter may not have the model's served name (the resource's name when servedName is unset)"),
     status = "InferenceServiceStatus",
     scale(
         spec_replicas_path = ".spec.replicas",
@@ -103,6 +107,9 @@ impl InferenceService {
 #[x_kube(validation = Rule::new(
     "!has(self.modelCache) || !self.model.source.startsWith('pvc://')"
 ).message("modelCache is for downloaded models; a pvc:// model is mounted from its claim directly"))]
+#[x_kube(validation = Rule::new(
+    "!has(self.model.adapters) || !has(self.model.servedName) || self.model.adapters.all(a, a.name != self.model.servedName)"
+).message("an adapter may not have the model's servedName"))]
 #[serde(rename_all = "camelCase")]
 pub struct InferenceServiceSpec {
     /// What to serve.
@@ -233,9 +240,7 @@ pub struct ModelSpec {
     /// `gs://<bucket>/<key>` or `https://<host>/<path>` URL (a key ending in `/` is a folder).
     /// Remote sources are downloaded by the runtime at start into `modelCache` (else an
     /// emptyDir), resuming an interrupted download; credentials come from `secretRef`.
-    #[schemars(regex(
-        pattern = r"^(/[^\s]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]+|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_.]+)?(/[^\s]*)?|(s3|gs)://[a-z0-9][-a-z0-9_.]*/[^\s?#]+|https?://[^\s/?#]+/[^\s?#]*[^\s?#/])$"
-    ))]
+    #[schemars(regex(pattern = SOURCE_PATTERN))]
     pub source: String,
     /// A Secret in the namespace whose keys become the server's environment, for downloads:
     /// `HF_TOKEN` (gated Hugging Face repositories, for ferrite and vLLM alike), `HF_ENDPOINT`
@@ -259,6 +264,68 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^[0-9a-fA-F]{64}$"))]
     pub sha256: Option<String>,
+    /// LoRA adapters served on this model, each under its own name, which clients send as
+    /// `model`. The operator loads and unloads them on the running pods through the
+    /// runtime's `/v1/load_lora_adapter` API, so editing this list restarts no pod; a new pod
+    /// gets the current list once it is ready. Per adapter, `status.adapters` says how many
+    /// ready replicas serve it, or why none do.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.all(a, self.exists_one(b, b.name == a.name))").message("adapter names must be unique"))]
+    pub adapters: Vec<AdapterSpec>,
+    /// LoRA limits of each replica. LoRA is on when this is set or `adapters` is not empty;
+    /// set it (`lora: {}`) to keep it on while the list is empty, so the first adapter added
+    /// restarts no pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraSpec>,
+}
+
+/// One LoRA adapter of the model (KServe's `model.lora.adapters`, vLLM's `--lora-modules`).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterSpec {
+    /// The `model` id clients send for it: letters, digits, `-`, `_` and `.`; not the
+    /// model's served name.
+    #[schemars(length(min = 1, max = 128))]
+    #[schemars(regex(pattern = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"))]
+    pub name: String,
+    /// Where it is, in the forms `model.source` takes: a Hugging Face PEFT folder
+    /// (`adapter_config.json` + `adapter_model.safetensors`) or a llama.cpp GGUF LoRA file.
+    /// ferrite reads every form; vLLM reads paths, `pvc://` and `hf://` repositories. A
+    /// `pvc://` claim is mounted read-only into every pod (a claim no other adapter uses
+    /// restarts the pods once).
+    #[schemars(regex(pattern = SOURCE_PATTERN))]
+    #[schemars(length(max = 2048))]
+    pub source: String,
+    /// A Secret whose keys become the server's environment for this adapter's download, as
+    /// `model.secretRef`. The pods carry every Secret the adapters name, so naming one that
+    /// no other adapter (nor the model) uses restarts the pods once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretRef>,
+}
+
+/// LoRA limits of each replica, as vLLM's flags.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(
+    "!has(self.maxAdapters) || !has(self.maxCpuAdapters) || self.maxCpuAdapters >= self.maxAdapters"
+).message("lora.maxCpuAdapters must be at least lora.maxAdapters"))]
+pub struct LoraSpec {
+    /// Most distinct adapters in one batch (`--max-loras`, default 4); requests for
+    /// another wait their turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 256))]
+    pub max_adapters: Option<i32>,
+    /// Largest adapter rank accepted (`--max-lora-rank`, default 16); a larger adapter is
+    /// refused and `status.adapters` says so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 512))]
+    pub max_rank: Option<i32>,
+    /// Most adapters a replica holds (`--max-cpu-loras`, default 16): `adapters` may list no
+    /// more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub max_cpu_adapters: Option<i32>,
 }
 
 /// A Secret in the InferenceService's namespace.
@@ -771,6 +838,26 @@ pub struct InferenceServiceStatus {
     /// The signals the autoscaler last read from the pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub current_metrics: Option<CurrentMetrics>,
+    /// Each adapter of `spec.model.adapters`: the ready replicas serving it, and why the
+    /// others do not.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<AdapterStatus>,
+}
+
+/// One adapter as the replicas serve it.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterStatus {
+    pub name: String,
+    /// Ready replicas that have it loaded.
+    pub ready_replicas: i32,
+    /// Why a ready replica does not (CamelCase: `LoadFailed`, `Loading`, `Unreachable`), when
+    /// one does not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The runtime's own words for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 /// Load signals read from the pods' /metrics, as the autoscaler uses them.

@@ -5,6 +5,7 @@
 //! Reconcile runs dereference → validate → build → apply → status; `build` and `status` are
 //! pure, `controller` does the I/O.
 
+pub mod adapters;
 pub mod autoscale;
 pub mod build;
 pub mod cache;

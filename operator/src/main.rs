@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
+use ferrite_operator::adapters::sync::{AdapterSync, AdapterViews};
 use ferrite_operator::autoscale::runner::{Autoscaler, Views};
 use ferrite_operator::autoscale::store::SignalStore;
 use ferrite_operator::cache::Caches;
@@ -71,6 +72,10 @@ struct Args {
     /// that cannot renew for two thirds of it exits.
     #[arg(long, default_value_t = 15)]
     lease_seconds: u64,
+    /// Seconds between passes of the adapter sync, which loads and unloads each
+    /// InferenceService's LoRA adapters on its ready pods.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    adapter_sync_seconds: u64,
     /// Log as JSON lines instead of text.
     #[arg(long, env = "FERRITE_LOG_JSON")]
     log_json: bool,
@@ -235,6 +240,7 @@ async fn main() -> anyhow::Result<()> {
         .context("connecting to the Kubernetes API")?;
     let (caches, feeds) = Caches::start(client.clone());
     let views = Views::default();
+    let adapter_views = AdapterViews::default();
     let ctx = Arc::new(Context::new(
         client.clone(),
         operator_config,
@@ -242,7 +248,17 @@ async fn main() -> anyhow::Result<()> {
         Timing::default(),
         caches,
         views.clone(),
+        adapter_views.clone(),
     ));
+    // The adapter sync, like the autoscaler, publishes for the status step and acts only
+    // while this replica leads.
+    let adapters = Arc::new(AdapterSync::new(
+        ctx.caches.clone(),
+        ctx.triggers.clone(),
+        adapter_views,
+        Duration::from_secs(args.adapter_sync_seconds),
+    ));
+    tokio::spawn(adapters.clone().run(stopped(stop_rx.clone())));
     // The autoscaler follows the InferenceServices on its own; the controller only reads
     // what it publishes.
     let autoscaler = Arc::new(Autoscaler::new(
@@ -262,8 +278,10 @@ async fn main() -> anyhow::Result<()> {
         health.ready.store(true, Ordering::Relaxed);
         metrics.leader.set(1);
         autoscaler.set_acting(true);
+        adapters.set_acting(true);
         controller::run(ctx, stopped(stop_rx.clone())).await?;
         autoscaler.set_acting(false);
+        adapters.set_acting(false);
     } else {
         let identity = match &args.identity {
             Some(i) => i.clone(),
@@ -280,6 +298,7 @@ async fn main() -> anyhow::Result<()> {
         let leader = Leader {
             ctx,
             autoscaler,
+            adapters,
             health: &health,
             metrics: &metrics,
         };
@@ -430,6 +449,7 @@ fn hostname() -> String {
 struct Leader<'a> {
     ctx: Arc<Context>,
     autoscaler: Arc<Autoscaler>,
+    adapters: Arc<AdapterSync>,
     health: &'a Health,
     metrics: &'a Metrics,
 }
@@ -443,6 +463,7 @@ impl Leadership for Leader<'_> {
         self.health.ready.store(true, Ordering::Relaxed);
         self.metrics.leader.set(1);
         self.autoscaler.set_acting(true);
+        self.adapters.set_acting(true);
     }
 
     fn lost(&self) {
@@ -451,6 +472,7 @@ impl Leadership for Leader<'_> {
 
     fn ended(&self) {
         self.autoscaler.set_acting(false);
+        self.adapters.set_acting(false);
         self.metrics.leader.set(0);
     }
 }

@@ -8,7 +8,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
-use ferrite_api::crd::{CurrentMetrics, InferenceService, InferenceServiceStatus};
+use ferrite_api::crd::{AdapterStatus, CurrentMetrics, InferenceService, InferenceServiceStatus};
 
 /// Now, as the API server stores a `Time`: in whole seconds. Status holding a finer time would
 /// never compare equal to what was stored, so every reconcile would rewrite it, and every write
@@ -107,6 +107,8 @@ pub struct Observation<'a> {
     pub autoscaling: Option<AutoscaleView>,
     /// Another InferenceService holds this one's served name ([`served_name_conflict`]).
     pub served_name_conflict: Option<Finding>,
+    /// What the adapter sync last found, per declared adapter.
+    pub adapters: Vec<AdapterStatus>,
 }
 
 /// Why `isvc` does not hold its served name, if it does not: an older InferenceService (in any
@@ -322,6 +324,7 @@ pub fn compute(
         desired_replicas: scaling.and_then(|a| a.desired_replicas),
         last_scale_time: scaling.and_then(|a| a.last_scale_time.clone()),
         current_metrics: scaling.and_then(|a| a.metrics.clone()),
+        adapters: obs.adapters.clone(),
     }
 }
 

@@ -114,6 +114,7 @@ fn args(isvc: &InferenceService, model: &ModelMount, kv_cache_bytes: Option<u64>
             }
         }
     }
+    a.extend(super::lora::args(isvc));
     a.extend(isvc.spec.runtime.args.iter().cloned());
     a
 }
@@ -324,14 +325,20 @@ fn server_container(
     }
     volumes.extend(model.volumes);
     mounts.extend(model.mounts);
+    let (adapter_volumes, adapter_mounts) = super::lora::volumes(isvc);
+    volumes.extend(adapter_volumes);
+    mounts.extend(adapter_mounts);
     env.extend(model.env);
+    env.extend(super::lora::env(isvc));
     env.extend(isvc.spec.runtime.env.iter().cloned());
     volumes.extend(p.volumes.iter().cloned());
     mounts.extend(p.volume_mounts.iter().cloned());
-    // The model's Secret first: a key the user also sets through pod.envFrom wins.
+    // The model's Secret first, then the adapters': a key the user also sets through
+    // pod.envFrom wins.
     let env_from: Vec<_> = model
         .env_from
         .into_iter()
+        .chain(super::lora::env_from(isvc))
         .chain(p.env_from.clone())
         .collect();
     let container = Container {

@@ -6,6 +6,7 @@
 pub mod dashboards;
 pub mod deployment;
 pub mod hpa;
+pub mod lora;
 pub mod model;
 pub mod monitor;
 pub mod network_policy;
@@ -81,6 +82,8 @@ pub enum BuildError {
     Rollout(&'static str),
     #[error("resourceProfile {0}")]
     ResourceProfile(String),
+    #[error("{0}")]
+    Adapter(String),
 }
 
 impl BuildError {
@@ -95,6 +98,7 @@ impl BuildError {
             BuildError::PodSettings(_) => "InvalidPodSettings",
             BuildError::Rollout(_) => "InvalidRollout",
             BuildError::ResourceProfile(_) => "ResourceProfileNotFound",
+            BuildError::Adapter(_) => "InvalidAdapter",
         }
     }
 }
@@ -214,6 +218,7 @@ pub fn validate<'a>(
     check_resources(&isvc)?;
     check_mounts(&isvc)?;
     check_rollout(&isvc)?;
+    check_adapters(&isvc)?;
     Ok(Validated {
         isvc,
         owner,
@@ -262,7 +267,12 @@ fn check_resources(isvc: &InferenceService) -> Result<(), BuildError> {
 /// apiserver's budget over lists this long), and the operator's mount points (the scratch
 /// dir, shared memory, the model) stay its own.
 fn check_mounts(isvc: &InferenceService) -> Result<(), BuildError> {
-    const RESERVED: [&str; 3] = ["/tmp", "/dev/shm", model::MODEL_ROOT];
+    const RESERVED: [&str; 4] = [
+        "/tmp",
+        "/dev/shm",
+        model::MODEL_ROOT,
+        crate::adapters::plan::ADAPTER_ROOT,
+    ];
     let pod = &isvc.spec.pod;
     for m in &pod.volume_mounts {
         if !pod.volumes.iter().any(|v| v.name == m.name) {
@@ -279,6 +289,51 @@ fn check_mounts(isvc: &InferenceService) -> Result<(), BuildError> {
             return Err(BuildError::PodSettings(format!(
                 "volumeMounts {:?} at {:?}: {r} is the operator's mount point; mount elsewhere",
                 m.name, m.mount_path
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Every adapter in a form its runtime loads, no more of them than a replica may hold, and
+/// none named as the model is served (the CRD's rules say the same; this holds for objects
+/// stored before them).
+fn check_adapters(isvc: &InferenceService) -> Result<(), BuildError> {
+    let wanted =
+        crate::adapters::plan::wanted(isvc).map_err(|e| BuildError::Adapter(e.to_string()))?;
+    lora::check(isvc)?;
+    let most = lora::max_cpu_adapters(isvc);
+    if wanted.len() > most as usize {
+        return Err(BuildError::Adapter(format!(
+            "model.adapters lists {} adapters and a replica holds at most {most} \
+             (lora.maxCpuAdapters)",
+            wanted.len()
+        )));
+    }
+    let (volumes, _) = lora::volumes(isvc);
+    if let Some(v) = volumes
+        .iter()
+        .find(|v| isvc.spec.pod.volumes.iter().any(|p| p.name == v.name))
+    {
+        return Err(BuildError::Adapter(format!(
+            "pod.volumes {:?} has the name of the volume the operator mounts an adapter claim \
+             with; rename it",
+            v.name
+        )));
+    }
+    let served = ferrite_api::served::served_name(isvc);
+    let mut names = std::collections::BTreeSet::new();
+    for w in &wanted {
+        if w.name == served {
+            return Err(BuildError::Adapter(format!(
+                "model.adapters {:?} has the model's served name",
+                w.name
+            )));
+        }
+        if !names.insert(&w.name) {
+            return Err(BuildError::Adapter(format!(
+                "model.adapters names {:?} twice",
+                w.name
             )));
         }
     }

@@ -66,6 +66,9 @@ pub fn claims(model: Option<&ModelSource>, isvc: &InferenceService) -> Vec<(&'st
             claims.push(("pod.volumes", pvc.claim_name.clone()));
         }
     }
+    for claim in crate::adapters::plan::claims(isvc) {
+        claims.push(("model.adapters", claim));
+    }
     claims
 }
 

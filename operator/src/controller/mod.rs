@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 
 pub use reconcile::reconcile;
 
+use crate::adapters::sync::AdapterViews;
 use crate::autoscale::runner::Views;
 use crate::build::model::claims_of;
 use crate::cache::{Caches, Touch, Triggers};
@@ -130,6 +131,8 @@ pub struct Context {
     pub triggers: Arc<Triggers>,
     /// What the autoscaler publishes for the status step; reconciles only read it.
     pub autoscale: Views,
+    /// What the adapter sync publishes for the status step; reconciles only read it.
+    pub adapters: AdapterViews,
     /// What each child looked like after the operator last wrote it (drift detection).
     pub applied: apply::Memo,
     failures: Mutex<HashMap<String, u32>>,
@@ -152,6 +155,7 @@ impl Context {
         timing: Timing,
         caches: Caches,
         autoscale: Views,
+        adapters: AdapterViews,
     ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.into(),
@@ -162,6 +166,7 @@ impl Context {
         Self {
             recorder,
             autoscale,
+            adapters,
             caches,
             triggers,
             applied: apply::Memo::default(),

@@ -964,3 +964,107 @@ fn model_sha256_reaches_ferrite_server_and_vllm_is_refused() {
     assert_eq!(e.reason(), "InvalidModelSource");
     assert!(e.to_string().contains("model.sha256"), "{e}");
 }
+
+/// LoRA: the limits become flags and runtime updates are allowed; the adapters themselves stay
+/// out of the pod template (the operator loads them through the API), except the claims and
+/// Secrets their sources need.
+#[test]
+fn lora_limits_reach_the_pods_and_the_adapter_list_stays_out_of_the_template() {
+    let two = json!({"model": {"source": "/m.gguf", "adapters": [
+        {"name": "sql", "source": "pvc://adapters/sql"},
+        {"name": "tone", "source": "hf://org/tone-lora", "secretRef": {"name": "hf"}}],
+        "lora": {"maxAdapters": 2, "maxRank": 64}}});
+    let d = built(two.clone(), NO_MONITOR_CRD);
+    assert_eq!(arg(&d, "--max-loras").as_deref(), Some("2"));
+    assert_eq!(arg(&d, "--max-lora-rank").as_deref(), Some("64"));
+    assert_eq!(arg(&d, "--max-cpu-loras").as_deref(), Some("16"));
+    assert!(args(&d).contains(&"--enable-lora".to_string()));
+    assert!(
+        !args(&d)
+            .iter()
+            .any(|a| a.contains("sql") || a.contains("tone"))
+    );
+    let c = server(&d);
+    let env = c.env.clone().unwrap_or_default();
+    assert!(env.iter().any(
+        |e| e.name == "VLLM_ALLOW_RUNTIME_LORA_UPDATING" && e.value.as_deref() == Some("True")
+    ));
+    let mounts = c.volume_mounts.clone().unwrap_or_default();
+    let m = mounts
+        .iter()
+        .find(|m| m.mount_path == "/mnt/adapters/adapters")
+        .expect("the adapter claim is mounted");
+    assert_eq!(m.read_only, Some(true));
+    let from = c.env_from.clone().unwrap_or_default();
+    assert_eq!(
+        from.iter()
+            .filter_map(|f| f.secret_ref.as_ref().map(|s| s.name.as_str()))
+            .collect::<Vec<_>>(),
+        ["hf"]
+    );
+    // Another adapter from the same claim, one removed: the same pod template.
+    let edited = json!({"model": {"source": "/m.gguf", "adapters": [
+        {"name": "sql-v2", "source": "pvc://adapters/sql-v2"},
+        {"name": "tone", "source": "hf://org/tone-lora", "secretRef": {"name": "hf"}}],
+        "lora": {"maxAdapters": 2, "maxRank": 64}}});
+    let template = |d: &Desired| d.deployment.spec.as_ref().map(|s| s.template.clone());
+    assert_eq!(template(&built(edited, NO_MONITOR_CRD)), template(&d));
+    // `lora: {}` keeps LoRA on with no adapter, with the same flags as one adapter.
+    let empty = built(
+        json!({"model": {"source": "/m.gguf", "lora": {}}}),
+        NO_MONITOR_CRD,
+    );
+    let one = built(
+        json!({"model": {"source": "/m.gguf", "lora": {},
+            "adapters": [{"name": "a", "source": "/adapters/a"}]}}),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(template(&empty), template(&one));
+    assert!(args(&empty).contains(&"--enable-lora".to_string()));
+    // No LoRA at all: no flag, no variable.
+    let plain = built(json!({"model": {"source": "/m.gguf"}}), NO_MONITOR_CRD);
+    assert!(!args(&plain).iter().any(|a| a.contains("lora")));
+}
+
+#[test]
+fn adapters_a_runtime_cannot_load_are_refused_with_the_reason() {
+    let refused = |spec: Value| {
+        let e = build(&isvc(spec), &config(), NO_MONITOR_CRD).expect_err("refused");
+        assert_eq!(e.reason(), "InvalidAdapter", "{e}");
+        e.to_string()
+    };
+    let vllm_s3 = refused(json!({"model": {"source": "hf://org/base",
+        "adapters": [{"name": "a", "source": "s3://bucket/a/"}]}, "runtime": {"kind": "vllm"}}));
+    assert!(vllm_s3.contains("s3://"), "{vllm_s3}");
+    let vllm_rev = refused(json!({"model": {"source": "hf://org/base",
+        "adapters": [{"name": "a", "source": "hf://org/a@v2"}]}, "runtime": {"kind": "vllm"}}));
+    assert!(vllm_rev.contains("revision"), "{vllm_rev}");
+    let vllm_rank = refused(
+        json!({"model": {"source": "hf://org/base", "lora": {"maxRank": 20}},
+        "runtime": {"kind": "vllm"}}),
+    );
+    assert!(vllm_rank.contains("maxRank 20"), "{vllm_rank}");
+    let too_many = refused(
+        json!({"model": {"source": "/m.gguf", "lora": {"maxCpuAdapters": 1},
+        "adapters": [{"name": "a", "source": "/a"}, {"name": "b", "source": "/b"}]}}),
+    );
+    assert!(too_many.contains("at most 1"), "{too_many}");
+    let same_name = refused(json!({"model": {"source": "/m.gguf",
+        "adapters": [{"name": "chat", "source": "/a"}]}}));
+    assert!(same_name.contains("served name"), "{same_name}");
+    let twice = refused(json!({"model": {"source": "/m.gguf",
+        "adapters": [{"name": "a", "source": "/a"}, {"name": "a", "source": "/b"}]}}));
+    assert!(twice.contains("twice"), "{twice}");
+    let bad = refused(json!({"model": {"source": "/m.gguf",
+        "adapters": [{"name": "a", "source": "pvc://claim-only"}]}}));
+    assert!(bad.contains("pvc://claim-only"), "{bad}");
+    // vLLM loads a path, a claim and a whole repository; ferrite every form.
+    let ok = json!({"model": {"source": "hf://org/base", "adapters": [
+        {"name": "a", "source": "/a"}, {"name": "b", "source": "pvc://c/b"},
+        {"name": "c", "source": "hf://org/c"}]}, "runtime": {"kind": "vllm"}});
+    build(&isvc(ok), &config(), NO_MONITOR_CRD).expect("vLLM adapters");
+    let ok = json!({"model": {"source": "/m.gguf", "adapters": [
+        {"name": "a", "source": "s3://b/a/"}, {"name": "b", "source": "hf://org/b@v2/x.gguf"},
+        {"name": "c", "source": "https://h/a.gguf"}]}});
+    build(&isvc(ok), &config(), NO_MONITOR_CRD).expect("ferrite adapters");
+}

@@ -137,6 +137,7 @@ fn context_and_writers(
         timing(),
         caches,
         Views::default(),
+        Default::default(),
     );
     (Arc::new(ctx), writers)
 }

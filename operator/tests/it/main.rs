@@ -10,6 +10,7 @@ mod autoscale_algorithm;
 mod autoscale_e2e;
 mod build;
 mod controller;
+mod e2e_adapters;
 mod e2e_api;
 mod e2e_leader;
 mod e2e_reconcile;

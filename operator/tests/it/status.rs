@@ -153,6 +153,7 @@ fn obs<'a>(d: Option<&'a Deployment>, desired: i32) -> Observation<'a> {
         url: Some("http://x".into()),
         autoscaling: None,
         served_name_conflict: None,
+        adapters: Vec::new(),
     }
 }
 

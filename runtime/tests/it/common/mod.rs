@@ -1,10 +1,6 @@
 //! Shared helpers for tests that need the default model.
 #![allow(dead_code)]
 
-use std::hash::{Hash, Hasher};
-use std::path::PathBuf;
-use std::process::Command;
-
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use ferrite_runtime::engine::sampler::argmax;
@@ -12,7 +8,7 @@ use ferrite_runtime::kv::{KvCache, KvCacheConfig};
 use ferrite_runtime::model::attention::AttentionBackend;
 use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
 use ferrite_runtime::model::{self, LoadOptions, WeightMode};
-pub use ferrite_testkit::model::default_model;
+pub use ferrite_testkit::model::{default_model, lora_adapter_dir};
 
 pub mod batches;
 pub mod tiny;
@@ -149,42 +145,6 @@ pub fn ours_all_with(
     let s = seqs.pop().expect("seq");
     let text = loaded.tokenizer.decode(&s.generated, true).expect("decode");
     (s.all_logits, s.generated, text)
-}
-
-/// The folder `scripts/lora-adapter.py --seed SEED` wrote for the default model (`peft/` and
-/// `adapter.gguf`), made once per version of the script next to the model.
-pub fn lora_adapter_dir(seed: u64) -> PathBuf {
-    let src = default_model();
-    let script = ferrite_testkit::kube::workspace_root().join("scripts/lora-adapter.py");
-    let text = std::fs::read(&script).expect("scripts/lora-adapter.py");
-    let mut h = std::hash::DefaultHasher::new();
-    text.hash(&mut h);
-    let out = src.with_file_name(format!("lora-{:016x}-seed{seed}", h.finish()));
-    if !out.join("adapter.gguf").exists() {
-        // Tests run in parallel processes: each writes its own copy and the first to finish
-        // puts it in place.
-        let partial = out.with_extension(format!("partial-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&partial);
-        let status = Command::new(ferrite_testkit::tools::python())
-            .arg(&script)
-            .arg(&partial)
-            .arg("--model")
-            .arg(&src)
-            .arg("--seed")
-            .arg(seed.to_string())
-            .status()
-            .expect("run scripts/lora-adapter.py");
-        assert!(status.success(), "scripts/lora-adapter.py failed: {status}");
-        if std::fs::rename(&partial, &out).is_err() {
-            assert!(
-                out.join("adapter.gguf").exists(),
-                "could not put {} in place",
-                out.display()
-            );
-            let _ = std::fs::remove_dir_all(&partial);
-        }
-    }
-    out
 }
 
 pub fn prompt_ids() -> Vec<u32> {
