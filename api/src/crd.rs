@@ -848,6 +848,7 @@ pub struct InferenceServiceStatus {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct AdapterStatus {
+    /// The adapter's name, as in `spec.model.adapters`.
     pub name: String,
     /// Ready replicas that have it loaded.
     pub ready_replicas: i32,
