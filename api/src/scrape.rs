@@ -16,6 +16,10 @@ use tokio::sync::Semaphore;
 
 use crate::exposition;
 use crate::signal::{KV_USAGE, PodMetrics, PodSample, RUNNING, WAITING};
+use crate::vllm;
+
+/// Most adapter names kept from one pod's `vllm:lora_requests_info`.
+const MAX_ADAPTERS: usize = 256;
 
 /// What one pod's `/metrics` may cost. The exposition is the pod's (so the tenant's image's)
 /// to write: it is read as a stream, line by line, keeping only the signals' series, and a
@@ -135,6 +139,9 @@ pub struct PodResult {
     pub name: String,
     pub sample: PodSample,
     pub error: Option<ScrapeError>,
+    /// The LoRA adapters the pod has running or waiting requests for (vLLM's
+    /// `vllm:lora_requests_info`): the ones it holds in its batch slots.
+    pub adapters: Vec<String>,
 }
 
 /// A reusable HTTP client for scraping (keeps connections to the pods alive).
@@ -167,24 +174,18 @@ impl Scraper {
     /// Scrapes every ready pod concurrently; pods that are not ready are not contacted.
     pub async fn scrape_all(&self, pods: &[PodTarget]) -> Vec<PodResult> {
         let futures = pods.iter().map(|pod| async move {
+            let result = |sample, error, adapters| PodResult {
+                name: pod.name.clone(),
+                sample,
+                error,
+                adapters,
+            };
             if !pod.ready {
-                return PodResult {
-                    name: pod.name.clone(),
-                    sample: PodSample::Unready,
-                    error: None,
-                };
+                return result(PodSample::Unready, None, Vec::new());
             }
-            match self.scrape(&pod.base_url).await {
-                Ok(m) => PodResult {
-                    name: pod.name.clone(),
-                    sample: PodSample::Ready(m),
-                    error: None,
-                },
-                Err(e) => PodResult {
-                    name: pod.name.clone(),
-                    sample: PodSample::Missing,
-                    error: Some(e),
-                },
+            match self.read(&pod.base_url).await {
+                Ok((m, adapters)) => result(PodSample::Ready(m), None, adapters),
+                Err(e) => result(PodSample::Missing, Some(e), Vec::new()),
             }
         });
         futures::future::join_all(futures).await
@@ -193,6 +194,11 @@ impl Scraper {
     /// Reads one pod's signals (waiting for a slot among the scraper's concurrent reads;
     /// the timeout covers the read, not the wait).
     pub async fn scrape(&self, base_url: &str) -> Result<PodMetrics, ScrapeError> {
+        self.read(base_url).await.map(|(m, _)| m)
+    }
+
+    /// [`Scraper::scrape`], with the adapters the pod holds.
+    async fn read(&self, base_url: &str) -> Result<(PodMetrics, Vec<String>), ScrapeError> {
         let url = format!("{}/metrics", base_url.trim_end_matches('/'));
         let uri: http::Uri = url.parse().map_err(|_| ScrapeError::Url(url.clone()))?;
         let request = http::Request::get(uri)
@@ -222,7 +228,10 @@ impl Scraper {
 }
 
 /// Reads an exposition as it arrives, within `limits`, keeping only the signals.
-async fn read_signals<B>(mut body: B, limits: &ScrapeLimits) -> Result<PodMetrics, ScrapeError>
+async fn read_signals<B>(
+    mut body: B,
+    limits: &ScrapeLimits,
+) -> Result<(PodMetrics, Vec<String>), ScrapeError>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
@@ -319,7 +328,7 @@ impl LineReader {
         Ok(())
     }
 
-    fn finish(mut self) -> Result<PodMetrics, ScrapeError> {
+    fn finish(mut self) -> Result<(PodMetrics, Vec<String>), ScrapeError> {
         if !self.pending.is_empty() {
             self.line()?;
         }
@@ -334,6 +343,9 @@ struct Signals {
     running: Option<f64>,
     /// Per KV name (current, then old): sum and count.
     kv: [(f64, usize); 2],
+    /// The newest `vllm:lora_requests_info` series (vLLM keeps one per label set it has
+    /// shown, valued at the time it was set): its value and its adapters.
+    lora: Option<(f64, Vec<String>)>,
     series: usize,
 }
 
@@ -347,13 +359,26 @@ impl Signals {
         } else if let Some(i) = KV_USAGE.iter().position(|n| *n == s.name) {
             self.kv[i].0 += s.value;
             self.kv[i].1 += 1;
+        } else if s.name == vllm::LORA_REQUESTS_INFO {
+            if self.lora.as_ref().is_none_or(|(t, _)| s.value > *t) {
+                let adapters = [vllm::LORA_RUNNING, vllm::LORA_WAITING]
+                    .iter()
+                    .filter_map(|l| s.label(l))
+                    .flat_map(|v| v.split(','))
+                    .map(str::trim)
+                    .filter(|a| !a.is_empty())
+                    .take(MAX_ADAPTERS)
+                    .map(str::to_string)
+                    .collect();
+                self.lora = Some((s.value, adapters));
+            }
         } else {
             return;
         }
         self.series += 1;
     }
 
-    fn finish(self) -> Result<PodMetrics, ScrapeError> {
+    fn finish(self) -> Result<(PodMetrics, Vec<String>), ScrapeError> {
         let waiting = self.waiting.ok_or(ScrapeError::NoQueueMetric)?;
         let kv_usage = self
             .kv
@@ -361,13 +386,17 @@ impl Signals {
             .find(|(_, n)| *n > 0)
             .map(|(sum, n)| sum / *n as f64);
         let finite = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
-        Ok(PodMetrics {
+        let mut adapters = self.lora.map(|(_, a)| a).unwrap_or_default();
+        adapters.sort_unstable();
+        adapters.dedup();
+        let metrics = PodMetrics {
             waiting: finite(waiting),
             running: finite(self.running.unwrap_or(0.0)),
             kv_usage: kv_usage
                 .filter(|v| v.is_finite())
                 .map(|v| v.clamp(0.0, 1.0)),
-        })
+        };
+        Ok((metrics, adapters))
     }
 }
 
@@ -381,7 +410,7 @@ mod tests {
     fn pod_metrics(samples: &[exposition::Sample]) -> Result<PodMetrics, ScrapeError> {
         let mut signals = Signals::default();
         samples.iter().for_each(|s| signals.add(s));
-        signals.finish()
+        signals.finish().map(|(m, _)| m)
     }
 
     fn metrics(text: &str) -> Result<PodMetrics, ScrapeError> {
@@ -423,7 +452,7 @@ mod tests {
         for c in text.chunks(chunk.max(1)) {
             r.feed(c)?;
         }
-        r.finish()
+        r.finish().map(|(m, _)| m)
     }
 
     #[test]
@@ -471,6 +500,28 @@ mod tests {
             .collect::<String>();
         let (_, why) = kind(many).expect("series");
         assert!(why.contains("series"), "{why}");
+    }
+
+    /// vLLM keeps a series per label set it has shown; the newest (largest value, the time it
+    /// was set) says which adapters are in the batch now.
+    #[test]
+    fn the_adapters_come_from_the_newest_lora_info_series() {
+        let text = "vllm:num_requests_waiting 0\n\
+             vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"old\",waiting_lora_adapters=\"\"} 100\n\
+             vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql,tone\",waiting_lora_adapters=\"fresh\"} 200\n\
+             vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 150\n";
+        let mut signals = Signals::default();
+        for sample in exposition::parse(text).expect("parses") {
+            signals.add(&sample);
+        }
+        let (_, adapters) = signals.finish().expect("signals");
+        assert_eq!(adapters, ["fresh", "sql", "tone"]);
+        let mut r = LineReader::new(ScrapeLimits::default());
+        r.feed(b"vllm:num_requests_waiting 0\n").expect("feeds");
+        assert!(
+            r.finish().expect("signals").1.is_empty(),
+            "no LoRA, no adapters"
+        );
     }
 
     #[test]

@@ -18,7 +18,7 @@ use ferrite_api::signal::PodSample;
 use crate::registry::Registry;
 use crate::work::Work;
 
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct PodLoad {
     /// Waiting + running at the last scrape, less this router's requests open when that
     /// scrape began: other routers' and direct clients' requests.
@@ -30,6 +30,8 @@ struct PodLoad {
     /// Set aside until then: it refused a connection (its pod may still be listed Ready
     /// while it is gone).
     aside_until: Option<Instant>,
+    /// The LoRA adapters in its batch slots at the last scrape (running or waiting).
+    adapters: Vec<String>,
 }
 
 impl PodLoad {
@@ -143,14 +145,24 @@ impl Loads {
             .is_some_and(|t| Instant::now() < t)
     }
 
+    /// Whether the replica at `base_url` had `adapter` in its batch slots at the last
+    /// scrape, so a request for it starts without swapping an adapter in.
+    pub fn holds(&self, base_url: &str, adapter: &str) -> bool {
+        self.lock()
+            .pods
+            .get(base_url)
+            .is_some_and(|p| p.adapters.iter().any(|a| a == adapter))
+    }
+
     /// Records a scrape of `base_url` that began while this router had `open_then` requests
     /// open there: the scraped count includes those, so the rest is everyone else's. A
     /// failed scrape (`None`) keeps the last estimate.
-    fn scraped(&self, base_url: &str, value: Option<f64>, open_then: u64) {
+    fn scraped(&self, base_url: &str, value: Option<f64>, open_then: u64, adapters: Vec<String>) {
         let mut inner = self.lock();
         let p = inner.pods.entry(base_url.to_string()).or_default();
         if let Some(v) = value {
             p.others = (v - open_then as f64).max(0.0);
+            p.adapters = adapters;
             // It answered: back in.
             p.aside_until = None;
         }
@@ -194,7 +206,7 @@ impl Loads {
                 if let Some(e) = r.error {
                     tracing::debug!(pod = %t.name, error = %e, "scrape failed; keeping the last load");
                 }
-                self.scraped(&t.base_url, value, open_then);
+                self.scraped(&t.base_url, value, open_then, r.adapters);
             }
             let live: Vec<String> = targets.into_iter().map(|t| t.base_url).collect();
             self.retain(&live);
@@ -260,25 +272,39 @@ mod tests {
     fn own_requests_count_at_once_and_others_come_from_the_scrape() {
         let loads = Loads::default();
         let a = "http://10.0.0.1:8000";
-        loads.scraped(a, Some(3.0), 0);
+        loads.scraped(a, Some(3.0), 0, Vec::new());
         // Requests of the typical size: the counts read in units of U.
         let first = loads.open(a, w(U), 0);
         let second = loads.open(a, w(U), 0);
         assert_eq!(loads.get(a), 5.0 * U, "3 others + 2 of ours");
         // A scrape that began with both open counts them: the others are still 3.
-        loads.scraped(a, Some(5.0), 2);
+        loads.scraped(a, Some(5.0), 2, Vec::new());
         assert_eq!(loads.get(a), 5.0 * U);
         drop(first);
         drop(second);
         assert_eq!(loads.get(a), 3.0 * U, "ours stop counting when they end");
-        loads.scraped(a, Some(0.0), 0);
+        loads.scraped(a, Some(0.0), 0, Vec::new());
         assert_eq!(loads.get(a), 0.0);
         // A failed scrape keeps the last value, and gone replicas with nothing open go.
-        loads.scraped(a, Some(2.0), 0);
-        loads.scraped(a, None, 0);
+        loads.scraped(a, Some(2.0), 0, Vec::new());
+        loads.scraped(a, None, 0, Vec::new());
         assert_eq!(loads.get(a), 2.0 * U);
         loads.retain(&[]);
         assert_eq!(loads.lock().pods.len(), 0);
+    }
+
+    #[test]
+    fn a_replica_holds_the_adapters_its_last_answered_scrape_listed() {
+        let loads = Loads::default();
+        let a = "http://10.0.0.1:8000";
+        assert!(!loads.holds(a, "sql"));
+        loads.scraped(a, Some(1.0), 0, vec!["sql".into()]);
+        assert!(loads.holds(a, "sql") && !loads.holds(a, "tone"));
+        // A failed scrape keeps what the last one said.
+        loads.scraped(a, None, 0, Vec::new());
+        assert!(loads.holds(a, "sql"));
+        loads.scraped(a, Some(0.0), 0, Vec::new());
+        assert!(!loads.holds(a, "sql"));
     }
 
     #[test]
@@ -288,9 +314,9 @@ mod tests {
         assert!(!loads.is_set_aside(a));
         loads.set_aside(a, Duration::from_secs(10));
         assert!(loads.is_set_aside(a));
-        loads.scraped(a, None, 0);
+        loads.scraped(a, None, 0, Vec::new());
         assert!(loads.is_set_aside(a), "a failed scrape leaves it aside");
-        loads.scraped(a, Some(0.0), 0);
+        loads.scraped(a, Some(0.0), 0, Vec::new());
         assert!(!loads.is_set_aside(a));
     }
 
@@ -300,7 +326,7 @@ mod tests {
         let a = "http://10.0.0.2:8000";
         let r = loads.open(a, w(U), 0);
         // Sent, but not yet admitted when the replica answered the scrape.
-        loads.scraped(a, Some(0.0), 1);
+        loads.scraped(a, Some(0.0), 1, Vec::new());
         assert_eq!(loads.get(a), U);
         drop(r);
         assert_eq!(loads.get(a), 0.0);
@@ -318,7 +344,7 @@ mod tests {
         let typical = loads.lock().typical;
         assert!(typical < 1128.0 && typical != U, "{typical}");
         // One request of someone else's on b counts as a typical one.
-        loads.scraped(b, Some(2.0), 1);
+        loads.scraped(b, Some(2.0), 1, Vec::new());
         assert_eq!(loads.get(b), 80.0 + typical);
         drop(long);
         drop(short);

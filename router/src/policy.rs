@@ -104,6 +104,59 @@ pub fn pick(
     }
 }
 
+/// [`pick`], for a request some replicas (`ready_for`) can start without swapping anything
+/// in: a LoRA adapter already in their batch slots. The first of them, in the order the
+/// policy looks (the ring from the key, else least loaded first), that stays within the load
+/// bound over all the replicas takes it; when none does, or under round-robin, [`pick`]
+/// decides. Either way no replica goes past the bound `pick` keeps.
+pub fn pick_preferring(
+    policy: Policy,
+    ring: &Ring,
+    replicas: &[Replica],
+    request: Request<'_>,
+    epsilon: f64,
+    ready_for: &[bool],
+) -> Option<Decision> {
+    let some = ready_for.iter().any(|p| *p);
+    if some && policy != Policy::RoundRobin && ready_for.len() == replicas.len() {
+        let units = units(replicas, request.work);
+        let epsilon = if request.known { epsilon } else { 0.0 };
+        let bound = bound(&units, epsilon);
+        let order: Vec<usize> = match request.key {
+            Some(key) if policy == Policy::PrefixAffinity && !key.is_empty() => ring
+                .walk(key)
+                .filter_map(|name| replicas.iter().position(|r| r.name == name))
+                .collect(),
+            _ => {
+                let mut by_load: Vec<usize> = (0..replicas.len()).collect();
+                by_load.sort_by(|&a, &b| {
+                    let (a, b) = (&replicas[a], &replicas[b]);
+                    a.load.total_cmp(&b.load).then_with(|| a.name.cmp(&b.name))
+                });
+                by_load
+            }
+        };
+        let first = order.first().copied();
+        if let Some(i) = order
+            .into_iter()
+            .find(|&i| ready_for[i] && units[i] + 1.0 <= bound)
+        {
+            let affinity = match request.key {
+                Some(k) if policy == Policy::PrefixAffinity && !k.is_empty() => {
+                    if Some(i) == first {
+                        Affinity::Kept
+                    } else {
+                        Affinity::Overflowed
+                    }
+                }
+                _ => Affinity::None,
+            };
+            return Some(Decision { index: i, affinity });
+        }
+    }
+    pick(policy, ring, replicas, request, epsilon)
+}
+
 fn least_loaded(replicas: &[Replica]) -> usize {
     let mut best = 0;
     for (i, r) in replicas.iter().enumerate().skip(1) {
@@ -423,6 +476,64 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_replica_holding_the_adapter_takes_it_within_the_bound() {
+        let rs = replicas(&[0.0, 0.0, 0.0]);
+        let names: Vec<&str> = rs.iter().map(|r| r.name.as_str()).collect();
+        let ring = Ring::new(&names);
+        for t in 0..50 {
+            let key = format!("prompt {t}");
+            let plain = affine(&rs, &key);
+            // Only the replica the key would not choose holds the adapter: it takes it.
+            let holder = (plain.index + 1) % 3;
+            let ready: Vec<bool> = (0..3).map(|i| i == holder).collect();
+            let d = pick_preferring(
+                Policy::PrefixAffinity,
+                &ring,
+                &rs,
+                req(Some(&key), 0),
+                0.25,
+                &ready,
+            )
+            .expect("a replica");
+            assert_eq!(d.index, holder);
+            // Nobody holds it: the plain choice.
+            let none = pick_preferring(
+                Policy::PrefixAffinity,
+                &ring,
+                &rs,
+                req(Some(&key), 0),
+                0.25,
+                &[false; 3],
+            );
+            assert_eq!(none, Some(plain));
+        }
+        // The holder is over the bound: someone else takes it.
+        let busy = replicas(&[9.0, 0.0, 0.0]);
+        let d = pick_preferring(
+            Policy::LeastLoad,
+            &ring,
+            &busy,
+            req(None, 0),
+            0.25,
+            &[true, false, false],
+        )
+        .expect("a replica");
+        assert_ne!(d.index, 0);
+        // Least load: the least loaded holder within the bound.
+        let rs = replicas(&[1.0, 0.0, 1.0]);
+        let d = pick_preferring(
+            Policy::LeastLoad,
+            &ring,
+            &rs,
+            req(None, 0),
+            0.25,
+            &[true, false, true],
+        )
+        .expect("a replica");
+        assert_eq!(d.index, 0);
+    }
+
     proptest! {
         /// Whatever the loads and the request's size, prefix affinity never sends a request
         /// to a replica that would then hold more than the bound, and the bound always
@@ -442,6 +553,29 @@ mod tests {
                 let eps = if known { eps } else { 0.0 };
                 prop_assert!(u[d.index] + 1.0 <= bound(&u, eps), "{:?} -> {}", loads, d.index);
                 prop_assert!(d.affinity != Affinity::None);
+            }
+        }
+
+        /// Preferring replicas that hold the request's adapter keeps the same bound.
+        #[test]
+        fn the_load_bound_holds_when_preferring(
+            loads in proptest::collection::vec(0u32..5000, 1..8),
+            ready in proptest::collection::vec(any::<bool>(), 8),
+            key in "[a-z ]{1,40}",
+            work in 1u32..2000,
+            eps in 0.0f64..1.0,
+        ) {
+            let rs = replicas(&loads.iter().map(|&l| f64::from(l)).collect::<Vec<_>>());
+            let names: Vec<&str> = rs.iter().map(|r| r.name.as_str()).collect();
+            let ring = Ring::new(&names);
+            let ready = &ready[..rs.len()];
+            for known in [true, false] {
+                let request = Request { key: Some(&key), work: f64::from(work), turn: 0, known };
+                let d = pick_preferring(Policy::PrefixAffinity, &ring, &rs, request, eps, ready)
+                    .expect("replica");
+                let u = units(&rs, f64::from(work));
+                let eps = if known { eps } else { 0.0 };
+                prop_assert!(u[d.index] + 1.0 <= bound(&u, eps), "{:?} -> {}", loads, d.index);
             }
         }
     }

@@ -153,11 +153,31 @@ fn invalid(message: impl Into<String>, param: Option<&str>) -> Response {
     )
 }
 
-/// `GET /v1/models`: every model, with how many replicas are ready.
+/// `GET /v1/models`: every model, with how many replicas are ready, then each adapter a
+/// service declares (and holds: the oldest declarer of a name) with `parent` set to its
+/// model, as vLLM lists them.
 pub async fn models(State(app): State<Arc<App>>) -> Response {
-    let data: Vec<Value> = app
-        .registry
-        .all()
+    let services = app.registry.all();
+    let adapters: Vec<Value> = services
+        .iter()
+        .flat_map(|s| s.adapters.iter().map(move |a| (s, a)))
+        .filter(|(s, a)| {
+            app.registry
+                .find(a)
+                .is_some_and(|h| h.adapter.is_some() && h.id() == s.id())
+        })
+        .map(|(s, a)| {
+            json!({
+                "id": a,
+                "object": "model",
+                "created": 0,
+                "owned_by": s.id(),
+                "parent": s.model,
+                "root": a,
+            })
+        })
+        .collect();
+    let data: Vec<Value> = services
         .into_iter()
         .map(|s| {
             let state = match (s.endpoints.len(), s.replicas) {
@@ -175,6 +195,7 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
                 "state": state,
             })
         })
+        .chain(adapters)
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
 }
@@ -342,8 +363,14 @@ async fn attempt(
     open_slot: OwnedSemaphorePermit,
 ) -> Response {
     let model = svc.model.as_str();
+    // An adapter's requests are affine among themselves: the replica's prefix cache keys its
+    // blocks by adapter, so the same prompt under another adapter shares nothing.
+    let key = match (&svc.adapter, &parsed.key) {
+        (Some(a), Some(k)) => Some(format!("{a}\u{1f}{k}")),
+        (_, k) => k.clone(),
+    };
     // Asked once per request (a retry is the same request).
-    let known = parsed.key.as_deref().is_some_and(|k| app.recent.seen(k));
+    let known = key.as_deref().is_some_and(|k| app.recent.seen(k));
     // A chat stream opens with the role event before its first token.
     let preamble = u64::from(parts.uri.path().ends_with("/chat/completions"));
     let path = parts
@@ -354,7 +381,15 @@ async fn attempt(
     let ring = app.rings.get(&svc.id(), &names);
     let mut tried: Option<String> = None;
     for attempt in 0..2 {
-        let Some(ep) = pick(app, svc, &ring, parsed, known, tried.as_deref()) else {
+        let Some(ep) = pick(
+            app,
+            svc,
+            &ring,
+            parsed,
+            key.as_deref(),
+            known,
+            tried.as_deref(),
+        ) else {
             break;
         };
         let open = app.loads.open(&ep.base_url, parsed.work, preamble);
@@ -411,6 +446,7 @@ fn pick<'a>(
     svc: &'a Service,
     ring: &Ring,
     parsed: &Parsed,
+    key: Option<&str>,
     known: bool,
     tried: Option<&str>,
 ) -> Option<&'a Endpoint> {
@@ -425,12 +461,22 @@ fn pick<'a>(
         })
         .collect();
     let request = Request {
-        key: parsed.key.as_deref(),
+        key,
         work: parsed.work.total(),
         turn: app.turn.fetch_add(1, Ordering::Relaxed),
         known,
     };
-    let d = policy::pick(svc.policy, ring, &replicas, request, app.config.epsilon)?;
+    let d = match &svc.adapter {
+        Some(adapter) => {
+            let ready_for: Vec<bool> = candidates
+                .iter()
+                .map(|e| app.loads.holds(&e.base_url, adapter))
+                .collect();
+            let eps = app.config.epsilon;
+            policy::pick_preferring(svc.policy, ring, &replicas, request, eps, &ready_for)?
+        }
+        None => policy::pick(svc.policy, ring, &replicas, request, app.config.epsilon)?,
+    };
     app.metrics
         .decisions
         .with_label_values(&[&svc.model, svc.policy.as_str(), d.affinity.as_str()])

@@ -39,6 +39,10 @@ pub struct Service {
     pub degraded: Option<String>,
     /// Ready pods, by name.
     pub endpoints: Vec<Endpoint>,
+    /// The LoRA adapters it declares (`spec.model.adapters`), by name.
+    pub adapters: Vec<String>,
+    /// The adapter the request names, when `model` named one of `adapters`.
+    pub adapter: Option<String>,
 }
 
 impl Service {
@@ -115,7 +119,8 @@ impl Registry {
     /// (always, whatever served names others claim); otherwise the served name's oldest
     /// claimant holds it (creation time, then namespace and name, so every router replica
     /// agrees), and later claimants get none of its traffic (the operator marks them
-    /// `ServedNameConflict`).
+    /// `ServedNameConflict`). A name no service serves may be an adapter's: the oldest
+    /// service declaring it serves it, with [`Service::adapter`] set.
     pub fn find(&self, model: &str) -> Option<Service> {
         let all = self.isvcs.state();
         let live = all.iter().filter(|i| i.meta().deletion_timestamp.is_none());
@@ -126,8 +131,21 @@ impl Registry {
         {
             return Some(self.service(i));
         }
-        let claimants = live.map(|i| &**i).filter(|i| served_name(i) == model);
-        served_name_holder(claimants).map(|i| self.service(i))
+        let claimants = live
+            .clone()
+            .map(|i| &**i)
+            .filter(|i| served_name(i) == model);
+        if let Some(holder) = served_name_holder(claimants) {
+            return Some(self.service(holder));
+        }
+        // An adapter's name, held like a served name: by its oldest declarer.
+        let declarers = live
+            .map(|i| &**i)
+            .filter(|i| i.spec.model.adapters.iter().any(|a| a.name == model));
+        served_name_holder(declarers).map(|i| Service {
+            adapter: Some(model.to_string()),
+            ..self.service(i)
+        })
     }
 
     /// Every service, sorted by model name; a service that does not hold its served name is
@@ -173,6 +191,14 @@ impl Registry {
             replicas: isvc.spec.replicas.unwrap_or(1),
             degraded: degraded_reason(isvc),
             endpoints,
+            adapters: isvc
+                .spec
+                .model
+                .adapters
+                .iter()
+                .map(|a| a.name.clone())
+                .collect(),
+            adapter: None,
             namespace: ns,
             name,
         }

@@ -81,6 +81,100 @@ async fn routes_by_model_across_two_inference_services() {
     assert_eq!(status, 400, "{body}");
 }
 
+/// LoRA adapters behind the router: an adapter's requests reach the service that declares
+/// it (only that service's server has it loaded, so a 200 shows where it went), `/v1/models`
+/// lists each with its parent model, and a name two services declare belongs to the older
+/// (then the first by name), as served names do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapters_route_to_the_service_that_declares_them() {
+    let Some((_cluster, client, ns)) = cluster_with_crd("router-lora").await else {
+        return;
+    };
+    let (a_port, b_port) = (free_port(), free_port());
+    let dirs: Vec<String> = [1, 2]
+        .map(|seed| {
+            ferrite_testkit::model::lora_adapter_dir(seed)
+                .display()
+                .to_string()
+        })
+        .to_vec();
+    let (sql, legal) = (
+        format!("{}/peft", dirs[0]),
+        format!("{}/adapter.gguf", dirs[1]),
+    );
+    create_isvc(
+        &client,
+        &ns,
+        "base-a",
+        json!({"model": {"source": "/models/smol.gguf", "servedName": "model-a",
+            "adapters": [{"name": "sql", "source": sql}, {"name": "shared", "source": sql}]},
+        "runtime": {"port": a_port}}),
+    )
+    .await;
+    create_isvc(
+        &client,
+        &ns,
+        "base-b",
+        json!({"model": {"source": "/models/smol.gguf", "servedName": "model-b",
+            "adapters": [{"name": "legal", "source": legal}, {"name": "shared", "source": legal}]},
+        "runtime": {"port": b_port}}),
+    )
+    .await;
+    let modules = |a: &str, path: &str| [format!("{a}={path}"), format!("shared={path}")];
+    let (ma, mb) = (modules("sql", &sql), modules("legal", &legal));
+    let _a = server_with(
+        "127.0.0.1",
+        a_port,
+        "model-a",
+        &["--lora-modules", &ma[0], &ma[1]],
+    );
+    let _b = server_with(
+        "127.0.0.1",
+        b_port,
+        "model-b",
+        &["--lora-modules", &mb[0], &mb[1]],
+    );
+    ready_pod(&client, &ns, "base-a", "base-a-0", "127.0.0.1").await;
+    ready_pod(&client, &ns, "base-b", "base-b-0", "127.0.0.1").await;
+    let base = router(&client, &ns).await;
+
+    let listed = eventually(WAIT, "the models and adapters in /v1/models", async || {
+        let v = get(format!("{base}/v1/models")).await;
+        let entries: Vec<(String, String, String)> = v["data"]
+            .as_array()?
+            .iter()
+            .map(|m| {
+                let s = |k: &str| m[k].as_str().unwrap_or_default().to_string();
+                (s("id"), s("parent"), s("owned_by"))
+            })
+            .collect();
+        (entries.len() == 5).then_some(entries)
+    })
+    .await;
+    let (a, b) = (format!("{ns}/base-a"), format!("{ns}/base-b"));
+    let e = |id: &str, parent: &str, owner: &str| {
+        (id.to_string(), parent.to_string(), owner.to_string())
+    };
+    assert_eq!(
+        listed,
+        [
+            e("model-a", "", &a),
+            e("model-b", "", &b),
+            e("sql", "model-a", &a),
+            e("shared", "model-a", &a),
+            e("legal", "model-b", &b),
+        ]
+    );
+    for adapter in ["sql", "legal", "shared"] {
+        let (status, body, _) = post(format!("{base}/v1/completions"), completion(adapter)).await;
+        assert_eq!(status, 200, "{adapter}: {body}");
+        assert_eq!(body["model"], adapter, "{body}");
+    }
+    let (status, body, _) =
+        post(format!("{base}/v1/completions"), completion("unknown-lora")).await;
+    assert_eq!(status, 404, "{body}");
+}
+
 /// A request for a service scaled to zero is held, the router scales it up through the scale
 /// subresource, and once a pod turns Ready the request succeeds; with a short cold-start
 /// timeout and nothing starting, the client gets 503 with Retry-After.
