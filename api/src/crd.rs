@@ -321,8 +321,8 @@ pub struct LoraSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 512))]
     pub max_rank: Option<i32>,
-    /// Most adapters a replica holds (`--max-cpu-loras`, default 16): `adapters` may list no
-    /// more.
+    /// Most adapters a replica keeps in memory (`--max-cpu-loras`, default 16); past it the
+    /// least recently used is read again from its file when a request names it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1024))]
     pub max_cpu_adapters: Option<i32>,

@@ -142,8 +142,9 @@ pub struct ServerArgs {
     /// and the bytes each step reads per adapter; each factor rounded once at load).
     #[arg(long, value_enum, default_value_t = LoraDtype::Float32)]
     pub lora_dtype: LoraDtype,
-    /// Most adapters held at once (default: the larger of `--max-loras` and the number of
-    /// `--lora-modules`); loading more at runtime is refused.
+    /// Most adapters held in memory (default: the larger of `--max-loras` and the number of
+    /// `--lora-modules`); past it the least recently used is dropped and read again from its
+    /// file when a request names it, as vLLM pages its CPU cache.
     #[arg(long)]
     pub max_cpu_loras: Option<usize>,
     /// Let `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` change the adapters
@@ -169,7 +170,7 @@ impl ServerArgs {
             .then(|| crate::api::adapters::LoraSettings {
                 max_rank: self.max_lora_rank as usize,
                 dtype: self.lora_dtype,
-                max_loaded: self
+                max_resident: self
                     .max_cpu_loras
                     .unwrap_or((self.max_loras as usize).max(self.lora_modules.len())),
                 allow_runtime_updates: self.allow_runtime_lora_updating,

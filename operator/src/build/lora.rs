@@ -25,7 +25,7 @@ fn spec(isvc: &InferenceService) -> LoraSpec {
     isvc.spec.model.lora.clone().unwrap_or_default()
 }
 
-/// Most adapters one replica holds.
+/// Most adapters one replica keeps in memory.
 pub fn max_cpu_adapters(isvc: &InferenceService) -> i32 {
     let l = spec(isvc);
     l.max_cpu_adapters

@@ -295,21 +295,13 @@ fn check_mounts(isvc: &InferenceService) -> Result<(), BuildError> {
     Ok(())
 }
 
-/// Every adapter in a form its runtime loads, no more of them than a replica may hold, and
-/// none named as the model is served (the CRD's rules say the same; this holds for objects
+/// Every adapter in a form its runtime loads, the LoRA limits the runtime accepts, and none
+/// named as the model is served (the CRD's rules say the same; this holds for objects
 /// stored before them).
 fn check_adapters(isvc: &InferenceService) -> Result<(), BuildError> {
     let wanted =
         crate::adapters::plan::wanted(isvc).map_err(|e| BuildError::Adapter(e.to_string()))?;
     lora::check(isvc)?;
-    let most = lora::max_cpu_adapters(isvc);
-    if wanted.len() > most as usize {
-        return Err(BuildError::Adapter(format!(
-            "model.adapters lists {} adapters and a replica holds at most {most} \
-             (lora.maxCpuAdapters)",
-            wanted.len()
-        )));
-    }
     let (volumes, _) = lora::volumes(isvc);
     if let Some(v) = volumes
         .iter()

@@ -1,10 +1,13 @@
-//! The LoRA adapters one server serves, by the name a request gives in `model`: loaded at
+//! The LoRA adapters one server serves, by the name a request gives in `model`: registered at
 //! start from `--lora-modules` and, when runtime updates are allowed, by the endpoints in
-//! `lora`. A removed adapter's running requests finish with it; new ones cannot name it.
+//! `lora`. At most `--max-cpu-loras` are held in memory; past that the least recently used is
+//! dropped and read again from its (local or downloaded) file when a request names it, as
+//! vLLM's CPU cache pages adapters. A removed or paged-out adapter's running requests finish
+//! with it; new ones cannot name a removed one.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use ferrite_runtime::device::Device;
 use ferrite_runtime::model::ModelConfig;
@@ -15,6 +18,8 @@ use super::error::ApiError;
 
 /// Longest adapter name accepted (it travels in every response and in a metric label).
 const MAX_NAME_LEN: usize = 128;
+/// Most adapters registered at once, resident or not: each costs a table entry and a file.
+pub const MAX_REGISTERED: usize = 1024;
 
 /// What bounds the adapters a server holds.
 #[derive(Debug, Clone)]
@@ -23,22 +28,90 @@ pub struct LoraSettings {
     pub max_rank: usize,
     /// What factors are kept in (`--lora-dtype`).
     pub dtype: LoraDtype,
-    /// Most adapters loaded at once (`--max-cpu-loras`): bounds what runtime loads can hold.
-    pub max_loaded: usize,
+    /// Most adapters held in memory (`--max-cpu-loras`); more are paged in on use.
+    pub max_resident: usize,
     /// Whether `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` may change the set.
     pub allow_runtime_updates: bool,
     /// Where downloads of adapter sources go.
     pub download_dir: PathBuf,
 }
 
-/// One served adapter.
-#[derive(Debug)]
-pub struct ServedAdapter {
-    pub adapter: Arc<LoraAdapter>,
+/// One adapter as `/v1/models` lists it.
+#[derive(Debug, Clone)]
+pub struct Listed {
+    pub name: String,
     /// Where it was loaded from, as given.
     pub source: String,
-    /// Unix seconds it was loaded at.
+    /// Unix seconds it was registered at.
     pub created: u64,
+}
+
+/// One registered adapter (`A`: the handle of one in memory; generic so the paging rule is
+/// tested without loading adapters).
+#[derive(Debug)]
+struct Entry<A = Arc<LoraAdapter>> {
+    source: String,
+    /// The local file or folder it is read from (after any download).
+    path: PathBuf,
+    created: u64,
+    /// In memory, or paged out.
+    resident: Option<A>,
+    /// The table's clock at its last use: the least recent is paged out first.
+    used: u64,
+}
+
+#[derive(Debug)]
+struct Table<A = Arc<LoraAdapter>> {
+    entries: BTreeMap<String, Entry<A>>,
+    clock: u64,
+}
+
+impl<A> Default for Table<A> {
+    fn default() -> Self {
+        Self {
+            entries: BTreeMap::new(),
+            clock: 0,
+        }
+    }
+}
+
+impl<A> Table<A> {
+    /// Marks `name` used now; returns it.
+    fn touch(&mut self, name: &str) -> Option<&mut Entry<A>> {
+        self.clock += 1;
+        let now = self.clock;
+        let e = self.entries.get_mut(name)?;
+        e.used = now;
+        Some(e)
+    }
+
+    /// Pages out the least recently used adapters other than `keep` until at most `max` are
+    /// resident.
+    fn page_out(&mut self, max: usize, keep: &str) {
+        loop {
+            let resident = self
+                .entries
+                .values()
+                .filter(|e| e.resident.is_some())
+                .count();
+            if resident <= max {
+                return;
+            }
+            let Some((name, e)) = self
+                .entries
+                .iter_mut()
+                .filter(|(n, e)| e.resident.is_some() && n.as_str() != keep)
+                .min_by_key(|(_, e)| e.used)
+            else {
+                return;
+            };
+            e.resident = None;
+            tracing::info!(
+                adapter = name.as_str(),
+                "LoRA adapter paged out (--max-cpu-loras)"
+            );
+        }
+    }
 }
 
 /// The adapters one server serves, by name.
@@ -47,7 +120,7 @@ pub struct Adapters {
     settings: LoraSettings,
     model: ModelConfig,
     device: Device,
-    by_name: RwLock<BTreeMap<String, Arc<ServedAdapter>>>,
+    table: Mutex<Table>,
 }
 
 impl Adapters {
@@ -56,7 +129,7 @@ impl Adapters {
             settings,
             model,
             device,
-            by_name: RwLock::default(),
+            table: Mutex::default(),
         }
     }
 
@@ -64,22 +137,84 @@ impl Adapters {
         &self.settings
     }
 
-    /// The adapter named `name`, if this server serves one.
-    pub fn get(&self, name: &str) -> Option<Arc<ServedAdapter>> {
-        self.by_name.read().ok()?.get(name).cloned()
+    fn table(&self) -> Result<MutexGuard<'_, Table>, ApiError> {
+        self.table
+            .lock()
+            .map_err(|_| ApiError::internal("the adapter table's lock is poisoned"))
+    }
+
+    /// Whether an adapter named `name` is served (resident or not).
+    pub fn contains(&self, name: &str) -> bool {
+        self.table().is_ok_and(|t| t.entries.contains_key(name))
     }
 
     /// Every served adapter, by name.
-    pub fn list(&self) -> Vec<(String, Arc<ServedAdapter>)> {
-        self.by_name
-            .read()
-            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+    pub fn list(&self) -> Vec<Listed> {
+        self.table()
+            .map(|t| {
+                t.entries
+                    .iter()
+                    .map(|(name, e)| Listed {
+                        name: name.clone(),
+                        source: e.source.clone(),
+                        created: e.created,
+                    })
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
-    /// Fetches `source` if it is remote, reads the adapter and serves it as `name`. `taken`
-    /// says whether a name is the base model's. Reads files: call off the async workers'
-    /// critical path (the handler runs it on the blocking pool).
+    /// How many adapters are in memory now.
+    pub fn resident(&self) -> usize {
+        self.table()
+            .map(|t| t.entries.values().filter(|e| e.resident.is_some()).count())
+            .unwrap_or(0)
+    }
+
+    /// The adapter named `name` for a request, read again from its file if it was paged out
+    /// (`None`: no such adapter).
+    pub async fn acquire(&self, name: &str) -> Result<Option<Arc<LoraAdapter>>, ApiError> {
+        let path = {
+            let mut t = self.table()?;
+            match t.touch(name) {
+                None => return Ok(None),
+                Some(e) => match &e.resident {
+                    Some(a) => return Ok(Some(a.clone())),
+                    None => e.path.clone(),
+                },
+            }
+        };
+        let adapter = Arc::new(self.read(name, &path).await.map_err(|e| {
+            ApiError::internal(format!("paging in adapter '{name}': {}", e.message))
+        })?);
+        let mut t = self.table()?;
+        let Some(e) = t.touch(name) else {
+            // Unloaded meanwhile: this request still runs with it, as one already running would.
+            return Ok(Some(adapter));
+        };
+        let adapter = e.resident.get_or_insert(adapter).clone();
+        t.page_out(self.settings.max_resident, name);
+        tracing::info!(adapter = name, "LoRA adapter paged in");
+        Ok(Some(adapter))
+    }
+
+    /// Reads and checks the adapter at `path`, off the async workers.
+    async fn read(&self, name: &str, path: &Path) -> Result<LoraAdapter, ApiError> {
+        let (name_owned, cfg, device) = (name.to_string(), self.model.clone(), self.device.clone());
+        let path = path.to_path_buf();
+        let opts = LoraOptions {
+            max_rank: self.settings.max_rank,
+            dtype: self.settings.dtype,
+        };
+        tokio::task::spawn_blocking(move || lora::load(&name_owned, &path, &cfg, &device, opts))
+            .await
+            .map_err(|e| ApiError::internal(format!("loading adapter '{name}' panicked: {e}")))?
+            .map_err(|e| ApiError::bad_request(format!("loading adapter '{name}': {e}")))
+    }
+
+    /// Fetches `source` if it is remote, reads and checks the adapter and serves it as
+    /// `name`, paging out the least recently used one past `--max-cpu-loras`. `taken` says
+    /// whether a name is the base model's.
     pub async fn load(
         &self,
         name: &str,
@@ -87,39 +222,26 @@ impl Adapters {
         taken: impl Fn(&str) -> bool,
     ) -> Result<(), ApiError> {
         check_name(name, &taken)?;
-        if self.get(name).is_some() {
-            return Err(ApiError::bad_request(format!(
+        let already = || {
+            ApiError::bad_request(format!(
                 "The lora adapter '{name}' has already been loaded."
-            )));
+            ))
+        };
+        if self.contains(name) {
+            return Err(already());
         }
         let path = crate::fetch::resolve(source, &self.settings.download_dir, None)
             .await
             .map_err(|e| ApiError::bad_request(format!("fetching adapter '{name}': {e}")))?;
-        let (name_owned, cfg, device) = (name.to_string(), self.model.clone(), self.device.clone());
-        let opts = LoraOptions {
-            max_rank: self.settings.max_rank,
-            dtype: self.settings.dtype,
-        };
-        let adapter = tokio::task::spawn_blocking(move || {
-            lora::load(&name_owned, &path, &cfg, &device, opts)
-        })
-        .await
-        .map_err(|e| ApiError::internal(format!("loading adapter '{name}' panicked: {e}")))?
-        .map_err(|e| ApiError::bad_request(format!("loading adapter '{name}': {e}")))?;
-        let mut map = self
-            .by_name
-            .write()
-            .map_err(|_| ApiError::internal("the adapter table's lock is poisoned"))?;
+        let adapter = self.read(name, &path).await?;
+        let mut t = self.table()?;
         // Checked again under the lock: two loads of one name may have raced.
-        if map.contains_key(name) {
-            return Err(ApiError::bad_request(format!(
-                "The lora adapter '{name}' has already been loaded."
-            )));
+        if t.entries.contains_key(name) {
+            return Err(already());
         }
-        if map.len() >= self.settings.max_loaded {
+        if t.entries.len() >= MAX_REGISTERED {
             return Err(ApiError::bad_request(format!(
-                "this server holds at most {} LoRA adapters (--max-cpu-loras); unload one first",
-                self.settings.max_loaded
+                "this server serves at most {MAX_REGISTERED} LoRA adapters; unload one first"
             )));
         }
         tracing::info!(
@@ -129,24 +251,24 @@ impl Adapters {
             bytes = adapter.bytes(),
             "LoRA adapter loaded"
         );
-        map.insert(
+        t.entries.insert(
             name.to_string(),
-            Arc::new(ServedAdapter {
-                adapter: Arc::new(adapter),
+            Entry {
                 source: source.to_string(),
+                path,
                 created: super::now_secs(),
-            }),
+                resident: Some(Arc::new(adapter)),
+                used: 0,
+            },
         );
+        t.touch(name);
+        t.page_out(self.settings.max_resident, name);
         Ok(())
     }
 
     /// Stops serving `name`; requests already running with it finish.
     pub fn unload(&self, name: &str) -> Result<(), ApiError> {
-        let mut map = self
-            .by_name
-            .write()
-            .map_err(|_| ApiError::internal("the adapter table's lock is poisoned"))?;
-        match map.remove(name) {
+        match self.table()?.entries.remove(name) {
             Some(_) => {
                 tracing::info!(adapter = name, "LoRA adapter unloaded");
                 Ok(())
@@ -219,6 +341,43 @@ mod tests {
         for bad in ["sql", "=x", "sql=", "{\"name\": 1}"] {
             assert!(parse_module(bad).is_err(), "{bad}");
         }
+    }
+
+    /// Paging keeps the most recently used resident, never the one just used, and leaves
+    /// paged-out entries registered.
+    #[test]
+    fn the_least_recently_used_adapters_are_paged_out_first() {
+        let mut t: Table<u32> = Table::default();
+        for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
+            t.entries.insert(
+                name.into(),
+                Entry {
+                    source: name.into(),
+                    path: PathBuf::from(name),
+                    created: 0,
+                    resident: Some(i as u32),
+                    used: 0,
+                },
+            );
+            t.touch(name);
+        }
+        let resident = |t: &Table<u32>| -> Vec<String> {
+            t.entries
+                .iter()
+                .filter(|(_, e)| e.resident.is_some())
+                .map(|(n, _)| n.clone())
+                .collect()
+        };
+        t.touch("a");
+        t.page_out(2, "c");
+        assert_eq!(resident(&t), ["a", "c"], "b was used least recently");
+        t.page_out(1, "c");
+        assert_eq!(
+            resident(&t),
+            ["c"],
+            "the one kept stays even when least recent"
+        );
+        assert_eq!(t.entries.len(), 3, "paged-out adapters stay registered");
     }
 
     #[test]

@@ -26,7 +26,7 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let arrival = std::time::Instant::now();
     let serving = state.serving()?;
-    let model = state.resolve_model(req.model.as_deref())?;
+    let model = state.resolve_generation_model(req.model.as_deref()).await?;
     refuse_unsupported(&req)?;
     let want = wanted_logprobs(&req)?;
     let n = validate::choices_per_prompt(&req.sampling)?;

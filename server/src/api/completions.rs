@@ -27,7 +27,7 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let arrival = std::time::Instant::now();
     let serving = state.serving()?;
-    let model = state.resolve_model(req.model.as_deref())?;
+    let model = state.resolve_generation_model(req.model.as_deref()).await?;
     let want = wanted_logprobs(&req)?;
     let vocab = serving.vocab_size;
     let n = validate::choices_per_prompt(&req.sampling)?;

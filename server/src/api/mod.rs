@@ -89,20 +89,15 @@ async fn models(State(s): State<Arc<AppState>>) -> Json<response::ModelList> {
         max_model_len,
     }];
     if let Some(adapters) = s.loaded().and_then(|l| l.adapters.as_ref()) {
-        data.extend(
-            adapters
-                .list()
-                .into_iter()
-                .map(|(name, a)| response::ModelCard {
-                    id: name,
-                    object: "model",
-                    created: a.created,
-                    owned_by: "ferrite",
-                    root: a.source.clone(),
-                    parent: Some(s.served_model_name.clone()),
-                    max_model_len,
-                }),
-        );
+        data.extend(adapters.list().into_iter().map(|a| response::ModelCard {
+            id: a.name,
+            object: "model",
+            created: a.created,
+            owned_by: "ferrite",
+            root: a.source,
+            parent: Some(s.served_model_name.clone()),
+            max_model_len,
+        }));
     }
     Json(response::ModelList {
         object: "list",

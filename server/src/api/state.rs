@@ -56,7 +56,10 @@ pub struct Serving {
 pub struct Resolved {
     /// The name responses carry.
     pub name: String,
+    /// The adapter itself, once [`AppState::resolve_generation_model`] has it in memory.
     pub adapter: Option<Arc<LoraAdapter>>,
+    /// Whether `name` is an adapter's.
+    pub is_adapter: bool,
 }
 
 impl AppState {
@@ -132,12 +135,37 @@ impl AppState {
         name == self.served_model_name || self.aliases.iter().any(|a| a == name)
     }
 
+    /// [`AppState::resolve_model`], with a named adapter in memory (paged in if it was
+    /// paged out), for a request that generates.
+    pub async fn resolve_generation_model(
+        &self,
+        model: Option<&str>,
+    ) -> Result<Resolved, ApiError> {
+        let mut r = self.resolve_model(model)?;
+        if r.is_adapter {
+            let adapters = self.loaded().and_then(|s| s.adapters.as_ref());
+            r.adapter = match adapters {
+                Some(a) => a.acquire(&r.name).await?,
+                None => None,
+            };
+            if r.adapter.is_none() {
+                // Unloaded between the two looks.
+                return Err(ApiError::invalid_param(
+                    "model",
+                    format!("The model `{}` does not exist.", r.name),
+                ));
+            }
+        }
+        Ok(r)
+    }
+
     /// The base model when `model` is absent or one of its names, else the adapter it names;
     /// 400 for anything else.
     pub fn resolve_model(&self, model: Option<&str>) -> Result<Resolved, ApiError> {
         let base = || Resolved {
             name: self.served_model_name.clone(),
             adapter: None,
+            is_adapter: false,
         };
         let Some(m) = model.filter(|m| !self.is_base_name(m)) else {
             return Ok(base());
@@ -145,13 +173,14 @@ impl AppState {
         let served = self
             .loaded()
             .and_then(|s| s.adapters.as_ref())
-            .and_then(|a| a.get(m));
+            .is_some_and(|a| a.contains(m));
         match served {
-            Some(s) => Ok(Resolved {
+            true => Ok(Resolved {
                 name: m.to_string(),
-                adapter: Some(s.adapter.clone()),
+                adapter: None,
+                is_adapter: true,
             }),
-            None => Err(ApiError::invalid_param(
+            false => Err(ApiError::invalid_param(
                 "model",
                 format!(
                     "The model `{m}` does not exist. This server serves `{}`{}.",

@@ -6,6 +6,7 @@ The Rust test `openai_client.rs` runs pytest with FERRITE_SERVER_BIN and FERRITE
 import os
 import socket
 import subprocess
+import tempfile
 import time
 
 import httpx
@@ -26,6 +27,8 @@ class Server:
     def __init__(self, extra):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        # The server's log, for tests that check what it did.
+        self.logfile = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [
                 os.environ["FERRITE_SERVER_BIN"],
@@ -36,8 +39,8 @@ class Server:
                 "--api-key", API_KEY,
                 *extra,
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=self.logfile,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -50,9 +53,14 @@ class Server:
             time.sleep(0.05)
         raise RuntimeError("server not ready")
 
+    def log(self):
+        self.logfile.seek(0)
+        return self.logfile.read().decode(errors="replace")
+
     def stop(self):
         self.proc.terminate()
         self.proc.wait(timeout=60)
+        self.logfile.close()
 
 
 @pytest.fixture(scope="session")

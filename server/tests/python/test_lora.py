@@ -103,14 +103,11 @@ def test_adapters_load_and_unload_on_the_running_server(lora_server, lc, adapter
     assert "added successfully" in r.text
     assert "sql-gguf" in {m.id for m in lc.models.list().data}
     assert answer(lc, "sql-gguf") == sql
-    # Loading a name twice, past --max-cpu-loras, a base-model name or a model that is no
-    # adapter is refused with the reason; the key is required.
+    # Loading a name twice, a base-model name or a model that is no adapter is refused with
+    # the reason; the key is required.
     again = httpx.post(f"{url}/v1/load_lora_adapter", headers=AUTH,
                        json={"lora_name": "sql-gguf", "lora_path": str(adapters[3] / "peft")})
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
-    full = httpx.post(f"{url}/v1/load_lora_adapter", headers=AUTH,
-                      json={"lora_name": "third", "lora_path": str(adapters[3] / "peft")})
-    assert full.status_code == 400 and "--max-cpu-loras" in full.json()["error"]["message"]
     clash = httpx.post(f"{url}/v1/load_lora_adapter", headers=AUTH,
                        json={"lora_name": MODEL, "lora_path": str(adapters[3] / "peft")})
     assert clash.status_code == 400 and "base model" in clash.json()["error"]["message"]
@@ -130,6 +127,35 @@ def test_adapters_load_and_unload_on_the_running_server(lora_server, lc, adapter
     r = httpx.post(f"{url}/v1/load_lora_adapter", headers=AUTH, timeout=60,
                    json={"lora_name": "third", "lora_path": str(adapters[3] / "peft")})
     assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "third"})
+    assert r.status_code == 200
+
+
+def test_adapters_past_max_cpu_loras_are_paged_in_on_use(adapters):
+    """With --max-cpu-loras 1, three adapters are served: each request pages its adapter in
+    (the least recently used one out) and gets the answer it gets when it stays in memory."""
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    try:
+        s = Server([
+            "--lora-modules", f"one={adapters[1] / 'peft'}", f"two={adapters[2] / 'adapter.gguf'}",
+            "--max-loras", "1", "--max-cpu-loras", "1",
+        ])
+    finally:
+        del os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
+    try:
+        c = openai.OpenAI(base_url=f"{s.base}/v1", api_key=API_KEY, max_retries=0)
+        r = httpx.post(f"{s.base}/v1/load_lora_adapter", headers=AUTH, timeout=60,
+                       json={"lora_name": "three", "lora_path": str(adapters[3] / "peft")})
+        assert r.status_code == 200, r.text
+        assert {m.id for m in c.models.list().data} == {MODEL, "one", "two", "three"}
+        first = {m: answer(c, m) for m in ("one", "two", "three")}
+        assert len(set(first.values())) == 3, first
+        again = {m: answer(c, m) for m in ("three", "one", "two", "one")}
+        assert all(again[m] == first[m] for m in again), (first, again)
+        log = s.log()
+        assert log.count("LoRA adapter paged in") >= 4, log[-2000:]
+    finally:
+        s.stop()
 
 
 def test_requests_of_several_adapters_share_batches_and_keep_their_answers(lc, lora_server):
