@@ -144,6 +144,24 @@ pub struct PodResult {
     pub adapters: Vec<String>,
 }
 
+/// An HTTP/1 client for talking to the pods (the operator's scrapes and adapter calls, the
+/// router's requests), keeping connections alive. One builder, so every client the project
+/// points at a pod closes pooled connections before the pods' servers do.
+pub fn pod_client<B>(connect_timeout: Duration) -> Client<HttpConnector, B>
+where
+    B: http_body::Body + Send,
+    B::Data: Send,
+{
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        // Below the servers' idle timeout (30 s), so a pooled connection is not reused just
+        // as the server closes it.
+        .pool_idle_timeout(Duration::from_secs(20))
+        .build(connector)
+}
+
 /// A reusable HTTP client for scraping (keeps connections to the pods alive).
 #[derive(Clone, Debug)]
 pub struct Scraper {
@@ -157,14 +175,8 @@ pub struct Scraper {
 impl Scraper {
     pub fn new(timeout: Duration) -> Self {
         let limits = ScrapeLimits::default();
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(timeout));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(connector);
         Self {
-            client,
+            client: pod_client(timeout),
             timeout,
             limits,
             slots: Arc::new(Semaphore::new(limits.concurrency.max(1))),

@@ -20,7 +20,6 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use prometheus::Histogram;
 use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
@@ -90,14 +89,7 @@ impl App {
         config: Config,
         kube: Option<kube::Client>,
     ) -> App {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(config.connect_timeout));
-        connector.set_nodelay(true);
-        let client = HttpClient::builder(TokioExecutor::new())
-            // Below the replicas' idle timeout (30 s), so a pooled connection is not reused
-            // just as the replica closes it.
-            .pool_idle_timeout(Duration::from_secs(20))
-            .build(connector);
+        let client = ferrite_api::scrape::pod_client(config.connect_timeout);
         App {
             registry,
             loads,

@@ -9,10 +9,9 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 
-use super::plan::{Resident, Wanted};
+use crate::build::adapters::{Resident, Wanted};
 
 /// Largest answer read from a pod: a model list of a thousand adapters is well under it.
 const MAX_BODY: usize = 1 << 20;
@@ -46,14 +45,8 @@ pub struct PodApi {
 
 impl PodApi {
     pub fn new(timeout: Duration, load_timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(timeout));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(connector);
         Self {
-            client,
+            client: ferrite_api::scrape::pod_client(timeout),
             timeout,
             load_timeout,
         }

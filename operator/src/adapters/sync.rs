@@ -14,8 +14,8 @@ use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 
 use super::client::PodApi;
-use super::plan::{self, Outcome, Replica, Wanted};
 use crate::autoscale::store::Key;
+use crate::build::adapters::{self as plan, Outcome, Replica, Wanted};
 use crate::cache::{Caches, Triggers};
 use ferrite_api::crd::{AdapterStatus, InferenceService};
 use ferrite_api::scrape::{PodTarget, pod_targets};

@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{
 };
 
 use super::BuildError;
-use crate::adapters::plan::{ADAPTER_ROOT, claims, lora_enabled};
+use crate::build::adapters::{ADAPTER_ROOT, claims, lora_enabled};
 use ferrite_api::crd::{InferenceService, LoraSpec, RuntimeKind};
 
 /// `--max-loras` unless `lora.maxAdapters` says otherwise (vLLM's own default, 1, would make

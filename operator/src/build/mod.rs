@@ -3,6 +3,7 @@
 //! into the objects that should exist. No API calls here, so every field is unit-tested
 //! without a cluster.
 
+pub mod adapters;
 pub mod dashboards;
 pub mod deployment;
 pub mod hpa;
@@ -271,7 +272,7 @@ fn check_mounts(isvc: &InferenceService) -> Result<(), BuildError> {
         "/tmp",
         "/dev/shm",
         model::MODEL_ROOT,
-        crate::adapters::plan::ADAPTER_ROOT,
+        crate::build::adapters::ADAPTER_ROOT,
     ];
     let pod = &isvc.spec.pod;
     for m in &pod.volume_mounts {
@@ -300,7 +301,7 @@ fn check_mounts(isvc: &InferenceService) -> Result<(), BuildError> {
 /// stored before them).
 fn check_adapters(isvc: &InferenceService) -> Result<(), BuildError> {
     let wanted =
-        crate::adapters::plan::wanted(isvc).map_err(|e| BuildError::Adapter(e.to_string()))?;
+        crate::build::adapters::wanted(isvc).map_err(|e| BuildError::Adapter(e.to_string()))?;
     lora::check(isvc)?;
     let (volumes, _) = lora::volumes(isvc);
     if let Some(v) = volumes

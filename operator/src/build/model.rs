@@ -66,7 +66,7 @@ pub fn claims(model: Option<&ModelSource>, isvc: &InferenceService) -> Vec<(&'st
             claims.push(("pod.volumes", pvc.claim_name.clone()));
         }
     }
-    for claim in crate::adapters::plan::claims(isvc) {
+    for claim in crate::build::adapters::claims(isvc) {
         claims.push(("model.adapters", claim));
     }
     claims

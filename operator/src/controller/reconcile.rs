@@ -328,7 +328,7 @@ fn status_step(
             isvc,
             ctx.caches.isvcs.state().iter().map(|i| &**i),
         ),
-        adapters: crate::adapters::plan::status_of(isvc, ctx.adapters.get(&Key::new(ns, name))),
+        adapters: crate::build::adapters::status_of(isvc, ctx.adapters.get(&Key::new(ns, name))),
     };
     status::compute(&obs, isvc.status.as_ref(), &status::now())
 }

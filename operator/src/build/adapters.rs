@@ -1,5 +1,6 @@
-//! What each replica must load and unload to serve `spec.model.adapters`, and what
-//! `status.adapters` says of them. Pure: [`super::sync`] does the I/O.
+//! What `spec.model.adapters` implies: the path each runtime loads an adapter from, the
+//! claims they mount, what each replica must load and unload, and what `status.adapters`
+//! says of them. Pure: `crate::adapters::sync` does the I/O.
 
 use std::collections::BTreeMap;
 
