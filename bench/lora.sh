@@ -9,7 +9,7 @@
 #               each (unloaded in between), in ms;
 #   memory:     the server's VmRSS before and after loading 8 more adapters, per adapter, and
 #               the bytes one adapter's factors take (from the server's log).
-# LORA_DTYPE (default float32) is the server's --lora-dtype.
+# LORA_DTYPE (default float32) is the server's --lora-dtype; ROUNDS (default 2) is bench-serve's --rounds.
 #
 #   bench/lora.sh
 set -euo pipefail
@@ -34,7 +34,8 @@ list=$(IFS=,; echo "${names[*]}")
 echo "== throughput (rank $rank, 8 adapters, one per request in turn)"
 "$target"/release/bench-serve --target "base=$url" --target "adapters=$url" \
   --target-models "adapters=$list" --model default \
-  --concurrency "${CONCURRENCY:-8,32}" --repeat "${REPEAT:-2}" --pid "base=$pid" --pid "adapters=$pid"
+  --concurrency "${CONCURRENCY:-8,32}" --repeat "${REPEAT:-2}" --rounds "${ROUNDS:-2}" \
+  --pid "base=$pid" --pid "adapters=$pid"
 
 post() { # path, json body: prints the HTTP status and the milliseconds it took
   curl -s -o /dev/null -w '%{http_code} %{time_total}\n' -H 'Content-Type: application/json' \

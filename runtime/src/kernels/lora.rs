@@ -11,7 +11,11 @@
 //!   `A[j][i] · x[i]` for the inputs `i ≡ c (mod 4)` in order; lanes run over `j`, and the four
 //!   sums are independent chains.
 //! - `expand`: `y[o] += s · Σ_j B[o][j] · u[j]`, the sum in order of `j` from 0; lanes run over
-//!   `o`, four vectors of outputs at a time (independent chains), the sum kept in registers.
+//!   `o`.
+//!
+//! Both read their factors once, front to back, keeping the sums in a small buffer (in L1):
+//! the update of a row is memory-bound (each step reads every adapter's factors once per
+//! row), and one sequential stream is what the prefetchers serve fastest.
 
 use half::bf16;
 
@@ -128,76 +132,69 @@ mod vector {
     ///
     /// # Safety
     /// The CPU has `S`'s features; `at` is `[x.len()][rank]` and `u` is `rank` long.
+    /// One pass down Aᵀ, row by row (a single sequential stream, which the prefetchers
+    /// follow; passing over it once per lane block made `rank / lanes` strided streams), the
+    /// four running sums of every lane kept in a buffer that stays in L1.
     #[inline(always)]
     unsafe fn shrink<S: F32s, W: Factor>(at: &[W], rank: usize, x: &[f32], u: &mut [f32]) {
         let lanes = S::LANES;
-        let mut j = 0;
-        // SAFETY: the caller checked `S`'s features; lanes j..j + LANES of every row of `at`
-        // and of `u` are in bounds (j + LANES <= rank).
+        let wide = rank / lanes * lanes;
+        let mut p = vec![0f32; super::SPLIT * wide];
         unsafe {
-            while j + lanes <= rank {
-                let mut p = [S::splat(0.0); super::SPLIT];
-                let mut i = 0;
-                while i + super::SPLIT <= x.len() {
-                    for (c, pc) in p.iter_mut().enumerate() {
-                        let a = W::load::<S>(at.as_ptr().add((i + c) * rank + j));
-                        *pc = S::add(*pc, S::mul(a, S::splat(x[i + c])));
-                    }
-                    i += super::SPLIT;
+            for (i, &xi) in x.iter().enumerate() {
+                let xi = S::splat(xi);
+                let row = at.as_ptr().add(i * rank);
+                let pc = p.as_mut_ptr().add((i % super::SPLIT) * wide);
+                let mut j = 0;
+                while j < wide {
+                    let a = W::load::<S>(row.add(j));
+                    S::store(pc.add(j), S::add(S::load(pc.add(j)), S::mul(a, xi)));
+                    j += lanes;
                 }
-                for (c, &xi) in x[i..].iter().enumerate() {
-                    let a = W::load::<S>(at.as_ptr().add((i + c) * rank + j));
-                    p[c] = S::add(p[c], S::mul(a, S::splat(xi)));
-                }
-                let v = S::add(S::add(p[0], p[1]), S::add(p[2], p[3]));
+            }
+            let mut j = 0;
+            while j < wide {
+                let sum = |c: usize| S::load(p.as_ptr().add(c * wide + j));
+                let v = S::add(S::add(sum(0), sum(1)), S::add(sum(2), sum(3)));
                 S::store(u.as_mut_ptr().add(j), v);
                 j += lanes;
             }
         }
-        super::shrink_portable(at, rank, x, u, j);
+        super::shrink_portable(at, rank, x, u, wide);
     }
 
-    /// [`super::expand_portable`] four vectors of `y` at a time, then one, then the portable
-    /// loop for the tail.
-    ///
-    /// # Safety
-    /// The CPU has `S`'s features; `bt` is `[u.len()][y.len()]`.
+    /// Bᵀ row by row (one sequential stream; a block of outputs at a time read `rank`
+    /// strided streams at once), the sums kept in a buffer that stays in L1, then added to
+    /// `y` once.
     #[inline(always)]
     unsafe fn expand<S: F32s, W: Factor>(bt: &[W], u: &[f32], scale: f32, y: &mut [f32]) {
-        const BLOCK: usize = 4;
         let (lanes, n) = (S::LANES, y.len());
-        let mut o = 0;
-        // SAFETY: the caller checked `S`'s features; lanes o..o + width of every row of `bt`
-        // and of `y` are in bounds.
+        let wide = n / lanes * lanes;
+        let mut acc = vec![0f32; wide];
         unsafe {
-            let s = S::splat(scale);
-            while o + BLOCK * lanes <= n {
-                let mut acc = [S::splat(0.0); BLOCK];
-                for (j, &uj) in u.iter().enumerate() {
-                    let w = S::splat(uj);
-                    for (b, a) in acc.iter_mut().enumerate() {
-                        let v = W::load::<S>(bt.as_ptr().add(j * n + o + b * lanes));
-                        *a = S::add(*a, S::mul(v, w));
-                    }
+            for (j, &uj) in u.iter().enumerate() {
+                let w = S::splat(uj);
+                let row = bt.as_ptr().add(j * n);
+                let mut o = 0;
+                while o < wide {
+                    let v = W::load::<S>(row.add(o));
+                    let a = acc.as_mut_ptr().add(o);
+                    S::store(a, S::add(S::load(a), S::mul(v, w)));
+                    o += lanes;
                 }
-                for (b, a) in acc.into_iter().enumerate() {
-                    let at = y.as_mut_ptr().add(o + b * lanes);
-                    S::store(at, S::add(S::load(at), S::mul(s, a)));
-                }
-                o += BLOCK * lanes;
             }
-            while o + lanes <= n {
-                let mut a = S::splat(0.0);
-                for (j, &uj) in u.iter().enumerate() {
-                    let v = W::load::<S>(bt.as_ptr().add(j * n + o));
-                    a = S::add(a, S::mul(v, S::splat(uj)));
-                }
+            let s = S::splat(scale);
+            let mut o = 0;
+            while o < wide {
                 let at = y.as_mut_ptr().add(o);
-                S::store(at, S::add(S::load(at), S::mul(s, a)));
+                S::store(
+                    at,
+                    S::add(S::load(at), S::mul(s, S::load(acc.as_ptr().add(o)))),
+                );
                 o += lanes;
             }
         }
-        super::expand_portable(bt, u, scale, y, o);
+        super::expand_portable(bt, u, scale, y, wide);
     }
 
     macro_rules! entry {
