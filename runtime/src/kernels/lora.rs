@@ -140,6 +140,9 @@ mod vector {
         let lanes = S::LANES;
         let wide = rank / lanes * lanes;
         let mut p = vec![0f32; super::SPLIT * wide];
+        // SAFETY: the caller checked `S`'s features; `at` holds `x.len()` rows of `rank` (the
+        // public entry asserts it), so lanes j..j + LANES with j + LANES <= wide <= rank of
+        // every row are in it, and `p` holds SPLIT rows of `wide`.
         unsafe {
             for (i, &xi) in x.iter().enumerate() {
                 let xi = S::splat(xi);
@@ -171,6 +174,9 @@ mod vector {
         let (lanes, n) = (S::LANES, y.len());
         let wide = n / lanes * lanes;
         let mut acc = vec![0f32; wide];
+        // SAFETY: the caller checked `S`'s features; `bt` holds `u.len()` rows of `n` (the
+        // public entry asserts it), so lanes o..o + LANES with o + LANES <= wide <= n of every
+        // row are in it, as they are in `acc` and `y`.
         unsafe {
             for (j, &uj) in u.iter().enumerate() {
                 let w = S::splat(uj);
