@@ -528,6 +528,19 @@ mod tests {
         }
         let (_, adapters) = signals.finish().expect("signals");
         assert_eq!(adapters, ["fresh", "sql", "tone"]);
+        // A pod listing endless names costs at most MAX_ADAPTERS of them.
+        let many: Vec<String> = (0..1000).map(|i| format!("a{i}")).collect();
+        let line = format!(
+            "vllm:lora_requests_info{{running_lora_adapters=\"{}\"}} 1\n",
+            many.join(",")
+        );
+        let mut signals = Signals::default();
+        for sample in
+            exposition::parse(&format!("vllm:num_requests_waiting 0\n{line}")).expect("parses")
+        {
+            signals.add(&sample);
+        }
+        assert_eq!(signals.finish().expect("signals").1.len(), MAX_ADAPTERS);
         let mut r = LineReader::new(ScrapeLimits::default());
         r.feed(b"vllm:num_requests_waiting 0\n").expect("feeds");
         assert!(

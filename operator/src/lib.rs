@@ -7,6 +7,7 @@
 
 pub mod adapters;
 pub mod autoscale;
+pub mod backoff;
 pub mod build;
 pub mod cache;
 pub mod certs;

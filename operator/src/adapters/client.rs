@@ -53,16 +53,9 @@ impl PodApi {
     }
 
     /// The adapters the replica at `base` serves, by name, with the path each came from.
-    pub async fn resident(&self, base: &str, key: Option<&str>) -> Result<Resident, CallError> {
+    pub async fn resident(&self, base: &str) -> Result<Resident, CallError> {
         let body = self
-            .call(
-                http::Method::GET,
-                base,
-                "/v1/models",
-                None,
-                key,
-                self.timeout,
-            )
+            .call(http::Method::GET, base, "/v1/models", None, self.timeout)
             .await?;
         let list: Value =
             serde_json::from_slice(&body).map_err(|e| CallError::Malformed(e.to_string()))?;
@@ -82,28 +75,26 @@ impl PodApi {
             .collect())
     }
 
-    pub async fn load(&self, base: &str, key: Option<&str>, w: &Wanted) -> Result<(), CallError> {
+    pub async fn load(&self, base: &str, w: &Wanted) -> Result<(), CallError> {
         let body = json!({"lora_name": w.name, "lora_path": w.path});
         self.call(
             http::Method::POST,
             base,
             "/v1/load_lora_adapter",
             Some(body),
-            key,
             self.load_timeout,
         )
         .await
         .map(drop)
     }
 
-    pub async fn unload(&self, base: &str, key: Option<&str>, name: &str) -> Result<(), CallError> {
+    pub async fn unload(&self, base: &str, name: &str) -> Result<(), CallError> {
         let body = json!({"lora_name": name});
         self.call(
             http::Method::POST,
             base,
             "/v1/unload_lora_adapter",
             Some(body),
-            key,
             self.timeout,
         )
         .await
@@ -116,16 +107,12 @@ impl PodApi {
         base: &str,
         path: &str,
         body: Option<Value>,
-        key: Option<&str>,
         timeout: Duration,
     ) -> Result<Bytes, CallError> {
         let url = format!("{}{path}", base.trim_end_matches('/'));
         let mut request = http::Request::builder().method(method).uri(&url);
         if body.is_some() {
             request = request.header(http::header::CONTENT_TYPE, "application/json");
-        }
-        if let Some(k) = key {
-            request = request.header(http::header::AUTHORIZATION, format!("Bearer {k}"));
         }
         let body = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
         let request = request
@@ -171,7 +158,7 @@ fn message(body: &[u8]) -> String {
 }
 
 /// At most [`MAX_MESSAGE`] bytes, on a character boundary, without control characters.
-pub fn cut(s: &str) -> String {
+fn cut(s: &str) -> String {
     let mut out = String::new();
     for c in s.chars().map(|c| if c.is_control() { ' ' } else { c }) {
         if out.len() + c.len_utf8() > MAX_MESSAGE {

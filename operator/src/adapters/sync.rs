@@ -172,9 +172,7 @@ impl AdapterSync {
                     ..why.clone()
                 })
                 .collect();
-            if self.views.put(key, view) {
-                self.triggers.reconcile(ObjectRef::from_obj(&*isvc));
-            }
+            self.publish(&isvc, key, view);
             return Vec::new();
         }
         let pods = self.caches.pods_of(&key.namespace, &key.name);
@@ -188,28 +186,30 @@ impl AdapterSync {
                 .map(|pod| self.sync_replica(&key, pod, &wanted)),
         )
         .await;
-        if self
-            .views
-            .put(key.clone(), plan::summarize(&wanted, &replicas))
-        {
-            self.triggers.reconcile(ObjectRef::from_obj(&*isvc));
-        }
+        self.publish(&isvc, key.clone(), plan::summarize(&wanted, &replicas));
         ready
             .iter()
             .map(|p| format!("{}/{}", key.namespace, p.name))
             .collect()
     }
 
+    /// Stores `isvc`'s summary and, when it changed, asks for the reconcile that writes it.
+    fn publish(&self, isvc: &InferenceService, key: Key, view: Vec<AdapterStatus>) {
+        if self.views.put(key, view) {
+            self.triggers.reconcile(ObjectRef::from_obj(isvc));
+        }
+    }
+
     /// One replica: unload what is not declared, load what is missing.
     async fn sync_replica(&self, key: &Key, pod: &PodTarget, wanted: &[Wanted]) -> Replica {
         let base = &pod.base_url;
-        let resident = match self.api.resident(base, None).await {
+        let resident = match self.api.resident(base).await {
             Ok(r) => r,
             Err(e) => return Replica::Unreachable(format!("pod {}: {e}", pod.name)),
         };
         let todo = plan::plan(wanted, &resident);
         for name in &todo.unload {
-            match self.api.unload(base, None, name).await {
+            match self.api.unload(base, name).await {
                 Ok(()) => {
                     tracing::info!(service = %key, pod = pod.name, adapter = name, "adapter unloaded")
                 }
@@ -233,7 +233,7 @@ impl AdapterSync {
                 out.insert(w.name.clone(), Outcome::Failed(last));
                 continue;
             }
-            match self.api.load(base, None, &w).await {
+            match self.api.load(base, &w).await {
                 Ok(()) => {
                     tracing::info!(service = %key, pod = pod.name, adapter = w.name, path = w.path, "adapter loaded");
                     if let Ok(mut f) = self.failures.lock() {
@@ -264,11 +264,7 @@ impl AdapterSync {
     fn failed(&self, k: FailureKey, message: &str) {
         if let Ok(mut f) = self.failures.lock() {
             let attempts = f.get(&k).map_or(1, |x| x.attempts.saturating_add(1));
-            let wait = self
-                .interval
-                .saturating_mul(3)
-                .saturating_mul(2u32.saturating_pow(attempts.saturating_sub(1).min(16)))
-                .min(MAX_RETRY);
+            let wait = crate::backoff::delay(self.interval.saturating_mul(3), attempts, MAX_RETRY);
             f.insert(
                 k,
                 Failure {

@@ -118,10 +118,9 @@ pub fn plan(wanted: &[Wanted], resident: &Resident) -> Plan {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     Loaded,
-    /// The runtime refused or failed the load; its words.
+    /// The runtime refused or failed the load (this time, or the last time while its retry
+    /// is not due); its words.
     Failed(String),
-    /// Not loaded yet: a retry after a failure is not due, or the replica was not asked yet.
-    Waiting(String),
 }
 
 /// One ready replica: what became of each wanted adapter, or why it could not be reached.
@@ -147,7 +146,6 @@ pub fn summarize(wanted: &[Wanted], replicas: &[Replica]) -> Vec<AdapterStatus> 
                             continue;
                         }
                         Some(Outcome::Failed(msg)) => ("LoadFailed", msg.clone()),
-                        Some(Outcome::Waiting(msg)) => ("Loading", msg.clone()),
                         None => ("Loading", "not loaded yet".to_string()),
                     },
                     Replica::Unreachable(msg) => ("Unreachable", msg.clone()),
@@ -223,8 +221,8 @@ mod tests {
     fn the_summary_counts_ready_replicas_and_names_a_failure_first() {
         let wanted = [w("a", "/a"), w("b", "/b")];
         let loaded = Replica::Reached(BTreeMap::from([
+            // b not asked yet.
             ("a".into(), Outcome::Loaded),
-            ("b".into(), Outcome::Waiting("retry in 30s".into())),
         ]));
         let failed = Replica::Reached(BTreeMap::from([
             ("a".into(), Outcome::Loaded),

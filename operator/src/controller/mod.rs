@@ -201,11 +201,7 @@ impl Context {
             *n = n.saturating_add(1);
             *n
         });
-        let factor = 2u32.saturating_pow(n.saturating_sub(1).min(16));
-        self.timing
-            .min_backoff
-            .saturating_mul(factor)
-            .min(self.timing.max_backoff)
+        crate::backoff::delay(self.timing.min_backoff, n, self.timing.max_backoff)
     }
 }
 

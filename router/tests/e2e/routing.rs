@@ -116,7 +116,9 @@ async fn adapters_route_to_the_service_that_declares_them() {
         &ns,
         "base-b",
         json!({"model": {"source": "/models/smol.gguf", "servedName": "model-b",
-            "adapters": [{"name": "legal", "source": legal}, {"name": "shared", "source": legal}]},
+            "adapters": [{"name": "legal", "source": legal}, {"name": "shared", "source": legal},
+                         // Another tenant's served name: it stays that service's.
+                         {"name": "model-a", "source": legal}]},
         "runtime": {"port": b_port}}),
     )
     .await;
@@ -165,7 +167,9 @@ async fn adapters_route_to_the_service_that_declares_them() {
             e("legal", "model-b", &b),
         ]
     );
-    for adapter in ["sql", "legal", "shared"] {
+    // model-a reaches base-a's server (base-b's has no adapter of that name, so it would
+    // refuse the request).
+    for adapter in ["sql", "legal", "shared", "model-a"] {
         let (status, body, _) = post(format!("{base}/v1/completions"), completion(adapter)).await;
         assert_eq!(status, 200, "{adapter}: {body}");
         assert_eq!(body["model"], adapter, "{body}");

@@ -164,13 +164,6 @@ impl Adapters {
             .unwrap_or_default()
     }
 
-    /// How many adapters are in memory now.
-    pub fn resident(&self) -> usize {
-        self.table()
-            .map(|t| t.entries.values().filter(|e| e.resident.is_some()).count())
-            .unwrap_or(0)
-    }
-
     /// The adapter named `name` for a request, read again from its file if it was paged out
     /// (`None`: no such adapter).
     pub async fn acquire(&self, name: &str) -> Result<Option<Arc<LoraAdapter>>, ApiError> {
