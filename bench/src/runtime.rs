@@ -12,6 +12,11 @@
 //! against the GPU's memory bandwidth instead, measured in the same run as a device-to-device
 //! copy: the bytes a step must read (the weights as they sit on the GPU, and every sequence's
 //! keys and values) over the step's time, as a share of that bandwidth.
+//!
+//! With `--lora PATH` (repeatable; bench/lora.sh's adapters) only the `--mix` runs, twice per
+//! repetition in alternating order: every sequence on the base model, and sequence `i` on
+//! adapter `i mod n`; it prints both rates and their ratio, the in-process form of
+//! bench/lora.sh's throughput figure without the HTTP server's noise.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -21,6 +26,7 @@ use clap::Parser;
 use ferrite_bench::roofline::{self, Peaks};
 use ferrite_runtime::kv::{BlockId, KvCache, KvCacheConfig, blocks_for_tokens};
 use ferrite_runtime::model::driver::argmax_rows;
+use ferrite_runtime::model::lora::{self, LoraAdapter, LoraDtype, LoraOptions};
 use ferrite_runtime::model::{self, LoadOptions, ModelConfig, SeqInput, WeightMode};
 
 #[derive(Parser, Debug)]
@@ -61,6 +67,13 @@ struct Args {
     /// Time only the `--mix` (bench/serve-gap.sh).
     #[arg(long)]
     mix_only: bool,
+    /// LoRA adapters (PEFT folders or GGUF files): time the `--mix` on the base model against
+    /// sequence `i` on adapter `i mod n` (module docs).
+    #[arg(long)]
+    lora: Vec<PathBuf>,
+    /// What the adapters' factors are kept in (the server's `--lora-dtype`).
+    #[arg(long, value_enum, default_value_t = LoraDtype::Float32)]
+    lora_dtype: LoraDtype,
 }
 
 #[derive(Default)]
@@ -101,17 +114,29 @@ fn prompts(n: usize, len: usize, vocab: u32, salt: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// One greedy decode step of every sequence in `seqs` (their blocks already hold the token).
-fn decode_step(m: &model::LlamaModel, cache: &mut KvCache, seqs: &mut [Seq]) -> Result<()> {
+/// Sequence `i`'s adapter: `i mod n` of `lora`, none when it is empty.
+fn adapter_of(lora: &[LoraAdapter], i: usize) -> Option<&LoraAdapter> {
+    (!lora.is_empty()).then(|| &lora[i % lora.len()])
+}
+
+/// One greedy decode step of every sequence in `seqs` (their blocks already hold the token),
+/// sequence `i` on [`adapter_of`]`(lora, i)`.
+fn decode_step(
+    m: &model::LlamaModel,
+    cache: &mut KvCache,
+    seqs: &mut [Seq],
+    lora: &[LoraAdapter],
+) -> Result<()> {
     let toks: Vec<[u32; 1]> = seqs.iter().map(|s| [s.next]).collect();
     let inputs: Vec<SeqInput> = seqs
         .iter()
         .zip(&toks)
-        .map(|(s, t)| SeqInput {
+        .enumerate()
+        .map(|(i, (s, t))| SeqInput {
             tokens: t,
             start_pos: s.len,
             block_table: &s.blocks,
-            adapter: None,
+            adapter: adapter_of(lora, i),
         })
         .collect();
     let next = argmax_rows(&m.forward(&inputs, cache)?)?;
@@ -140,7 +165,7 @@ fn decode_rate(
             let to = s.len + 1;
             grow(cache, s, to)?;
         }
-        decode_step(m, cache, &mut seqs)?;
+        decode_step(m, cache, &mut seqs, &[])?;
     }
     let secs = start.elapsed().as_secs_f64();
     for s in &seqs {
@@ -270,6 +295,28 @@ fn main() -> Result<()> {
     if !device.is_cpu() {
         return gpu_decode(&mut loaded, &path, &mut cache, &args);
     }
+    if !args.lora.is_empty() {
+        let mix = mix.context("--lora needs a --mix")?;
+        let opts = LoraOptions {
+            max_rank: usize::MAX,
+            dtype: args.lora_dtype,
+        };
+        let adapters = args
+            .lora
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                lora::load(&format!("a{i}"), p, m.config(), m.device(), opts)
+                    .with_context(|| format!("loading {}", p.display()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let peaks = peaks_for(&adapters);
+        for tokens in [1, mix.prompt] {
+            let dtype = args.lora_dtype;
+            report_lora_update(m, &adapters, mix.seqs, tokens, dtype, args.reps, &peaks)?;
+        }
+        return report_lora(m, &mut cache, mix, &args, &adapters);
+    }
     if args.mix_only {
         let mix = mix.context("--mix-only needs a --mix")?;
         return report_mix(m, &mut cache, mix, &args);
@@ -325,7 +372,7 @@ fn main() -> Result<()> {
 /// Times `mix` (the best of `--reps`) and prints what it predicts for a server.
 fn report_mix(m: &model::LlamaModel, cache: &mut KvCache, mix: Mix, args: &Args) -> Result<()> {
     let t = (0..args.reps.max(1))
-        .map(|_| serve_mix(m, cache, mix, args.max_batched_tokens))
+        .map(|_| serve_mix(m, cache, mix, args.max_batched_tokens, &[]))
         .collect::<Result<Vec<_>>>()?
         .into_iter()
         .min_by(|a, b| a.total().total_cmp(&b.total()))
@@ -345,6 +392,144 @@ fn report_mix(m: &model::LlamaModel, cache: &mut KvCache, mix: Mix, args: &Args)
         out / t.total(),
         100.0 * t.prefill / t.total(),
     );
+    Ok(())
+}
+
+/// Times `mix` on the base model and with `lora`, alternating which goes first, and prints
+/// the best of `--reps` of each and their ratio.
+fn report_lora(
+    m: &model::LlamaModel,
+    cache: &mut KvCache,
+    mix: Mix,
+    args: &Args,
+    lora: &[LoraAdapter],
+) -> Result<()> {
+    let (mut base, mut adapted): (Option<MixTime>, Option<MixTime>) = (None, None);
+    for rep in 0..args.reps.max(1) {
+        for adapters in [rep % 2 == 1, rep % 2 == 0] {
+            let t = serve_mix(
+                m,
+                cache,
+                mix,
+                args.max_batched_tokens,
+                if adapters { lora } else { &[] },
+            )?;
+            let best = if adapters { &mut adapted } else { &mut base };
+            if best.as_ref().is_none_or(|b| t.total() < b.total()) {
+                *best = Some(t);
+            }
+        }
+    }
+    let (base, adapted) = base.zip(adapted).context("no repetitions")?;
+    let out = (mix.seqs * mix.output) as f64;
+    println!(
+        "serving mix, {} sequences x ({} prompt + {} output) tokens, {} adapters of rank {} \
+         ({:?}), sequence i on adapter i mod {}: base {:.1} output tok/s (prefill {:.2} s, \
+         decode {:.2} s), adapters {:.1} (prefill {:.2} s, decode {:.2} s): {:.3}x",
+        mix.seqs,
+        mix.prompt,
+        mix.output,
+        lora.len(),
+        lora.iter().map(LoraAdapter::rank).max().unwrap_or(0),
+        args.lora_dtype,
+        lora.len(),
+        out / base.total(),
+        base.prefill,
+        base.decode,
+        out / adapted.total(),
+        adapted.prefill,
+        adapted.decode,
+        base.total() / adapted.total(),
+    );
+    Ok(())
+}
+
+/// The read ceiling over a buffer the size of `adapters`' factors together.
+fn peaks_for(adapters: &[LoraAdapter]) -> Peaks {
+    let bytes = adapters.iter().map(LoraAdapter::bytes).sum();
+    roofline::measure(rayon_threads(), bytes)
+}
+
+/// Times the adapters' update alone, as a step of `seqs` sequences of `tokens` tokens each
+/// (sequence `i` on adapter `i mod n`) runs it over every layer's projections. A decode step
+/// (one token each) is memory-bound: its rate is printed in bytes of factors read per second
+/// against the read ceiling; a prefill's in multiply-adds per second.
+fn report_lora_update(
+    m: &model::LlamaModel,
+    adapters: &[LoraAdapter],
+    seqs: usize,
+    tokens: usize,
+    dtype: LoraDtype,
+    reps: usize,
+    peaks: &Peaks,
+) -> Result<()> {
+    use candle_core::Tensor;
+    use ferrite_runtime::model::lora::{LoraStep, Proj};
+    let c = m.config();
+    let (h, i) = (c.hidden_size, c.intermediate_size);
+    let qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+    let shapes = [
+        (Proj::Qkv, h, qkv),
+        (Proj::O, c.num_heads * c.head_dim, h),
+        (Proj::GateUp, h, 2 * i),
+        (Proj::Down, i, h),
+    ];
+    let rows = seqs * tokens;
+    let step = LoraStep::new((0..seqs).map(|r| (adapter_of(adapters, r), tokens)));
+    let dev = m.device();
+    let inputs = shapes
+        .iter()
+        .map(|&(proj, fan_in, width)| {
+            let x = Tensor::ones((rows, fan_in), candle_core::DType::F32, dev)?;
+            Ok((proj, x, width))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Factors each step reads: every distinct adapter's once.
+    let used: std::collections::BTreeSet<usize> = (0..seqs).map(|r| r % adapters.len()).collect();
+    let bytes: usize = used.iter().map(|&a| adapters[a].bytes()).sum();
+    // Multiply-adds: each row's adapter's factors, element by element, once.
+    let elem = match dtype {
+        LoraDtype::Float32 => 4,
+        LoraDtype::Bfloat16 => 2,
+    };
+    let per_row = |a: &LoraAdapter| (a.bytes() / elem) as f64;
+    let macs: f64 = (0..seqs)
+        .map(|r| per_row(&adapters[r % adapters.len()]) * tokens as f64)
+        .sum();
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) * 10 {
+        // As a forward runs it: on the pool, its workers kept awake (`kernels::pool`).
+        let secs = ferrite_runtime::kernels::pool::hot(|| -> Result<f64> {
+            let start = Instant::now();
+            for layer in 0..c.num_layers {
+                for (proj, x, width) in &inputs {
+                    let y = Tensor::zeros((rows, *width), candle_core::DType::F32, dev)?;
+                    step.apply(layer, *proj, x, y)?;
+                }
+            }
+            Ok(start.elapsed().as_secs_f64())
+        })?;
+        best = best.min(secs);
+    }
+    if tokens == 1 {
+        println!(
+            "adapter update alone, a decode step of {seqs} sequences: {:.2} ms, {:.0} MB of \
+             factors: {:.1} GB/s ({:.0}% of the {:.1} GB/s read ceiling over that many bytes)",
+            best * 1e3,
+            bytes as f64 / 1e6,
+            bytes as f64 / best / 1e9,
+            100.0 * bytes as f64 / best / peaks.read_bytes,
+            peaks.read_bytes / 1e9,
+        );
+    } else {
+        println!(
+            "adapter update alone, a prefill of {seqs} x {tokens} tokens: {:.2} ms, {:.1} G \
+             multiply-adds/s ({:.0}% of the f32 FMA peak; the update multiplies and adds apart)",
+            best * 1e3,
+            macs / best / 1e9,
+            100.0 * 2.0 * macs / best / peaks.f32_flops,
+        );
+    }
     Ok(())
 }
 
@@ -390,11 +575,13 @@ impl MixTime {
 /// bench-serve level at concurrency `seqs`, where every request of a wave arrives together; a
 /// server's output tok/s divided by `output · seqs / total()` is the share of the engine's
 /// rate it delivers.
+/// Sequence `i` runs on [`adapter_of`]`(lora, i)`.
 fn serve_mix(
     m: &model::LlamaModel,
     cache: &mut KvCache,
     mix: Mix,
     max_tokens: usize,
+    lora: &[LoraAdapter],
 ) -> Result<MixTime> {
     let vocab = m.config().vocab_size as u32;
     let mut seqs: Vec<Seq> = (0..mix.seqs).map(|_| Seq::default()).collect();
@@ -409,15 +596,20 @@ fn serve_mix(
     );
     let per_step = max_tokens / mix.prompt;
     let start = Instant::now();
-    for (chunk, ps) in seqs.chunks_mut(per_step).zip(prompts.chunks(per_step)) {
+    for (c, (chunk, ps)) in seqs
+        .chunks_mut(per_step)
+        .zip(prompts.chunks(per_step))
+        .enumerate()
+    {
         let inputs: Vec<SeqInput> = chunk
             .iter()
             .zip(ps)
-            .map(|(s, p)| SeqInput {
+            .enumerate()
+            .map(|(i, (s, p))| SeqInput {
                 tokens: p,
                 start_pos: 0,
                 block_table: &s.blocks,
-                adapter: None,
+                adapter: adapter_of(lora, c * per_step + i),
             })
             .collect();
         let next = argmax_rows(&m.forward(&inputs, cache)?)?;
@@ -429,7 +621,7 @@ fn serve_mix(
     let prefill = start.elapsed().as_secs_f64();
     let start = Instant::now();
     for _ in 1..mix.output {
-        decode_step(m, cache, &mut seqs)?;
+        decode_step(m, cache, &mut seqs, lora)?;
     }
     let decode = start.elapsed().as_secs_f64();
     for s in &seqs {

@@ -344,8 +344,8 @@ fn degraded(model: &str, reason: &str) -> Response {
     )
 }
 
-/// Sends the request to a replica the policy picks; if that one refused the connection or
-/// answered 503 (so it did not start on the request), once more to another.
+/// Sends the request to a replica the policy picks; if that one did not start on it
+/// ([`retry_reason`]), once more to another.
 async fn attempt(
     app: &App,
     svc: &Service,
@@ -389,7 +389,7 @@ async fn attempt(
         let started = Instant::now();
         let url = format!("{}{}", ep.base_url, path);
         let result = send(app, &parts.method, &url, &parts.headers, body.clone()).await;
-        if let Some(reason) = retry_reason(app, ep, &result)
+        if let Some(reason) = retry_reason(app, ep, svc.adapter.is_some(), &result)
             && attempt == 0
             && svc.endpoints.len() > 1
         {
@@ -477,10 +477,15 @@ fn pick<'a>(
 }
 
 /// Why a replica's answer is worth one try elsewhere: it refused the connection (it then sits
-/// out a while) or answered 503, so it did not start on the request.
+/// out a while) or answered 503, so it did not start on the request; or, for an adapter's
+/// request, refused the model: a replica that started before the adapter was declared serves
+/// it only once the operator's adapter sync has loaded it there, and until then vLLM answers
+/// 404 and ferrite-server 400 (`param: "model"`). A 400 for another reason is refused again
+/// by the next replica, before any generation.
 fn retry_reason(
     app: &App,
     ep: &Endpoint,
+    adapter: bool,
     result: &Result<hyper::Response<Incoming>, SendError>,
 ) -> Option<&'static str> {
     match result {
@@ -489,6 +494,11 @@ fn retry_reason(
             Some("connect")
         }
         Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE => Some("unavailable"),
+        Ok(r)
+            if adapter && matches!(r.status(), StatusCode::NOT_FOUND | StatusCode::BAD_REQUEST) =>
+        {
+            Some("adapter_not_loaded")
+        }
         _ => None,
     }
 }

@@ -269,3 +269,52 @@ async fn a_dead_replica_is_retried_on_another() {
         "one retry, then the dead replica sat out: {metrics}"
     );
 }
+
+/// A replica that does not have an adapter yet (it started before the adapter was declared,
+/// and the operator's adapter sync has not reached it) refuses the adapter's requests: the
+/// router tries another replica instead of passing the refusal on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_missing_on_one_replica_is_served_by_another() {
+    let peft = format!(
+        "{}/peft",
+        ferrite_testkit::model::lora_adapter_dir(1).display()
+    );
+    let Some((_cluster, client, ns, port)) = chat_service(
+        "lora-retry",
+        json!({"replicas": 2, "routing": {"policy": "round-robin"},
+               "model": {"source": "/models/smol.gguf",
+                         "adapters": [{"name": "sql", "source": peft}]}}),
+    )
+    .await
+    else {
+        return;
+    };
+    let module = format!("sql={peft}");
+    let _with = server_with("127.0.0.1", port, "chat", &["--lora-modules", &module]);
+    let _without = server("127.0.0.2", port, "chat");
+    ready_pod(&client, &ns, "chat", "chat-0", "127.0.0.1").await;
+    ready_pod(&client, &ns, "chat", "chat-1", "127.0.0.2").await;
+    let base = router(&client, &ns).await;
+    eventually(WAIT, "both replicas listed", async || {
+        let v = get(format!("{base}/v1/models")).await;
+        (v["data"][0]["ready_replicas"] == 2).then_some(())
+    })
+    .await;
+    for _ in 0..4 {
+        let (status, body, _) = post(format!("{base}/v1/completions"), completion("sql")).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["model"], "sql", "{body}");
+    }
+    // Round robin sends every other first attempt to the replica without the adapter.
+    let metrics = get_text(format!("{base}/metrics")).await;
+    let retries = metric_sum(
+        &metrics,
+        "ferrite_router_retries_total",
+        &[("reason", "adapter_not_loaded")],
+    );
+    assert!(retries >= 1.0, "the 404s were retried: {metrics}");
+    // A model no service declares is the router's own 404.
+    let (status, body, _) =
+        post(format!("{base}/v1/completions"), completion("unknown-lora")).await;
+    assert_eq!(status, 404, "{body}");
+}

@@ -75,7 +75,29 @@ impl<A> Default for Table<A> {
     }
 }
 
+/// Why [`Table::register`] refused a name.
+#[derive(Debug, PartialEq, Eq)]
+enum Refused {
+    /// Another adapter has it.
+    Taken,
+    /// [`MAX_REGISTERED`] adapters are registered.
+    Full,
+}
+
 impl<A> Table<A> {
+    /// Registers `entry` as `name`, used now, unless the name is taken or the table full.
+    fn register(&mut self, name: &str, entry: Entry<A>) -> Result<(), Refused> {
+        if self.entries.contains_key(name) {
+            return Err(Refused::Taken);
+        }
+        if self.entries.len() >= MAX_REGISTERED {
+            return Err(Refused::Full);
+        }
+        self.entries.insert(name.to_string(), entry);
+        self.touch(name);
+        Ok(())
+    }
+
     /// Marks `name` used now; returns it.
     fn touch(&mut self, name: &str) -> Option<&mut Entry<A>> {
         self.clock += 1;
@@ -227,34 +249,26 @@ impl Adapters {
             .await
             .map_err(|e| ApiError::bad_request(format!("fetching adapter '{name}': {e}")))?;
         let adapter = self.read(name, &path).await?;
+        let (rank, bytes) = (adapter.rank(), adapter.bytes());
         let mut t = self.table()?;
-        // Checked again under the lock: two loads of one name may have raced.
-        if t.entries.contains_key(name) {
-            return Err(already());
+        // The name is checked again under the lock: two loads of one name may have raced.
+        let entry = Entry {
+            source: source.to_string(),
+            path,
+            created: super::now_secs(),
+            resident: Some(Arc::new(adapter)),
+            used: 0,
+        };
+        match t.register(name, entry) {
+            Err(Refused::Taken) => return Err(already()),
+            Err(Refused::Full) => {
+                return Err(ApiError::bad_request(format!(
+                    "this server serves at most {MAX_REGISTERED} LoRA adapters; unload one first"
+                )));
+            }
+            Ok(()) => {}
         }
-        if t.entries.len() >= MAX_REGISTERED {
-            return Err(ApiError::bad_request(format!(
-                "this server serves at most {MAX_REGISTERED} LoRA adapters; unload one first"
-            )));
-        }
-        tracing::info!(
-            adapter = name,
-            source,
-            rank = adapter.rank(),
-            bytes = adapter.bytes(),
-            "LoRA adapter loaded"
-        );
-        t.entries.insert(
-            name.to_string(),
-            Entry {
-                source: source.to_string(),
-                path,
-                created: super::now_secs(),
-                resident: Some(Arc::new(adapter)),
-                used: 0,
-            },
-        );
-        t.touch(name);
+        tracing::info!(adapter = name, source, rank, bytes, "LoRA adapter loaded");
         t.page_out(self.settings.max_resident, name);
         Ok(())
     }
@@ -334,6 +348,35 @@ mod tests {
         for bad in ["sql", "=x", "sql=", "{\"name\": 1}"] {
             assert!(parse_module(bad).is_err(), "{bad}");
         }
+    }
+
+    fn entry(resident: Option<u32>) -> Entry<u32> {
+        Entry {
+            source: String::new(),
+            path: PathBuf::new(),
+            created: 0,
+            resident,
+            used: 0,
+        }
+    }
+
+    /// A client cannot grow the table past MAX_REGISTERED entries (each costs memory and a
+    /// file), paged out or not, nor take a registered name; unloading one makes room.
+    #[test]
+    fn registration_stops_at_the_limit_and_names_stay_unique() {
+        let mut t: Table<u32> = Table::default();
+        for i in 0..MAX_REGISTERED {
+            assert_eq!(t.register(&format!("a{i}"), entry(None)), Ok(()));
+        }
+        assert_eq!(t.register("one-more", entry(Some(1))), Err(Refused::Full));
+        assert_eq!(t.register("a0", entry(None)), Err(Refused::Taken));
+        assert_eq!(t.entries.len(), MAX_REGISTERED);
+        t.entries.remove("a7");
+        assert_eq!(t.register("one-more", entry(Some(1))), Ok(()));
+        assert_eq!(
+            t.entries["one-more"].used, t.clock,
+            "registered as used now"
+        );
     }
 
     /// Paging keeps the most recently used resident, never the one just used, and leaves

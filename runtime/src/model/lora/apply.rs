@@ -1,9 +1,10 @@
 //! Applying adapters in a batched forward: each token row gets its own sequence's adapter, or
 //! none, added to a fused projection's output.
 //!
-//! On the CPU each row is updated alone, in a fixed order of operations (`kernels::lora`), so
-//! a row's result does not depend on the rows beside it and the forward stays bitwise batch
-//! invariant with adapters mixed in. Elsewhere the rows of each adapter are gathered and
+//! On the CPU each row's update is computed in a fixed order of operations whatever rows are
+//! beside it (`kernels::lora`, which takes the rows of one adapter together to load its
+//! factors once for several), so the forward stays bitwise batch invariant with adapters
+//! mixed in. Elsewhere the rows of each adapter are gathered and
 //! multiplied as small matrix products.
 
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
@@ -194,26 +195,33 @@ impl InplaceOp2 for RowUpdate<'_, '_> {
                 tasks.push((g, xs, ys));
             }
         }
-        tasks.into_par_iter().for_each(|(g, xs, ys)| {
-            for (x, y) in xs.into_iter().zip(ys) {
-                update_row(g, x, y);
-            }
-        });
+        tasks
+            .into_par_iter()
+            .for_each(|(g, xs, ys)| update_rows(g, &xs, ys));
         Ok(())
     }
 }
 
-/// `y += s · B (A x)` for each of the group's targets, on one row (`kernels::lora`).
-fn update_row(g: &Group, x: &[f32], y: &mut [f32]) {
-    let u = match &g.at {
-        Factors::F32(at) => lora::shrink(at, g.rank, x),
-        Factors::Bf16(at) => lora::shrink(at, g.rank, x),
-    };
+/// `y += s · B (A x)` for each of the group's targets, on rows of one adapter
+/// (`kernels::lora`, which gives each row the bits it would get alone).
+fn update_rows(g: &Group, xs: &[&[f32]], mut ys: Vec<&mut [f32]>) {
+    let mut us = vec![0f32; xs.len() * g.rank];
+    match &g.at {
+        Factors::F32(at) => lora::shrink_rows(at, g.rank, xs, &mut us),
+        Factors::Bf16(at) => lora::shrink_rows(at, g.rank, xs, &mut us),
+    }
     for p in &g.pairs {
-        let (u, out) = (&u[p.u_at..p.u_at + p.rank], &mut y[p.offset..][..p.fan_out]);
+        let u: Vec<&[f32]> = us
+            .chunks_exact(g.rank)
+            .map(|u| &u[p.u_at..p.u_at + p.rank])
+            .collect();
+        let mut out: Vec<&mut [f32]> = ys
+            .iter_mut()
+            .map(|y| &mut y[p.offset..][..p.fan_out])
+            .collect();
         match &p.bt {
-            Factors::F32(bt) => lora::expand(bt, u, p.scale, out),
-            Factors::Bf16(bt) => lora::expand(bt, u, p.scale, out),
+            Factors::F32(bt) => lora::expand_rows(bt, &u, p.scale, &mut out),
+            Factors::Bf16(bt) => lora::expand_rows(bt, &u, p.scale, &mut out),
         }
     }
 }
