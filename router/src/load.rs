@@ -32,7 +32,14 @@ struct PodLoad {
     aside_until: Option<Instant>,
     /// The LoRA adapters in its batch slots at the last scrape (running or waiting).
     adapters: Vec<String>,
+    /// Adapters it refused (it has not loaded them yet), each set aside for it until then;
+    /// at most [`MAX_LACKING`].
+    lacking: Vec<(String, Instant)>,
 }
+
+/// Most adapters remembered as refused per replica: clients choose adapter names, so the list
+/// is bounded; past it the one set aside longest ago is forgotten.
+const MAX_LACKING: usize = 64;
 
 impl PodLoad {
     /// Takes `work` off the open work. Summing floats up and down drifts: nothing open is
@@ -145,6 +152,29 @@ impl Loads {
             .is_some_and(|t| Instant::now() < t)
     }
 
+    /// Sets `base_url` aside for `adapter`'s requests for `span`, or until a scrape finds the
+    /// adapter in its batch slots: it refused the adapter (not loaded there yet).
+    pub fn set_aside_for(&self, base_url: &str, adapter: &str, span: Duration) {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        let p = inner.pods.entry(base_url.to_string()).or_default();
+        p.lacking.retain(|(a, until)| a != adapter && *until > now);
+        if p.lacking.len() >= MAX_LACKING {
+            p.lacking.remove(0);
+        }
+        p.lacking.push((adapter.to_string(), now + span));
+    }
+
+    /// Whether `base_url` is set aside for `adapter` now.
+    pub fn is_set_aside_for(&self, base_url: &str, adapter: &str) -> bool {
+        let now = Instant::now();
+        self.lock().pods.get(base_url).is_some_and(|p| {
+            p.lacking
+                .iter()
+                .any(|(a, until)| a == adapter && *until > now)
+        })
+    }
+
     /// Whether the replica at `base_url` had `adapter` in its batch slots at the last
     /// scrape, so a request for it starts without swapping an adapter in.
     pub fn holds(&self, base_url: &str, adapter: &str) -> bool {
@@ -162,6 +192,8 @@ impl Loads {
         let p = inner.pods.entry(base_url.to_string()).or_default();
         if let Some(v) = value {
             p.others = (v - open_then as f64).max(0.0);
+            // Running or waiting there: it has them now.
+            p.lacking.retain(|(a, _)| !adapters.contains(a));
             p.adapters = adapters;
             // It answered: back in.
             p.aside_until = None;
@@ -305,6 +337,31 @@ mod tests {
         assert!(loads.holds(a, "sql"));
         loads.scraped(a, Some(0.0), 0, Vec::new());
         assert!(!loads.holds(a, "sql"));
+    }
+
+    #[test]
+    fn a_replica_that_refused_an_adapter_sits_out_for_it_alone() {
+        let loads = Loads::default();
+        let a = "http://10.0.0.4:8000";
+        loads.set_aside_for(a, "sql", Duration::from_secs(10));
+        assert!(loads.is_set_aside_for(a, "sql"));
+        assert!(!loads.is_set_aside_for(a, "tone") && !loads.is_set_aside(a));
+        // A scrape without it changes nothing; one that finds it running there ends it.
+        loads.scraped(a, Some(0.0), 0, Vec::new());
+        assert!(loads.is_set_aside_for(a, "sql"));
+        loads.scraped(a, Some(1.0), 0, vec!["sql".into()]);
+        assert!(!loads.is_set_aside_for(a, "sql"));
+        // It ends by itself too.
+        loads.set_aside_for(a, "tone", Duration::ZERO);
+        assert!(!loads.is_set_aside_for(a, "tone"));
+        // Client-chosen names cannot grow the list past its bound; the oldest goes first.
+        for i in 0..3 * MAX_LACKING {
+            loads.set_aside_for(a, &format!("x{i}"), Duration::from_secs(10));
+        }
+        let kept = loads.lock().pods[a].lacking.len();
+        assert_eq!(kept, MAX_LACKING);
+        assert!(loads.is_set_aside_for(a, &format!("x{}", 3 * MAX_LACKING - 1)));
+        assert!(!loads.is_set_aside_for(a, "x0"));
     }
 
     #[test]

@@ -389,7 +389,7 @@ async fn attempt(
         let started = Instant::now();
         let url = format!("{}{}", ep.base_url, path);
         let result = send(app, &parts.method, &url, &parts.headers, body.clone()).await;
-        if let Some(reason) = retry_reason(app, ep, svc.adapter.is_some(), &result)
+        if let Some(reason) = retry_reason(app, ep, svc.adapter.as_deref(), &result)
             && attempt == 0
             && svc.endpoints.len() > 1
         {
@@ -444,6 +444,10 @@ fn pick<'a>(
 ) -> Option<&'a Endpoint> {
     let candidates = candidates(&svc.endpoints, tried, |e| {
         app.loads.is_set_aside(&e.base_url)
+            || svc
+                .adapter
+                .as_deref()
+                .is_some_and(|a| app.loads.is_set_aside_for(&e.base_url, a))
     });
     let replicas: Vec<Replica> = candidates
         .iter()
@@ -480,12 +484,13 @@ fn pick<'a>(
 /// out a while) or answered 503, so it did not start on the request; or, for an adapter's
 /// request, refused the model: a replica that started before the adapter was declared serves
 /// it only once the operator's adapter sync has loaded it there, and until then vLLM answers
-/// 404 and ferrite-server 400 (`param: "model"`). A 400 for another reason is refused again
-/// by the next replica, before any generation.
+/// 404 and ferrite-server 400 (`param: "model"`); the replica then sits out that adapter's
+/// requests a while. A 400 for another reason is refused again by the next replica, before
+/// any generation.
 fn retry_reason(
     app: &App,
     ep: &Endpoint,
-    adapter: bool,
+    adapter: Option<&str>,
     result: &Result<hyper::Response<Incoming>, SendError>,
 ) -> Option<&'static str> {
     match result {
@@ -494,9 +499,10 @@ fn retry_reason(
             Some("connect")
         }
         Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE => Some("unavailable"),
-        Ok(r)
-            if adapter && matches!(r.status(), StatusCode::NOT_FOUND | StatusCode::BAD_REQUEST) =>
-        {
+        Ok(r) if matches!(r.status(), StatusCode::NOT_FOUND | StatusCode::BAD_REQUEST) => {
+            let adapter = adapter?;
+            app.loads
+                .set_aside_for(&ep.base_url, adapter, app.config.set_aside);
             Some("adapter_not_loaded")
         }
         _ => None,

@@ -11,6 +11,16 @@ fn completion(model: &str) -> Value {
     json!({"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
 }
 
+/// Service `chat`'s pods `chat-0` at 127.0.0.1 and `chat-1` at 127.0.0.2 marked Ready, and a
+/// router that lists both; returns the router's base URL.
+async fn router_over_two_replicas(client: &kube::Client, ns: &str) -> String {
+    ready_pod(client, ns, "chat", "chat-0", "127.0.0.1").await;
+    ready_pod(client, ns, "chat", "chat-1", "127.0.0.2").await;
+    let base = router(client, ns).await;
+    wait_ready_replicas(&base, "chat", 2).await;
+    base
+}
+
 /// Two InferenceServices behind one endpoint: each model reaches its own server, unknown
 /// models get OpenAI's 404, and `/v1/models` lists both with their ready replicas.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -243,15 +253,8 @@ async fn a_dead_replica_is_retried_on_another() {
         return;
     };
     let _server = server("127.0.0.1", port, "chat");
-    ready_pod(&client, &ns, "chat", "chat-0", "127.0.0.1").await;
     // Nothing listens on 127.0.0.2 at this port.
-    ready_pod(&client, &ns, "chat", "chat-1", "127.0.0.2").await;
-    let base = router(&client, &ns).await;
-    eventually(WAIT, "both replicas listed", async || {
-        let v = get(format!("{base}/v1/models")).await;
-        (v["data"][0]["ready_replicas"] == 2).then_some(())
-    })
-    .await;
+    let base = router_over_two_replicas(&client, &ns).await;
     for _ in 0..4 {
         let (status, body, _) = post(format!("{base}/v1/completions"), completion("chat")).await;
         assert_eq!(status, 200, "{body}");
@@ -292,27 +295,34 @@ async fn an_adapter_missing_on_one_replica_is_served_by_another() {
     let module = format!("sql={peft}");
     let _with = server_with("127.0.0.1", port, "chat", &["--lora-modules", &module]);
     let _without = server("127.0.0.2", port, "chat");
-    ready_pod(&client, &ns, "chat", "chat-0", "127.0.0.1").await;
-    ready_pod(&client, &ns, "chat", "chat-1", "127.0.0.2").await;
-    let base = router(&client, &ns).await;
-    eventually(WAIT, "both replicas listed", async || {
-        let v = get(format!("{base}/v1/models")).await;
-        (v["data"][0]["ready_replicas"] == 2).then_some(())
-    })
-    .await;
+    let base = router_over_two_replicas(&client, &ns).await;
     for _ in 0..4 {
         let (status, body, _) = post(format!("{base}/v1/completions"), completion("sql")).await;
         assert_eq!(status, 200, "{body}");
         assert_eq!(body["model"], "sql", "{body}");
     }
-    // Round robin sends every other first attempt to the replica without the adapter.
+    // Round robin sends the second request to the replica without the adapter; once refused,
+    // it sits out that adapter's requests (--set-aside-ms), so the others go straight to the
+    // replica that has it.
     let metrics = get_text(format!("{base}/metrics")).await;
     let retries = metric_sum(
         &metrics,
         "ferrite_router_retries_total",
         &[("reason", "adapter_not_loaded")],
     );
-    assert!(retries >= 1.0, "the 404s were retried: {metrics}");
+    assert_eq!(
+        retries, 1.0,
+        "one refusal retried, then it sat out: {metrics}"
+    );
+    // It sits out only that adapter: the base model's requests still reach it.
+    let without = format!("http://127.0.0.2:{port}");
+    let before = finished(&without).await;
+    for _ in 0..2 {
+        let (status, body, _) = post(format!("{base}/v1/completions"), completion("chat")).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let after = finished(&without).await;
+    assert_eq!(after - before, 1.0, "round robin gave it one of two");
     // A model no service declares is the router's own 404.
     let (status, body, _) =
         post(format!("{base}/v1/completions"), completion("unknown-lora")).await;
