@@ -389,15 +389,47 @@ async fn attempt(
         let started = Instant::now();
         let url = format!("{}{}", ep.base_url, path);
         let result = send(app, &parts.method, &url, &parts.headers, body.clone()).await;
+        let result = match (svc.adapter.as_deref(), result) {
+            // ferrite-server refuses a model it does not serve with 400 (`param: "model"`), as
+            // it does a bad request: the small error body tells them apart, so that a client's
+            // bad request neither costs a retry nor sets the replica aside.
+            (Some(adapter), Ok(resp)) if resp.status() == StatusCode::BAD_REQUEST => {
+                let (head, bytes) = match read_error(resp).await {
+                    Ok(read) => read,
+                    Err(e) => {
+                        tracing::warn!(model, pod = %ep.name, error = %e, "unreadable error body");
+                        count_request(app, svc, "upstream_error");
+                        return error(
+                            StatusCode::BAD_GATEWAY,
+                            "upstream_error",
+                            format!("the model `{model}` could not be reached"),
+                            None,
+                        );
+                    }
+                };
+                if refused_model(&bytes) {
+                    app.loads
+                        .set_aside_for(&ep.base_url, adapter, app.config.set_aside);
+                    if attempt == 0 && svc.endpoints.len() > 1 {
+                        count_retry(app, model, ep, "adapter_not_loaded");
+                        tried = Some(ep.name.clone());
+                        continue;
+                    }
+                }
+                app.metrics
+                    .upstream_headers
+                    .with_label_values(&[model])
+                    .observe(started.elapsed().as_secs_f64());
+                count_request(app, svc, outcome(head.status));
+                return Response::from_parts(head, Body::from(bytes));
+            }
+            (_, result) => result,
+        };
         if let Some(reason) = retry_reason(app, ep, svc.adapter.as_deref(), &result)
             && attempt == 0
             && svc.endpoints.len() > 1
         {
-            tracing::info!(model, pod = %ep.name, reason, "retrying on another replica");
-            app.metrics
-                .retries
-                .with_label_values(&[model, reason])
-                .inc();
+            count_retry(app, model, ep, reason);
             tried = Some(ep.name.clone());
             continue;
         }
@@ -480,13 +512,39 @@ fn pick<'a>(
     Some(candidates[d.index])
 }
 
+/// Largest error body read from a replica, and how long it may take: a replica's output is
+/// not trusted.
+const ERROR_BODY_LIMIT: usize = 16 << 10;
+const ERROR_BODY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A replica's whole (error) response, its body read within [`ERROR_BODY_LIMIT`] and
+/// [`ERROR_BODY_TIMEOUT`].
+async fn read_error(
+    resp: hyper::Response<Incoming>,
+) -> Result<(axum::http::response::Parts, Bytes), String> {
+    use http_body_util::{BodyExt, Limited};
+    let (head, body) = resp.into_parts();
+    let read = Limited::new(body, ERROR_BODY_LIMIT).collect();
+    match tokio::time::timeout(ERROR_BODY_TIMEOUT, read).await {
+        Ok(Ok(collected)) => Ok((head, collected.to_bytes())),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("timed out".to_string()),
+    }
+}
+
+/// Whether an OpenAI error body refuses the request's `model` (`"param": "model"`, as
+/// ferrite-server answers a model it does not serve), rather than something else in it.
+fn refused_model(body: &[u8]) -> bool {
+    serde_json::from_slice::<Value>(body)
+        .is_ok_and(|v| v["error"]["param"].as_str() == Some("model"))
+}
+
 /// Why a replica's answer is worth one try elsewhere: it refused the connection (it then sits
 /// out a while) or answered 503, so it did not start on the request; or, for an adapter's
-/// request, refused the model: a replica that started before the adapter was declared serves
-/// it only once the operator's adapter sync has loaded it there, and until then vLLM answers
-/// 404 and ferrite-server 400 (`param: "model"`); the replica then sits out that adapter's
-/// requests a while. A 400 for another reason is refused again by the next replica, before
-/// any generation.
+/// request, answered 404 (vLLM's "no such model"): a replica that started before the adapter
+/// was declared serves it only once the operator's adapter sync has loaded it there, and it
+/// sits out that adapter's requests a while. ferrite-server refuses with 400 instead
+/// ([`refused_model`]).
 fn retry_reason(
     app: &App,
     ep: &Endpoint,
@@ -499,7 +557,7 @@ fn retry_reason(
             Some("connect")
         }
         Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE => Some("unavailable"),
-        Ok(r) if matches!(r.status(), StatusCode::NOT_FOUND | StatusCode::BAD_REQUEST) => {
+        Ok(r) if r.status() == StatusCode::NOT_FOUND => {
             let adapter = adapter?;
             app.loads
                 .set_aside_for(&ep.base_url, adapter, app.config.set_aside);
@@ -518,6 +576,14 @@ fn outcome(status: StatusCode) -> &'static str {
     } else {
         "upstream_error"
     }
+}
+
+fn count_retry(app: &App, model: &str, ep: &Endpoint, reason: &str) {
+    tracing::info!(model, pod = %ep.name, reason, "retrying on another replica");
+    app.metrics
+        .retries
+        .with_label_values(&[model, reason])
+        .inc();
 }
 
 fn count_request(app: &App, svc: &Service, outcome: &str) {
@@ -811,6 +877,17 @@ impl HttpBody for Tracked {
 #[cfg(test)]
 mod tests {
     use super::events_in;
+
+    #[test]
+    fn only_a_refusal_of_the_model_is_taken_for_a_missing_adapter() {
+        let refused = br#"{"error":{"code":400,"message":"The model `sql` does not exist.","param":"model","type":"invalid_request_error"}}"#;
+        assert!(super::refused_model(refused));
+        let bad = br#"{"error":{"code":400,"message":"max_tokens must be positive","param":"max_tokens","type":"invalid_request_error"}}"#;
+        assert!(!super::refused_model(bad));
+        assert!(!super::refused_model(br#"{"error":{"message":"x"}}"#));
+        assert!(!super::refused_model(b"not json"));
+        assert!(!super::refused_model(br#"{"error":"param model"}"#));
+    }
 
     #[test]
     fn events_are_counted_by_their_data_lines() {

@@ -296,23 +296,33 @@ async fn an_adapter_missing_on_one_replica_is_served_by_another() {
     let _with = server_with("127.0.0.1", port, "chat", &["--lora-modules", &module]);
     let _without = server("127.0.0.2", port, "chat");
     let base = router_over_two_replicas(&client, &ns).await;
+    let adapter_retries = async || {
+        let metrics = get_text(format!("{base}/metrics")).await;
+        let labels = [("reason", "adapter_not_loaded")];
+        metric_sum(&metrics, "ferrite_router_retries_total", &labels)
+    };
+    // A client's bad request for the adapter gets the refusal of the replica that has it
+    // (400 for its parameter), never the other's refusal of the model: that one is retried.
+    for _ in 0..2 {
+        let mut bad = completion("sql");
+        bad["temperature"] = json!(3);
+        let (status, body, _) = post(format!("{base}/v1/completions"), bad).await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(body["error"]["param"], "temperature", "{body}");
+    }
     for _ in 0..4 {
         let (status, body, _) = post(format!("{base}/v1/completions"), completion("sql")).await;
         assert_eq!(status, 200, "{body}");
         assert_eq!(body["model"], "sql", "{body}");
     }
-    // Round robin sends the second request to the replica without the adapter; once refused,
-    // it sits out that adapter's requests (--set-aside-ms), so the others go straight to the
-    // replica that has it.
-    let metrics = get_text(format!("{base}/metrics")).await;
-    let retries = metric_sum(
-        &metrics,
-        "ferrite_router_retries_total",
-        &[("reason", "adapter_not_loaded")],
-    );
+    // The replica without the adapter refused it once, on whichever request reached it first
+    // (round robin sends it one of the first two); once refused, it sits out that adapter's
+    // requests (--set-aside-ms), and the other replica's refusals of a parameter set nothing
+    // aside and are not retried.
     assert_eq!(
-        retries, 1.0,
-        "one refusal retried, then it sat out: {metrics}"
+        adapter_retries().await,
+        1.0,
+        "one refusal retried, then it sat out"
     );
     // It sits out only that adapter: the base model's requests still reach it.
     let without = format!("http://127.0.0.2:{port}");
