@@ -298,6 +298,19 @@ mod tests {
     }
 
     #[test]
+    fn lora_dtypes_parse_as_vllm_writes_them() {
+        let parse = |v: &str| {
+            let argv = ["ferrite-server", "--model", "m.gguf", "--lora-dtype", v];
+            ServerArgs::try_parse_from(argv).map(|a| a.lora_dtype)
+        };
+        assert_eq!(parse("auto").ok(), Some(LoraDtype::Float32));
+        assert_eq!(parse("float32").ok(), Some(LoraDtype::Float32));
+        assert_eq!(parse("bfloat16").ok(), Some(LoraDtype::Bfloat16));
+        // float16 is vLLM's too, but not kept here: refused at start, not read as another.
+        assert!(parse("float16").is_err());
+    }
+
+    #[test]
     fn intervals_must_be_positive() {
         assert_eq!(parse_interval("0.5"), Ok(0.5));
         assert!(parse_interval("0").is_err());

@@ -427,9 +427,11 @@ enum Format {
 /// What the factors are kept in (vLLM's `--lora-dtype`): f32 keeps any file's values exactly;
 /// bfloat16 halves the memory and the bytes a step reads per adapter, each factor rounded
 /// once at load (to nearest, ties to even) and widened exactly as the kernels read it.
+/// vLLM's default, `auto` (the base model's dtype), is f32 here, what the CPU computes in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum LoraDtype {
     #[default]
+    #[value(alias = "auto")]
     Float32,
     Bfloat16,
 }
