@@ -389,6 +389,13 @@ async fn attempt(
         let started = Instant::now();
         let url = format!("{}{}", ep.base_url, path);
         let result = send(app, &parts.method, &url, &parts.headers, body.clone()).await;
+        let can_retry = attempt == 0 && svc.endpoints.len() > 1;
+        let answered = || {
+            app.metrics
+                .upstream_headers
+                .with_label_values(&[model])
+                .observe(started.elapsed().as_secs_f64())
+        };
         let result = match (svc.adapter.as_deref(), result) {
             // ferrite-server refuses a model it does not serve with 400 (`param: "model"`), as
             // it does a bad request: the small error body tells them apart, so that a client's
@@ -396,59 +403,34 @@ async fn attempt(
             (Some(adapter), Ok(resp)) if resp.status() == StatusCode::BAD_REQUEST => {
                 let (head, bytes) = match read_error(resp).await {
                     Ok(read) => read,
-                    Err(e) => {
-                        tracing::warn!(model, pod = %ep.name, error = %e, "unreadable error body");
-                        count_request(app, svc, "upstream_error");
-                        return error(
-                            StatusCode::BAD_GATEWAY,
-                            "upstream_error",
-                            format!("the model `{model}` could not be reached"),
-                            None,
-                        );
-                    }
+                    Err(e) => return upstream_error(app, svc, ep, "unreadable error body", e),
                 };
                 if refused_model(&bytes) {
                     app.loads
                         .set_aside_for(&ep.base_url, adapter, app.config.set_aside);
-                    if attempt == 0 && svc.endpoints.len() > 1 {
+                    if can_retry {
                         count_retry(app, model, ep, "adapter_not_loaded");
                         tried = Some(ep.name.clone());
                         continue;
                     }
                 }
-                app.metrics
-                    .upstream_headers
-                    .with_label_values(&[model])
-                    .observe(started.elapsed().as_secs_f64());
+                answered();
                 count_request(app, svc, outcome(head.status));
                 return Response::from_parts(head, Body::from(bytes));
             }
             (_, result) => result,
         };
         if let Some(reason) = retry_reason(app, ep, svc.adapter.as_deref(), &result)
-            && attempt == 0
-            && svc.endpoints.len() > 1
+            && can_retry
         {
             count_retry(app, model, ep, reason);
             tried = Some(ep.name.clone());
             continue;
         }
-        app.metrics
-            .upstream_headers
-            .with_label_values(&[model])
-            .observe(started.elapsed().as_secs_f64());
+        answered();
         let resp = match result {
             Ok(resp) => resp,
-            Err(e) => {
-                tracing::warn!(model, pod = %ep.name, error = %e, "replica unreachable");
-                count_request(app, svc, "upstream_error");
-                return error(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_error",
-                    format!("the model `{model}` could not be reached"),
-                    None,
-                );
-            }
+            Err(e) => return upstream_error(app, svc, ep, "replica unreachable", e),
         };
         count_request(app, svc, outcome(resp.status()));
         let tracking = Tracking {
@@ -576,6 +558,26 @@ fn outcome(status: StatusCode) -> &'static str {
     } else {
         "upstream_error"
     }
+}
+
+/// 502 for a replica that could not be reached or read; the replica and the cause go to the
+/// log, not to the client.
+fn upstream_error(
+    app: &App,
+    svc: &Service,
+    ep: &Endpoint,
+    what: &str,
+    cause: impl std::fmt::Display,
+) -> Response {
+    let model = svc.model.as_str();
+    tracing::warn!(model, pod = %ep.name, error = %cause, "{what}");
+    count_request(app, svc, "upstream_error");
+    error(
+        StatusCode::BAD_GATEWAY,
+        "upstream_error",
+        format!("the model `{model}` could not be reached"),
+        None,
+    )
 }
 
 fn count_retry(app: &App, model: &str, ep: &Endpoint, reason: &str) {
