@@ -517,8 +517,16 @@ async fn read_error(
 /// Whether an OpenAI error body refuses the request's `model` (`"param": "model"`, as
 /// ferrite-server answers a model it does not serve), rather than something else in it.
 fn refused_model(body: &[u8]) -> bool {
-    serde_json::from_slice::<Value>(body)
-        .is_ok_and(|v| v["error"]["param"].as_str() == Some("model"))
+    // Only the one field is read (as `parse.rs` reads requests), not a whole JSON tree.
+    #[derive(serde::Deserialize)]
+    struct Refusal {
+        error: Error,
+    }
+    #[derive(serde::Deserialize)]
+    struct Error {
+        param: Option<String>,
+    }
+    serde_json::from_slice::<Refusal>(body).is_ok_and(|r| r.error.param.as_deref() == Some("model"))
 }
 
 /// Why a replica's answer is worth one try elsewhere: it refused the connection (it then sits

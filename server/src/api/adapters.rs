@@ -385,17 +385,7 @@ mod tests {
     fn the_least_recently_used_adapters_are_paged_out_first() {
         let mut t: Table<u32> = Table::default();
         for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
-            t.entries.insert(
-                name.into(),
-                Entry {
-                    source: name.into(),
-                    path: PathBuf::from(name),
-                    created: 0,
-                    resident: Some(i as u32),
-                    used: 0,
-                },
-            );
-            t.touch(name);
+            assert_eq!(t.register(name, entry(Some(i as u32))), Ok(()));
         }
         let resident = |t: &Table<u32>| -> Vec<String> {
             t.entries
