@@ -39,6 +39,14 @@ struct Args {
     /// instead of `--model` (request `i` sends model `i mod n`), e.g. one LoRA adapter each.
     #[arg(long = "target-models")]
     target_models: Vec<String>,
+    /// `name=FILE` (repeatable): a JSON object whose fields are added to every request body
+    /// of target `name`, e.g. a `response_format` (two targets at one server then compare
+    /// constrained and free generation in one run).
+    #[arg(long = "target-body")]
+    target_bodies: Vec<String>,
+    /// Sampling temperature of every request (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     concurrency: Vec<usize>,
     /// Requests per concurrency level, as a multiple of the concurrency (at least 4 requests).
@@ -143,6 +151,8 @@ struct Target {
     addr: String,
     /// The `model` of each request, in turn.
     models: Vec<String>,
+    /// Fields added to every request body (`--target-body`).
+    body: serde_json::Map<String, Value>,
 }
 
 fn parse_target(s: &str) -> Result<Target> {
@@ -158,7 +168,27 @@ fn parse_target(s: &str) -> Result<Target> {
         addr: host.clone(),
         host,
         models: Vec::new(),
+        body: serde_json::Map::new(),
     })
+}
+
+/// Reads each `--target-body name=FILE` into its target.
+fn assign_bodies(targets: &mut [Target], args: &Args) -> Result<()> {
+    for spec in &args.target_bodies {
+        let (name, file) = spec
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--target-body wants name=FILE, got {spec}"))?;
+        let t = targets
+            .iter_mut()
+            .find(|t| t.name == name)
+            .ok_or_else(|| anyhow!("--target-body names no --target: {name}"))?;
+        let text = std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?;
+        match serde_json::from_str(&text).with_context(|| format!("parsing {file}"))? {
+            Value::Object(fields) => t.body = fields,
+            _ => bail!("--target-body {file}: not a JSON object"),
+        }
+    }
+    Ok(())
 }
 
 /// Sets each target's models: its `--target-models` list, else `--model`.
@@ -357,6 +387,7 @@ async fn run_level(
     for _ in 0..concurrency {
         let (t, next) = (t.clone(), next.clone());
         let (prompt_tokens, max_tokens) = (args.prompt_tokens, args.max_tokens);
+        let temperature = args.temperature;
         let timeout = Duration::from_secs(args.timeout);
         workers.push(tokio::spawn(async move {
             let mut out = Vec::new();
@@ -365,15 +396,19 @@ async fn run_level(
                 if i >= total {
                     break;
                 }
-                let body = json!({
+                let mut body = json!({
                     "model": t.models[i % t.models.len()],
                     "prompt": prompt(seed + i, prompt_tokens),
                     "max_tokens": max_tokens,
-                    "temperature": 0,
+                    "temperature": temperature,
+                    "seed": seed + i,
                     "ignore_eos": true,
                     "stream": true,
                     "stream_options": {"include_usage": true},
                 });
+                if let Value::Object(fields) = &mut body {
+                    fields.extend(t.body.clone());
+                }
                 let s = tokio::time::timeout(timeout, one_request(&t, &body))
                     .await
                     .map_err(|_| anyhow!("request timed out"))??;
@@ -600,6 +635,7 @@ async fn main() -> Result<()> {
         .map(|s| parse_target(s))
         .collect::<Result<_>>()?;
     assign_models(&mut targets, &args)?;
+    assign_bodies(&mut targets, &args)?;
     let targets: Vec<Arc<Target>> = targets.into_iter().map(Arc::new).collect();
     let pids = args
         .pids

@@ -291,6 +291,7 @@ fn serve_with(
         info,
         tokenizer,
         chat_template,
+        grammars,
         ..
     } = started;
     if !args.disable_log_stats {
@@ -304,6 +305,7 @@ fn serve_with(
         max_model_len: info.max_model_len,
         vocab_size: info.vocab_size,
         adapters,
+        grammars,
     });
     let sched = info.scheduler;
     info!(

@@ -18,6 +18,7 @@ use super::request::{Event, EventSender, FinishReason, Request, SLOW_READER};
 use super::sampler::{Rng, sample};
 use super::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId, SeqOutput, StepPlan};
 use super::stats::{IterationStats, LoraStats, SchedulerStats, StatsSink};
+use super::structured::{Guide, StructuredError, TokenMask};
 use crate::kv::KvCache;
 use crate::model::lora::LoraAdapter;
 use crate::model::{LlamaModel, SeqInput};
@@ -102,6 +103,16 @@ struct SeqData {
     req: Request,
     rng: Rng,
     output: RequestOutput,
+    /// The grammar its output follows; out of here while a step computes its mask.
+    guide: Option<Guide>,
+}
+
+/// A guide taken out for a step, with the mask of tokens it allows next.
+struct Masked {
+    id: SeqId,
+    /// `None` only when the thread computing the masks was lost.
+    guide: Option<Guide>,
+    mask: Result<TokenMask, StructuredError>,
 }
 
 /// Starts the engine thread. `sink` receives the statistics records.
@@ -225,7 +236,10 @@ impl Engine {
         self.iteration = IterationStats::default();
         let mut lagging = Vec::new();
         for (id, to, event) in std::mem::take(&mut self.outbox) {
-            let last = matches!(event, Event::Finished { .. } | Event::Failed(_));
+            let last = matches!(
+                event,
+                Event::Finished { .. } | Event::Failed(_) | Event::Refused(_)
+            );
             // The last slot is kept for the event that ends the sequence.
             if !last && to.capacity() <= 1 {
                 lagging.extend(id);
@@ -321,7 +335,10 @@ impl Engine {
                     .unwrap_or_else(Rng::from_entropy);
                 let lora = req.adapter.as_ref().map(|a| a.id());
                 self.scheduler.add_with_lora(id, &req.prompt, lora);
+                let mut req = req;
+                let guide = req.guide.take();
                 let data = SeqData {
+                    guide,
                     tokens: req.prompt.clone(),
                     prompt_len: req.prompt.len(),
                     output: RequestOutput::new(&req),
@@ -373,9 +390,14 @@ impl Engine {
     }
 
     fn fail_one(&mut self, id: SeqId, msg: &str) {
+        self.end_one(id, Event::Failed(msg.to_string()));
+    }
+
+    /// Ends sequence `id` with `event` (a failure or a refusal), freeing its blocks.
+    fn end_one(&mut self, id: SeqId, event: Event) {
         let _ = self.scheduler.finish(id, self.cache.pools_mut());
         if let Some(d) = self.seqs.remove(&id) {
-            self.send(Some(id), &d.req.events, Event::Failed(msg.to_string()));
+            self.send(Some(id), &d.req.events, event);
         }
     }
 
@@ -385,7 +407,9 @@ impl Engine {
         let Some(plan) = self.schedule()? else {
             return Ok(());
         };
-        let logits = self.execute(&plan)?;
+        let guides = self.take_guides(&plan);
+        let (logits, masks) = self.execute_guided(&plan, guides);
+        let logits = logits?;
         for lookup in &plan.prefix_lookups {
             self.iteration.prefix_cache_queries += lookup.queried as u64;
             self.iteration.prefix_cache_hits += lookup.hit as u64;
@@ -401,7 +425,7 @@ impl Engine {
         }
         self.iteration.batch_tokens = Some(plan.num_tokens());
         self.steps += 1;
-        let (outputs, ends) = self.process_outputs(&plan, &logits)?;
+        let (outputs, ends) = self.process_outputs(&plan, &logits, masks)?;
         self.scheduler
             .update_from_output(&plan, &outputs, self.cache.pools_mut())?;
         for (id, reason, tail) in ends {
@@ -427,6 +451,60 @@ impl Engine {
             return Ok(None);
         }
         Ok(Some(plan))
+    }
+
+    /// Takes out the guides of the sequences that sample this step, so that their masks can be
+    /// computed while the forward runs.
+    fn take_guides(&mut self, plan: &StepPlan) -> Vec<(SeqId, Guide)> {
+        plan.scheduled
+            .iter()
+            .filter(|s| s.samples)
+            .filter_map(|s| Some((s.id, self.seqs.get_mut(&s.id)?.guide.take()?)))
+            .collect()
+    }
+
+    /// The forward, with the masks of `guides` computed on a thread beside it (vLLM, too,
+    /// computes grammar bitmasks while the model runs), so that a constrained request costs the
+    /// batch the mask work only where it is longer than the forward.
+    fn execute_guided(
+        &self,
+        plan: &StepPlan,
+        guides: Vec<(SeqId, Guide)>,
+    ) -> (Result<Tensor, Box<dyn std::error::Error>>, Vec<Masked>) {
+        if guides.is_empty() {
+            return (self.execute(plan), Vec::new());
+        }
+        let ids: Vec<SeqId> = guides.iter().map(|(id, _)| *id).collect();
+        let compute = move || {
+            guides
+                .into_iter()
+                .map(|(id, mut guide)| Masked {
+                    id,
+                    mask: guide.mask(),
+                    guide: Some(guide),
+                })
+                .collect::<Vec<_>>()
+        };
+        std::thread::scope(|s| {
+            let worker = std::thread::Builder::new()
+                .name("ferrite-grammar".into())
+                .spawn_scoped(s, compute);
+            let (logits, masks) = match worker {
+                Ok(worker) => (self.execute(plan), worker.join().ok()),
+                // No thread to be had: the guides went with the closure, so the sequences fail.
+                Err(_) => (self.execute(plan), None),
+            };
+            let masks = masks.unwrap_or_else(|| {
+                ids.into_iter()
+                    .map(|id| Masked {
+                        id,
+                        guide: None,
+                        mask: Err(StructuredError::Stuck("computing the mask failed".into())),
+                    })
+                    .collect()
+            });
+            (logits, masks)
+        })
     }
 
     /// The plan's swap copies, then one forward over its tokens: a logit row per scheduled
@@ -468,8 +546,10 @@ impl Engine {
         &mut self,
         plan: &StepPlan,
         logits: &Tensor,
+        masks: Vec<Masked>,
     ) -> Result<(Vec<SeqOutput>, Vec<Ending>), Box<dyn std::error::Error>> {
         let rows = logits.to_vec2::<f32>()?;
+        let mut masks: HashMap<SeqId, Masked> = masks.into_iter().map(|m| (m.id, m)).collect();
         let mut outputs = Vec::new();
         let mut ends = Vec::new();
         for (row, s) in rows.iter().zip(&plan.scheduled) {
@@ -479,9 +559,36 @@ impl Engine {
             let Some(d) = self.seqs.get_mut(&s.id) else {
                 continue;
             };
+            let (mut guide, mask) = match masks.remove(&s.id) {
+                None => (None, None),
+                Some(Masked {
+                    guide,
+                    mask: Ok(mask),
+                    ..
+                }) => (guide, Some(mask)),
+                Some(Masked { mask: Err(e), .. }) => {
+                    self.end_one(s.id, Event::Refused(format!("structured output: {e}")));
+                    continue;
+                }
+            };
             let (prompt, output) = d.tokens.split_at(d.prompt_len);
-            let sampled = sample(row, &d.req.sampling, prompt, output, &mut d.rng);
+            let sampled = sample(
+                row,
+                &d.req.sampling,
+                prompt,
+                output,
+                mask.as_ref(),
+                &mut d.rng,
+            );
             let token = sampled.token;
+            let grammar_done = match guide.as_mut().map(|g| g.accept(token)) {
+                Some(Err(e)) => {
+                    self.end_one(s.id, Event::Refused(format!("structured output: {e}")));
+                    continue;
+                }
+                _ => guide.as_ref().is_some_and(Guide::is_finished),
+            };
+            d.guide = guide;
             d.tokens.push(token);
             let out = match self.output.token(
                 &mut d.output,
@@ -489,6 +596,7 @@ impl Engine {
                 &d.tokens,
                 d.prompt_len,
                 sampled,
+                grammar_done,
                 &mut self.iteration,
             ) {
                 Ok(out) => out,

@@ -12,6 +12,7 @@ pub mod scheduler;
 pub mod start;
 pub mod stats;
 pub mod stop;
+pub mod structured;
 
 pub use core::EngineHandle;
 pub use request::{Event, EventReceiver, FinishReason, Request, RequestGroup, event_channel};
@@ -19,3 +20,4 @@ pub use sampler::SamplingParams;
 pub use start::{
     Budget, EngineConfig, EngineInfo, KvSizing, Scheduling, StartError, Started, start,
 };
+pub use structured::{GrammarSpec, Grammars, Guide, StructuredError};

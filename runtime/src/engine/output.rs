@@ -145,7 +145,8 @@ impl OutputProcessor {
     }
 
     /// Processes the token just appended to `tokens` (prompt and output, `prompt_len` of them
-    /// the prompt).
+    /// the prompt). `grammar_done`: the request's grammar allows nothing after this token.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn token(
         &self,
         out: &mut RequestOutput,
@@ -153,6 +154,7 @@ impl OutputProcessor {
         tokens: &[u32],
         prompt_len: usize,
         sampled: Sampled,
+        grammar_done: bool,
         stats: &mut IterationStats,
     ) -> Result<TokenOutput, ModelError> {
         let now = Instant::now();
@@ -174,6 +176,7 @@ impl OutputProcessor {
         let is_stop_id = req.stop_token_ids.contains(&token);
         let mut finish = None;
         let mut text = String::new();
+        let mut stopped_by_string = false;
         if is_eos || is_stop_id {
             finish = Some(FinishReason::Stop);
         } else {
@@ -183,7 +186,11 @@ impl OutputProcessor {
                 StopUpdate::Stopped(t) => {
                     text = t;
                     finish = Some(FinishReason::Stop);
+                    stopped_by_string = true;
                 }
+            }
+            if grammar_done {
+                finish = Some(FinishReason::Stop);
             }
         }
         let n_out = tokens.len() - prompt_len;
@@ -193,7 +200,6 @@ impl OutputProcessor {
         // Text held back for a stop string that never completed belongs to the output, unless a
         // stop string did match.
         let finish = finish.map(|reason| {
-            let stopped_by_string = reason == FinishReason::Stop && !is_eos && !is_stop_id;
             let tail = if stopped_by_string {
                 String::new()
             } else {

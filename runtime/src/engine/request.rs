@@ -10,6 +10,7 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 
 use super::sampler::SamplingParams;
+use super::structured::Guide;
 use crate::model::lora::LoraAdapter;
 
 /// Events one sequence may have waiting for its reader. A client that reads a stream slower
@@ -46,6 +47,8 @@ pub struct Request {
     pub group: Option<Arc<RequestGroup>>,
     /// The LoRA adapter to run it with (`None`: the base model).
     pub adapter: Option<Arc<LoraAdapter>>,
+    /// The grammar its output must follow (structured outputs), compiled by the caller.
+    pub guide: Option<Guide>,
 }
 
 /// What the `n` sequences of one API request share, so that per-request metrics (`n`,
@@ -107,4 +110,7 @@ pub enum Event {
     },
     /// The engine could not run this request (the text says why).
     Failed(String),
+    /// The request itself cannot be carried on: its grammar went past the server's limits
+    /// partway (the API answers 400, as for a grammar refused up front).
+    Refused(String),
 }

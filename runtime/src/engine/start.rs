@@ -12,6 +12,7 @@ use tracing::info;
 use super::core::{self, EngineHandle};
 use super::scheduler::{SchedulerConfig, SchedulerError};
 use super::stats::StatsSink;
+use super::structured::Grammars;
 use crate::kv::{CacheDtype, KvCache, KvCacheConfig, KvError};
 use crate::model::{self, ChatTemplate, LoadOptions, LoadedModel, ModelError, SeqInput, Tokenizer};
 
@@ -101,6 +102,9 @@ pub struct Started {
     /// (`model::lora::load`): an adapter's tensors must live on the model's own device.
     pub model_config: crate::model::ModelConfig,
     pub device: candle_core::Device,
+    /// The grammar compiler for structured outputs (`None`: not available for this model's
+    /// tokenizer; the start log says why).
+    pub grammars: Option<std::sync::Arc<Grammars>>,
 }
 
 /// Why the engine did not start. [`StartError::is_load`] tells a model that cannot be served
@@ -151,6 +155,7 @@ where
     let info = info(config, &loaded, &cache);
     let sink = sinks(&info).map_err(StartError::Sinks)?;
     let tokenizer = loaded.tokenizer.clone();
+    let grammars = grammars(&loaded);
     let chat_template = loaded.chat_template.take();
     let (model_config, device) = (loaded.model.config().clone(), loaded.model.device().clone());
     let (handle, thread) = core::spawn(loaded, cache, info.scheduler, sink)?;
@@ -162,7 +167,27 @@ where
         chat_template,
         model_config,
         device,
+        grammars,
     })
+}
+
+/// The grammar compiler over the model's vocabulary (a trie of every token's bytes).
+fn grammars(loaded: &LoadedModel) -> Option<std::sync::Arc<Grammars>> {
+    let t0 = Instant::now();
+    let width = loaded.model.config().vocab_size;
+    match Grammars::new(&loaded.tokenizer, width, &loaded.eos_token_ids) {
+        Ok(g) => {
+            info!(
+                secs = t0.elapsed().as_secs_f64(),
+                "structured outputs ready"
+            );
+            Some(std::sync::Arc::new(g))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "structured outputs are off");
+            None
+        }
+    }
 }
 
 fn load(config: &EngineConfig) -> Result<LoadedModel, StartError> {

@@ -170,6 +170,16 @@ impl Tokenizer {
         self.inner.save(path, false).map_err(tok_err)
     }
 
+    /// Every token's bytes, by id, as the grammar engine needs them: byte-level and
+    /// SentencePiece pieces turned back into the bytes they stand for, special tokens marked
+    /// with a leading 0xFF (llguidance's convention), so no text can spell them.
+    pub fn token_bytes(&self) -> Result<Vec<Vec<u8>>, ModelError> {
+        let json = serde_json::to_value(&self.inner).map_err(tok_err)?;
+        let mut words = llguidance::token_bytes_from_tokenizer_json(&json).map_err(tok_err)?;
+        words.resize(self.vocab_size(), Vec::new());
+        Ok(words)
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, ModelError> {
         self.inner.decode(ids, skip_special_tokens).map_err(tok_err)
     }

@@ -102,6 +102,7 @@ fn submit_with(
         arrival: std::time::Instant::now(),
         group: None,
         adapter: None,
+        guide: None,
     })
     .expect("submit");
     rx
@@ -134,7 +135,7 @@ fn collect(mut rx: EventReceiver) -> Output {
                 out.cached_tokens = cached_tokens;
                 return out;
             }
-            Event::Failed(e) => panic!("request failed: {e}"),
+            Event::Failed(e) | Event::Refused(e) => panic!("request failed: {e}"),
         }
     }
     panic!("event stream ended without Finished");
@@ -446,6 +447,7 @@ fn a_reader_that_falls_behind_is_ended_not_buffered() {
         arrival: Instant::now(),
         group: None,
         adapter: None,
+        guide: None,
     })
     .expect("submit");
     // A reader that keeps up is not affected.
@@ -487,7 +489,7 @@ fn bytes_that_never_form_a_character_are_released_in_bounded_windows() {
                 text.push_str(&t);
                 break;
             }
-            Event::Failed(e) => panic!("{e}"),
+            Event::Failed(e) | Event::Refused(e) => panic!("{e}"),
         }
     }
     assert!(with_text >= 64 / 8 - 1, "{with_text} tokens released text");

@@ -14,5 +14,6 @@ mod model_formats;
 mod runtime_reference;
 mod runtime_reference_dense;
 mod scheduler;
+mod structured;
 mod swap_resume;
 mod tokenizer;

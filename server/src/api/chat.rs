@@ -6,7 +6,6 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
 use ferrite_runtime::engine::FinishReason;
 use ferrite_runtime::model::{self, Tokenizer};
-use serde_json::Value;
 
 use super::completions::token_text;
 use super::error::ApiError;
@@ -18,6 +17,7 @@ use super::response::{
     Head,
 };
 use super::state::{AppState, Serving};
+use super::structured;
 use super::validate::{self, Generation};
 
 pub async fn chat_completions(
@@ -48,6 +48,7 @@ pub async fn chat_completions(
         serving.vocab_size,
     )?;
     g.adapter = model.adapter;
+    g.guide = structured::guide(&state, &req.structured).await?;
     generate::admit(&state, serving, seqs)?;
     let receivers = generate::submit(serving, &g, arrival)?;
     let head = Head::new("chatcmpl", &model.name);
@@ -65,20 +66,12 @@ pub async fn chat_completions(
     }
 }
 
-/// Tools and structured outputs are refused by name rather than ignored.
+/// Tools are refused by name rather than ignored.
 fn refuse_unsupported(req: &ChatCompletionRequest) -> Result<(), ApiError> {
     if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::invalid_param(
             "tools",
             "tool calling is not supported by this server",
-        ));
-    }
-    if let Some(rf) = &req.response_format
-        && rf.get("type").and_then(Value::as_str) != Some("text")
-    {
-        return Err(ApiError::invalid_param(
-            "response_format",
-            "only response_format {\"type\": \"text\"} is supported",
         ));
     }
     Ok(())

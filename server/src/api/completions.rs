@@ -13,6 +13,7 @@ use super::generate::{self, ChoiceOutput, StreamItem, TokenLogprob};
 use super::protocol::{CompletionRequest, Prompt};
 use super::response::{CompletionChoice, CompletionLogprobs, Envelope, Head};
 use super::state::AppState;
+use super::structured;
 use super::validate::{self, Generation};
 
 /// The `object` of completion responses and chunks alike.
@@ -45,6 +46,7 @@ pub async fn completions(
         .collect::<Result<Vec<_>, _>>()?;
     let mut g = Generation::new(&req.sampling, want, n, prompts, max_tokens, vocab)?;
     g.adapter = model.adapter;
+    g.guide = structured::guide(&state, &req.structured).await?;
     generate::admit(&state, serving, seqs)?;
     let echoes = echoes(&serving.tokenizer, &g, req.echo.unwrap_or(false));
     let receivers = generate::submit(serving, &g, arrival)?;

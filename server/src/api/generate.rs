@@ -66,6 +66,7 @@ pub fn submit(
                     arrival,
                     group: Some(group.clone()),
                     adapter: g.adapter.clone(),
+                    guide: g.guide.clone(),
                 })
                 .map_err(|e| ApiError::unavailable(e.to_string(), 5))?;
             receivers.push(rx);
@@ -249,6 +250,7 @@ impl Fold {
                 }))
             }
             Event::Failed(msg) => Err(engine_failed(&msg)),
+            Event::Refused(msg) => Err(ApiError::bad_request(msg)),
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod lora;
 pub mod protocol;
 pub mod response;
 pub mod state;
+pub mod structured;
 pub mod tokenize;
 pub mod validate;
 

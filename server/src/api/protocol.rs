@@ -6,6 +6,8 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 
+use super::structured::StructuredFields;
+
 /// `prompt` of `/v1/completions`: text, several texts, token ids, or several lists of ids.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -83,6 +85,8 @@ pub struct CompletionRequest {
     pub suffix: Option<String>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    #[serde(flatten)]
+    pub structured: StructuredFields,
 }
 
 /// A chat message's `content`: a string or a list of typed parts (only text parts are
@@ -117,9 +121,10 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<i64>,
     pub add_generation_prompt: Option<bool>,
     pub tools: Option<Vec<serde_json::Value>>,
-    pub response_format: Option<serde_json::Value>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    #[serde(flatten)]
+    pub structured: StructuredFields,
 }
 
 /// `/tokenize`: either a prompt or chat messages (rendered with the chat template).

@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use super::adapters::Adapters;
 use super::error::ApiError;
-use ferrite_runtime::engine::EngineHandle;
+use ferrite_runtime::engine::{EngineHandle, Grammars};
 use ferrite_runtime::model::lora::LoraAdapter;
 use ferrite_runtime::model::{ChatTemplate, Tokenizer};
 use prometheus::Registry;
@@ -49,6 +49,9 @@ pub struct Serving {
     pub vocab_size: usize,
     /// The LoRA adapters served (`None`: LoRA is off).
     pub adapters: Option<Adapters>,
+    /// The grammar compiler for structured outputs (`None`: not available for this
+    /// tokenizer).
+    pub grammars: Option<Arc<Grammars>>,
 }
 
 /// What a request's `model` names: the base model or one of its adapters.

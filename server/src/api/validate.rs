@@ -34,6 +34,8 @@ pub struct Generation {
     pub ignore_eos: bool,
     /// The LoRA adapter `model` named (`None`: the base model).
     pub adapter: Option<std::sync::Arc<ferrite_runtime::model::lora::LoraAdapter>>,
+    /// The grammar every choice follows (structured outputs); each choice gets its own copy.
+    pub guide: Option<ferrite_runtime::engine::Guide>,
 }
 
 impl Generation {
@@ -56,6 +58,7 @@ impl Generation {
             stop_token_ids,
             ignore_eos: f.ignore_eos.unwrap_or(false),
             adapter: None,
+            guide: None,
             prompts,
         })
     }
