@@ -60,10 +60,11 @@ def test_json_schema_outputs_validate_100_of_100(fast_client):
 
 
 def test_the_sdks_pydantic_parse_gets_a_typed_object(client):
+    # Bounded fields: unbounded strings let a 135M model ramble past max_tokens now and then.
     class City(pydantic.BaseModel):
-        name: str
-        country: str
-        population: int
+        name: str = pydantic.Field(max_length=24)
+        country: str = pydantic.Field(max_length=24)
+        population: int = pydantic.Field(ge=0, le=100_000_000)
 
     parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
     r = parse(model=MODEL, max_tokens=200, temperature=0.7, seed=3,
