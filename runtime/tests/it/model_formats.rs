@@ -221,6 +221,7 @@ fn hugging_face_folder_matches_the_gguf_it_was_converted_from() {
     let msgs = vec![ferrite_runtime::model::ChatMessage {
         role: "user".into(),
         content: "Hi".into(),
+        ..Default::default()
     }];
     assert_eq!(
         hf.chat_template

@@ -77,14 +77,17 @@ fn chat_template_renders_a_two_turn_conversation() {
         ChatMessage {
             role: "user".into(),
             content: "What is 2+2?".into(),
+            ..Default::default()
         },
         ChatMessage {
             role: "assistant".into(),
             content: "4".into(),
+            ..Default::default()
         },
         ChatMessage {
             role: "user".into(),
             content: "And 3+3?".into(),
+            ..Default::default()
         },
     ];
     let out = t.render(&msgs, true).expect("render");
@@ -101,10 +104,12 @@ fn chat_template_renders_a_two_turn_conversation() {
         ChatMessage {
             role: "system".into(),
             content: "Be terse.".into(),
+            ..Default::default()
         },
         ChatMessage {
             role: "user".into(),
             content: "Hi".into(),
+            ..Default::default()
         },
     ];
     assert_eq!(
@@ -124,11 +129,13 @@ fn chat_templates_get_python_string_methods_and_raise_exception() {
     let ok = vec![ChatMessage {
         role: "user".into(),
         content: "  hi  ".into(),
+        ..Default::default()
     }];
     assert_eq!(t.render(&ok, false).expect("render"), "<s>HI");
     let bad = vec![ChatMessage {
         role: "tool".into(),
         content: "x".into(),
+        ..Default::default()
     }];
     let e = t.render(&bad, false).expect_err("raise_exception");
     assert!(e.to_string().contains("bad role tool"), "{e}");

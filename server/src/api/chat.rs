@@ -6,6 +6,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
 use ferrite_runtime::engine::FinishReason;
 use ferrite_runtime::model::{self, Tokenizer};
+use serde_json::Value;
 
 use super::completions::token_text;
 use super::error::ApiError;
@@ -14,10 +15,12 @@ use super::generate::{self, ChoiceOutput, StreamItem, TokenLogprob};
 use super::protocol::{ChatCompletionRequest, Content, Message};
 use super::response::{
     ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessage, ChatTokenLogprob, Envelope,
-    Head,
+    FunctionCall, FunctionChunk, Head, ToolCallChunk, ToolCallOut,
 };
 use super::state::{AppState, Serving};
 use super::structured;
+use super::tool_parse::CallFormat;
+use super::tools::{self, CallDelta, StreamState, ToolUse};
 use super::validate::{self, Generation};
 
 pub async fn chat_completions(
@@ -27,14 +30,22 @@ pub async fn chat_completions(
     let arrival = std::time::Instant::now();
     let serving = state.serving()?;
     let model = state.resolve_generation_model(req.model.as_deref()).await?;
-    refuse_unsupported(&req)?;
     let want = wanted_logprobs(&req)?;
     let n = validate::choices_per_prompt(&req.sampling)?;
     let seqs = validate::request_sequences(&state, 1, n)?;
+    let tools = ToolUse::read(
+        req.tools.as_deref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+        call_format(serving),
+    )?;
     let messages = std::mem::take(&mut req.messages);
     let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+    let template_tools = tools.as_ref().and_then(ToolUse::template_tools);
     let prompt = state
-        .blocking(move |s| chat_prompt(s, &messages, add_generation_prompt))
+        .blocking(move |s| {
+            chat_prompt(s, &messages, add_generation_prompt, template_tools.as_ref())
+        })
         .await?;
     let requested = req.max_completion_tokens.or(req.max_tokens);
     let max_tokens =
@@ -48,33 +59,41 @@ pub async fn chat_completions(
         serving.vocab_size,
     )?;
     g.adapter = model.adapter;
-    g.guide = structured::guide(&state, &req.structured).await?;
+    g.guide = match tools.as_ref().and_then(ToolUse::grammar) {
+        Some(spec) => {
+            if structured::requested(&req.structured)?.is_some() {
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    "a forced tool call cannot be combined with a structured output",
+                ));
+            }
+            Some(structured::compile(&state, spec, "tool_choice").await?)
+        }
+        None => structured::guide(&state, &req.structured).await?,
+    };
     generate::admit(&state, serving, seqs)?;
     let receivers = generate::submit(serving, &g, arrival)?;
     let head = Head::new("chatcmpl", &model.name);
     match validate::stream_mode(&req.sampling) {
         Some(include_usage) => {
-            let render = chunk_renderer(state.clone(), head);
+            let render = chunk_renderer(state.clone(), head, tools);
             let sse = generate::sse(receivers, g.n, include_usage, want.is_some(), render);
             Ok(sse.into_response())
         }
         None => {
             let (choices, usage) = generate::collect(receivers, g.n).await?;
-            let choices = whole_choices(&serving.tokenizer, choices, want);
+            let choices = whole_choices(&serving.tokenizer, choices, want, tools.as_ref());
             Ok(Json(head.wrap("chat.completion", choices, Some(usage))).into_response())
         }
     }
 }
 
-/// Tools are refused by name rather than ignored.
-fn refuse_unsupported(req: &ChatCompletionRequest) -> Result<(), ApiError> {
-    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::invalid_param(
-            "tools",
-            "tool calling is not supported by this server",
-        ));
-    }
-    Ok(())
+/// How the model writes tool calls, from its chat template.
+fn call_format(serving: &Serving) -> CallFormat {
+    serving
+        .chat_template
+        .as_ref()
+        .map_or(CallFormat::Hermes, |t| CallFormat::detect(t.source()))
 }
 
 /// `Some(top)` when the client asked for logprobs, with `top` alternatives per token.
@@ -91,11 +110,14 @@ fn wanted_logprobs(req: &ChatCompletionRequest) -> Result<Option<usize>, ApiErro
 }
 
 /// Turns each stream item into a `chat.completion.chunk`: the assistant role first, then the
-/// content deltas, then (when asked) the usage.
+/// content deltas (and tool-call deltas, when the request has tools), then (when asked) the
+/// usage.
 fn chunk_renderer(
     state: Arc<AppState>,
     head: Head,
+    tools: Option<ToolUse>,
 ) -> impl FnMut(StreamItem) -> Option<Envelope<ChatChunkChoice>> + Send + 'static {
+    let mut streams: Vec<StreamState> = Vec::new();
     move |item: StreamItem| {
         let tok = &state.loaded()?.tokenizer;
         let chunk = |choice: Option<ChatChunkChoice>, usage| {
@@ -108,6 +130,7 @@ fn chunk_renderer(
                     delta: ChatDelta {
                         role: Some("assistant"),
                         content: Some(String::new()),
+                        tool_calls: None,
                     },
                     logprobs: None,
                     finish_reason: None,
@@ -120,16 +143,43 @@ fn chunk_renderer(
                 logprob,
                 finish,
             } => {
-                let content = (!text.is_empty() || finish.is_none()).then_some(text);
+                let logprobs = logprob.map(|l| logprobs(tok, &[l]));
+                let (content, calls, finish_reason) = match &tools {
+                    None => (
+                        (!text.is_empty() || finish.is_none()).then_some(text),
+                        None,
+                        finish.map(FinishReason::as_str),
+                    ),
+                    Some(t) => {
+                        if streams.len() <= index {
+                            streams.resize_with(index + 1, StreamState::default);
+                        }
+                        let st = &mut streams[index];
+                        let (content, deltas) = t.stream(st, &text, finish.is_some());
+                        if content.is_none()
+                            && deltas.is_empty()
+                            && finish.is_none()
+                            && logprobs.is_none()
+                        {
+                            // Held back: it may be the start of a call.
+                            return None;
+                        }
+                        let calls = (!deltas.is_empty())
+                            .then(|| deltas.into_iter().map(call_chunk).collect());
+                        let reason = finish.map(|r| t.finish_reason(st.called, r.as_str()));
+                        (content, calls, reason)
+                    }
+                };
                 Some(chunk(
                     Some(ChatChunkChoice {
                         index,
                         delta: ChatDelta {
                             role: None,
                             content,
+                            tool_calls: calls,
                         },
-                        logprobs: logprob.map(|l| logprobs(tok, &[l])),
-                        finish_reason: finish.map(FinishReason::as_str),
+                        logprobs,
+                        finish_reason,
                     }),
                     None,
                 ))
@@ -139,23 +189,71 @@ fn chunk_renderer(
     }
 }
 
-/// The choices of a whole `chat.completion`.
+fn call_chunk(d: CallDelta) -> ToolCallChunk {
+    ToolCallChunk {
+        index: d.index,
+        kind: d.id.as_ref().map(|_| "function"),
+        id: d.id,
+        function: FunctionChunk {
+            name: d.name,
+            arguments: d.arguments,
+        },
+    }
+}
+
+/// The choices of a whole `chat.completion`; with tools, each choice's calls read out of its
+/// text.
 fn whole_choices(
     tok: &Tokenizer,
     choices: Vec<ChoiceOutput>,
     want: Option<usize>,
+    tools: Option<&ToolUse>,
 ) -> Vec<ChatChoice> {
     choices
         .into_iter()
         .enumerate()
-        .map(|(i, c)| ChatChoice {
-            index: i,
-            logprobs: want.map(|_| logprobs(tok, &c.logprobs)),
-            message: ChatMessage {
-                role: "assistant",
-                content: c.text,
-            },
-            finish_reason: c.finish_reason.map(FinishReason::as_str),
+        .map(|(i, c)| {
+            let reason = c.finish_reason.map(FinishReason::as_str);
+            let (message, finish_reason) = match tools {
+                None => (
+                    ChatMessage {
+                        role: "assistant",
+                        content: Some(c.text),
+                        tool_calls: None,
+                    },
+                    reason,
+                ),
+                Some(t) => {
+                    let parsed = t.calls(&c.text);
+                    let called = !parsed.calls.is_empty();
+                    let calls = called.then(|| {
+                        parsed
+                            .calls
+                            .into_iter()
+                            .map(|call| ToolCallOut {
+                                id: tools::call_id(),
+                                kind: "function",
+                                function: FunctionCall {
+                                    name: call.name,
+                                    arguments: call.arguments,
+                                },
+                            })
+                            .collect()
+                    });
+                    let message = ChatMessage {
+                        role: "assistant",
+                        content: parsed.content,
+                        tool_calls: calls,
+                    };
+                    (message, reason.map(|r| t.finish_reason(called, r)))
+                }
+            };
+            ChatChoice {
+                index: i,
+                logprobs: want.map(|_| logprobs(tok, &c.logprobs)),
+                message,
+                finish_reason,
+            }
         })
         .collect()
 }
@@ -197,6 +295,9 @@ pub fn template_messages(messages: &[Message]) -> Result<Vec<model::ChatMessage>
             Ok(model::ChatMessage {
                 role: m.role.clone(),
                 content,
+                tool_calls: m.tool_calls.as_ref().map(|calls| template_calls(calls)),
+                tool_call_id: m.tool_call_id.clone(),
+                name: m.name.clone(),
             })
         })
         .collect()
@@ -208,13 +309,14 @@ pub fn chat_prompt(
     serving: &Serving,
     messages: &[Message],
     add_generation_prompt: bool,
+    tools: Option<&Value>,
 ) -> Result<Vec<u32>, ApiError> {
     let msgs = template_messages(messages)?;
     let template = serving.chat_template.as_ref().ok_or_else(|| {
         ApiError::bad_request("this model has no chat template; use /v1/completions")
     })?;
     let text = template
-        .render(&msgs, add_generation_prompt)
+        .render_with_tools(&msgs, add_generation_prompt, tools)
         .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
     serving
         .tokenizer
@@ -247,4 +349,25 @@ fn logprobs(tok: &Tokenizer, lps: &[TokenLogprob]) -> ChatLogprobs {
         })
         .collect();
     ChatLogprobs { content }
+}
+
+/// An assistant turn's calls as templates expect them: each call's `arguments` an object
+/// (clients send the JSON text the API returned), as vLLM hands them to templates.
+fn template_calls(calls: &[Value]) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .map(|c| {
+                let mut c = c.clone();
+                if let Some(args) = c.pointer_mut("/function/arguments")
+                    && let Some(parsed) = args
+                        .as_str()
+                        .and_then(|text| serde_json::from_str::<Value>(text).ok())
+                {
+                    *args = parsed;
+                }
+                c
+            })
+            .collect(),
+    )
 }

@@ -13,6 +13,8 @@ pub mod response;
 pub mod state;
 pub mod structured;
 pub mod tokenize;
+pub mod tool_parse;
+pub mod tools;
 pub mod validate;
 
 use std::sync::Arc;

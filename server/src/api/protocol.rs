@@ -109,6 +109,11 @@ pub struct ContentPart {
 pub struct Message {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant turn's calls, as the API returned them (arguments as JSON text).
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -120,7 +125,9 @@ pub struct ChatCompletionRequest {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     pub add_generation_prompt: Option<bool>,
-    pub tools: Option<Vec<serde_json::Value>>,
+    pub tools: Option<Vec<super::tools::Tool>>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]

@@ -112,7 +112,43 @@ pub struct ChatChoice {
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the reply is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
+}
+
+/// One tool call of a reply: `{"id", "type": "function", "function": {"name", "arguments"}}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallOut {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionCall {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// A streamed piece of a tool call: the first of a call has its id, type and name.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallChunk {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionChunk,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionChunk {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 /// `/v1/chat/completions`, streamed: one choice's delta.
@@ -131,6 +167,8 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallChunk>>,
 }
 
 /// The chat `logprobs` object: `{"content": [{token, logprob, bytes, top_logprobs}]}`.

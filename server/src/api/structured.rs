@@ -160,6 +160,15 @@ pub async fn guide(
     let Some((spec, param)) = requested(f)? else {
         return Ok(None);
     };
+    compile(state, spec, param).await.map(Some)
+}
+
+/// Compiles `spec` on the blocking pool; errors are 400s naming `param`.
+pub async fn compile(
+    state: &std::sync::Arc<AppState>,
+    spec: GrammarSpec,
+    param: &'static str,
+) -> Result<Guide, ApiError> {
     state
         .blocking(move |s| {
             let grammars = s.grammars.as_ref().ok_or_else(|| {
@@ -170,7 +179,6 @@ pub async fn guide(
             })?;
             grammars
                 .compile(&spec)
-                .map(Some)
                 .map_err(|e| ApiError::invalid_param(param, e.to_string()))
         })
         .await

@@ -31,7 +31,9 @@ fn tokenized(serving: &Serving, req: &TokenizeRequest) -> Result<Tokenized, ApiE
             .tokenizer
             .encode(p, req.add_special_tokens.unwrap_or(true))
             .map_err(|e| ApiError::invalid_param("prompt", format!("cannot tokenize: {e}")))?,
-        (None, Some(m)) => chat_prompt(serving, m, req.add_generation_prompt.unwrap_or(true))?,
+        (None, Some(m)) => {
+            chat_prompt(serving, m, req.add_generation_prompt.unwrap_or(true), None)?
+        }
         _ => {
             return Err(ApiError::bad_request(
                 "give exactly one of `prompt` or `messages`",
