@@ -172,16 +172,27 @@ fn parse_target(s: &str) -> Result<Target> {
     })
 }
 
+/// The target a per-target option `flag name=VALUE` names, and its value.
+fn target_option<'a>(
+    targets: &'a mut [Target],
+    flag: &str,
+    what: &str,
+    spec: &'a str,
+) -> Result<(&'a mut Target, &'a str)> {
+    let (name, value) = spec
+        .split_once('=')
+        .ok_or_else(|| anyhow!("{flag} wants name={what}, got {spec}"))?;
+    let t = targets
+        .iter_mut()
+        .find(|t| t.name == name)
+        .ok_or_else(|| anyhow!("{flag} names no --target: {name}"))?;
+    Ok((t, value))
+}
+
 /// Reads each `--target-body name=FILE` into its target.
 fn assign_bodies(targets: &mut [Target], args: &Args) -> Result<()> {
     for spec in &args.target_bodies {
-        let (name, file) = spec
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--target-body wants name=FILE, got {spec}"))?;
-        let t = targets
-            .iter_mut()
-            .find(|t| t.name == name)
-            .ok_or_else(|| anyhow!("--target-body names no --target: {name}"))?;
+        let (t, file) = target_option(targets, "--target-body", "FILE", spec)?;
         let text = std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?;
         match serde_json::from_str(&text).with_context(|| format!("parsing {file}"))? {
             Value::Object(fields) => t.body = fields,
@@ -197,19 +208,13 @@ fn assign_models(targets: &mut [Target], args: &Args) -> Result<()> {
         t.models = vec![args.model.clone()];
     }
     for spec in &args.target_models {
-        let (name, list) = spec
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--target-models wants name=m1,m2,..., got {spec}"))?;
-        let t = targets
-            .iter_mut()
-            .find(|t| t.name == name)
-            .ok_or_else(|| anyhow!("--target-models names no --target: {name}"))?;
+        let (t, list) = target_option(targets, "--target-models", "m1,m2,...", spec)?;
         t.models = list
             .split(',')
             .filter(|m| !m.is_empty())
             .map(String::from)
             .collect();
-        anyhow::ensure!(!t.models.is_empty(), "--target-models {name}: no model");
+        anyhow::ensure!(!t.models.is_empty(), "--target-models {spec}: no model");
     }
     Ok(())
 }
