@@ -142,6 +142,14 @@ pub struct ServerArgs {
     /// and the bytes each step reads per adapter; each factor rounded once at load).
     #[arg(long, value_enum, default_value_t = LoraDtype::Float32)]
     pub lora_dtype: LoraDtype,
+    /// How the model writes tool calls, by vLLM's parser names: `hermes` (also `qwen`,
+    /// `qwen3`), `llama3_json` (`llama4_json`), `mistral`. Default: recognised from the chat
+    /// template.
+    #[arg(long, value_parser = parse_call_format)]
+    pub tool_call_parser: Option<crate::api::tool_parse::CallFormat>,
+    /// Accepted for vLLM's command lines: `tool_choice: "auto"` is always served here.
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
     /// Most adapters held in memory (default: the larger of `--max-loras` and the number of
     /// `--lora-modules`); past it the least recently used is dropped and read again from its
     /// file when a request names it, as vLLM pages its CPU cache.
@@ -267,6 +275,13 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
     Ok(bytes as usize)
 }
 
+/// A `--tool-call-parser` name.
+fn parse_call_format(v: &str) -> Result<crate::api::tool_parse::CallFormat, String> {
+    crate::api::tool_parse::CallFormat::from_name(v).ok_or_else(|| {
+        format!("'{v}' is not a tool-call format here; use hermes, llama3_json or mistral")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,6 +323,36 @@ mod tests {
         assert_eq!(parse("bfloat16").ok(), Some(LoraDtype::Bfloat16));
         // float16 is vLLM's too, but not kept here: refused at start, not read as another.
         assert!(parse("float16").is_err());
+    }
+
+    #[test]
+    fn tool_call_parsers_take_vllms_names() {
+        use crate::api::tool_parse::CallFormat;
+        let parse = |v: &str| {
+            let argv = [
+                "ferrite-server",
+                "--model",
+                "m.gguf",
+                "--tool-call-parser",
+                v,
+            ];
+            ServerArgs::try_parse_from(argv).map(|a| a.tool_call_parser)
+        };
+        assert_eq!(parse("hermes").ok(), Some(Some(CallFormat::Hermes)));
+        assert_eq!(
+            parse("llama3_json").ok(),
+            Some(Some(CallFormat::Llama3Json))
+        );
+        assert_eq!(parse("mistral").ok(), Some(Some(CallFormat::Mistral)));
+        let err = parse("pythonic").expect_err("unknown").to_string();
+        assert!(err.contains("hermes"), "{err}");
+        let argv = [
+            "ferrite-server",
+            "--model",
+            "m.gguf",
+            "--enable-auto-tool-choice",
+        ];
+        assert!(ServerArgs::try_parse_from(argv).is_ok_and(|a| a.tool_call_parser.is_none()));
     }
 
     #[test]

@@ -306,6 +306,7 @@ fn serve_with(
         vocab_size: info.vocab_size,
         adapters,
         grammars,
+        tool_format: args.tool_call_parser,
     });
     let sched = info.scheduler;
     info!(

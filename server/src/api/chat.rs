@@ -90,10 +90,12 @@ pub async fn chat_completions(
 
 /// How the model writes tool calls, from its chat template.
 fn call_format(serving: &Serving) -> CallFormat {
-    serving
-        .chat_template
-        .as_ref()
-        .map_or(CallFormat::Hermes, |t| CallFormat::detect(t.source()))
+    serving.tool_format.unwrap_or_else(|| {
+        serving
+            .chat_template
+            .as_ref()
+            .map_or(CallFormat::Hermes, |t| CallFormat::detect(t.source()))
+    })
 }
 
 /// `Some(top)` when the client asked for logprobs, with `top` alternatives per token.

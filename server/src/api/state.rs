@@ -52,6 +52,8 @@ pub struct Serving {
     /// The grammar compiler for structured outputs (`None`: not available for this
     /// tokenizer).
     pub grammars: Option<Arc<Grammars>>,
+    /// `--tool-call-parser` (`None`: recognised from the chat template).
+    pub tool_format: Option<super::tool_parse::CallFormat>,
 }
 
 /// What a request's `model` names: the base model or one of its adapters.
