@@ -107,13 +107,9 @@ struct SeqData {
     guide: Option<Guide>,
 }
 
-/// A guide taken out for a step, with the mask of tokens it allows next.
-struct Masked {
-    id: SeqId,
-    /// `None` only when the thread computing the masks was lost.
-    guide: Option<Guide>,
-    mask: Result<TokenMask, StructuredError>,
-}
+/// A guide taken out for a step, with the mask of tokens it allows next (or why there is
+/// none: the guide is then gone, and its sequence ends).
+type Masked = (SeqId, Result<(Guide, TokenMask), StructuredError>);
 
 /// Starts the engine thread. `sink` receives the statistics records.
 pub fn spawn(
@@ -478,30 +474,19 @@ impl Engine {
         let compute = move || {
             guides
                 .into_iter()
-                .map(|(id, mut guide)| Masked {
-                    id,
-                    mask: guide.mask(),
-                    guide: Some(guide),
-                })
-                .collect::<Vec<_>>()
+                .map(|(id, mut guide)| (id, guide.mask().map(|mask| (guide, mask))))
+                .collect::<Vec<Masked>>()
         };
         std::thread::scope(|s| {
             let worker = std::thread::Builder::new()
                 .name("ferrite-grammar".into())
                 .spawn_scoped(s, compute);
-            let (logits, masks) = match worker {
-                Ok(worker) => (self.execute(plan), worker.join().ok()),
-                // No thread to be had: the guides went with the closure, so the sequences fail.
-                Err(_) => (self.execute(plan), None),
-            };
-            let masks = masks.unwrap_or_else(|| {
-                ids.into_iter()
-                    .map(|id| Masked {
-                        id,
-                        guide: None,
-                        mask: Err(StructuredError::Stuck("computing the mask failed".into())),
-                    })
-                    .collect()
+            let logits = self.execute(plan);
+            // No thread to be had, or it panicked: the guides went with it, so the sequences
+            // end.
+            let masks = worker.ok().and_then(|w| w.join().ok()).unwrap_or_else(|| {
+                let lost = || Err(StructuredError::Stuck("computing the mask failed".into()));
+                ids.into_iter().map(|id| (id, lost())).collect()
             });
             (logits, masks)
         })
@@ -549,7 +534,7 @@ impl Engine {
         masks: Vec<Masked>,
     ) -> Result<(Vec<SeqOutput>, Vec<Ending>), Box<dyn std::error::Error>> {
         let rows = logits.to_vec2::<f32>()?;
-        let mut masks: HashMap<SeqId, Masked> = masks.into_iter().map(|m| (m.id, m)).collect();
+        let mut masks: HashMap<_, _> = masks.into_iter().collect();
         let mut outputs = Vec::new();
         let mut ends = Vec::new();
         for (row, s) in rows.iter().zip(&plan.scheduled) {
@@ -561,12 +546,8 @@ impl Engine {
             };
             let (mut guide, mask) = match masks.remove(&s.id) {
                 None => (None, None),
-                Some(Masked {
-                    guide,
-                    mask: Ok(mask),
-                    ..
-                }) => (guide, Some(mask)),
-                Some(Masked { mask: Err(e), .. }) => {
+                Some(Ok((guide, mask))) => (Some(guide), Some(mask)),
+                Some(Err(e)) => {
                     self.end_one(s.id, Event::Refused(format!("structured output: {e}")));
                     continue;
                 }

@@ -168,12 +168,12 @@ impl Grammars {
 fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, StructuredError> {
     Ok(match spec {
         GrammarSpec::JsonSchema(schema) => {
-            TopLevelGrammar::from_json_schema(with_whitespace(schema)?)
+            TopLevelGrammar::from_json_schema(with_whitespace(schema))
         }
         GrammarSpec::JsonObject => {
             TopLevelGrammar::from_json_schema(with_whitespace(&serde_json::json!({
                 "type": "object"
-            }))?)
+            })))
         }
         GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
         GrammarSpec::Choice(choices) => {
@@ -200,10 +200,10 @@ fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, StructuredError> {
 
 /// The schema with this server's JSON whitespace rule, unless the schema sets its own through
 /// llguidance's `x-guidance` options.
-fn with_whitespace(schema: &serde_json::Value) -> Result<serde_json::Value, StructuredError> {
+fn with_whitespace(schema: &serde_json::Value) -> serde_json::Value {
     let serde_json::Value::Object(fields) = schema else {
         // `true` (anything) is a schema too; llguidance reads it as written.
-        return Ok(schema.clone());
+        return schema.clone();
     };
     let mut fields = fields.clone();
     if !fields.contains_key("x-guidance") {
@@ -212,7 +212,7 @@ fn with_whitespace(schema: &serde_json::Value) -> Result<serde_json::Value, Stru
             serde_json::json!({ "whitespace_pattern": JSON_WHITESPACE }),
         );
     }
-    Ok(serde_json::Value::Object(fields))
+    serde_json::Value::Object(fields)
 }
 
 /// One sequence's grammar state.

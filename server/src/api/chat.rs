@@ -15,12 +15,12 @@ use super::generate::{self, ChoiceOutput, StreamItem, TokenLogprob};
 use super::protocol::{ChatCompletionRequest, Content, Message};
 use super::response::{
     ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessage, ChatTokenLogprob, Envelope,
-    FunctionCall, FunctionChunk, Head, ToolCallChunk, ToolCallOut,
+    FunctionCall, Head, ToolCallOut,
 };
 use super::state::{AppState, Serving};
 use super::structured;
 use super::tool_parse::CallFormat;
-use super::tools::{self, CallDelta, StreamState, ToolUse};
+use super::tools::{self, StreamState, ToolUse};
 use super::validate::{self, Generation};
 
 pub async fn chat_completions(
@@ -166,8 +166,7 @@ fn chunk_renderer(
                             // Held back: it may be the start of a call.
                             return None;
                         }
-                        let calls = (!deltas.is_empty())
-                            .then(|| deltas.into_iter().map(call_chunk).collect());
+                        let calls = (!deltas.is_empty()).then_some(deltas);
                         let reason = finish.map(|r| t.finish_reason(st.called, r.as_str()));
                         (content, calls, reason)
                     }
@@ -188,18 +187,6 @@ fn chunk_renderer(
             }
             StreamItem::Usage(u) => Some(chunk(None, Some(u))),
         }
-    }
-}
-
-fn call_chunk(d: CallDelta) -> ToolCallChunk {
-    ToolCallChunk {
-        index: d.index,
-        kind: d.id.as_ref().map(|_| "function"),
-        id: d.id,
-        function: FunctionChunk {
-            name: d.name,
-            arguments: d.arguments,
-        },
     }
 }
 

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::error::ApiError;
+use super::response::{FunctionChunk, ToolCallChunk};
 use super::tool_parse::{CallFormat, Parsed, ToolCall};
 use ferrite_runtime::engine::GrammarSpec;
 
@@ -277,14 +278,16 @@ fn read_choice(choice: Option<&Value>, have_tools: bool) -> Result<Choice, ApiEr
     Ok(choice)
 }
 
-/// A call as a stream sends it: the first chunk of a call has its id and name, later ones
-/// only more of its arguments.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CallDelta {
-    pub index: usize,
-    pub id: Option<String>,
-    pub name: Option<String>,
-    pub arguments: String,
+/// A streamed piece of call `index`: the first of a call (`name` given) opens it with a fresh
+/// id; later ones carry only more of its arguments.
+fn call_chunk(index: usize, name: Option<String>, arguments: String) -> ToolCallChunk {
+    let opens = name.is_some();
+    ToolCallChunk {
+        index,
+        id: opens.then(call_id),
+        kind: opens.then_some("function"),
+        function: FunctionChunk { name, arguments },
+    }
 }
 
 /// One streamed choice: everything generated so far, and how much of it went out as content.
@@ -313,7 +316,7 @@ impl ToolUse {
         st: &mut StreamState,
         text: &str,
         finished: bool,
-    ) -> (Option<String>, Vec<CallDelta>) {
+    ) -> (Option<String>, Vec<ToolCallChunk>) {
         st.text.push_str(text);
         match &self.choice {
             Choice::None => (take_rest(st), Vec::new()),
@@ -325,13 +328,10 @@ impl ToolUse {
                 let first = !st.opened;
                 st.opened = true;
                 st.called = true;
-                let delta = CallDelta {
-                    index: 0,
-                    id: first.then(call_id),
-                    name: first.then(|| name.clone()),
-                    arguments,
-                };
-                (None, vec![delta])
+                (
+                    None,
+                    vec![call_chunk(0, first.then(|| name.clone()), arguments)],
+                )
             }
             Choice::Required | Choice::Auto => {
                 if !finished {
@@ -347,12 +347,7 @@ impl ToolUse {
                     .calls
                     .into_iter()
                     .enumerate()
-                    .map(|(index, c)| CallDelta {
-                        index,
-                        id: Some(call_id()),
-                        name: Some(c.name),
-                        arguments: c.arguments,
-                    })
+                    .map(|(index, c)| call_chunk(index, Some(c.name), c.arguments))
                     .collect();
                 (None, deltas)
             }
@@ -517,12 +512,12 @@ mod tests {
             for d in deltas {
                 if d.index == calls.len() {
                     assert!(
-                        d.id.is_some() && d.name.is_some(),
+                        d.id.is_some() && d.function.name.is_some(),
                         "a call opens with its id and name"
                     );
-                    calls.push((d.name.unwrap_or_default(), String::new()));
+                    calls.push((d.function.name.unwrap_or_default(), String::new()));
                 }
-                calls[d.index].1.push_str(&d.arguments);
+                calls[d.index].1.push_str(&d.function.arguments);
             }
         }
         (content, calls, st.called)
