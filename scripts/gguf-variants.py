@@ -21,17 +21,37 @@ Variants:
         llama.*, tokenizer.* with its arrays) copied exactly and in order, except
         general.file_type, which becomes MOSTLY_F16 (1); same tensor names and order.
 
-Other architectures (Qwen3's q/k norms, Phi-3's fused attn_qkv and gate-up, MoE experts with
-ffn_gate_inp) are meant to be added the same way: a function that lays the same weights out as
-that architecture needs, registered in VARIANTS.
+  qwen3     Qwen3: the same weights at F16 under `qwen3.*` keys, Q and K rows in Hugging Face
+            order (llama.cpp permutes them only for Llama), and per-head RMS norms on q and k
+            (`attn_q_norm`/`attn_k_norm`, [head_dim], F32). Their weights are one value per
+            layer: the largest RMS of a head of q (of k) that the source model computes on
+            calibration prompts (the default model's fixture's first 5, run in numpy here).
+            The norm cannot be undone exactly (it equalises every token's key), and the model
+            answers less well than the source, but in varied and confident text; the mean RMS
+            instead of the largest left attention so flat that answers were loops.
+  qwen3moe  Qwen3-MoE: qwen3's attention, and every FFN a mixture of 4 experts, top 2,
+            renormalised. Every expert is the dense FFN with each unit's output scaled by
+            1 ± 0.2 (seeded signs, per expert), so the chosen experts' weights sum to about the
+            dense FFN and which experts run, with which weights, still changes the answer.
+            (Experts cut from the FFN's units, smaller than it, were tried: dropping units
+            left a model that only babbled.) The router is random
+            (seeded) with logits of standard deviation 1.5 on the calibration prompts, so which experts run, and their weights, change
+            the output. `ffn_gate_inp` [4, hidden] F32, `ffn_{gate,up,down}_exps` F16.
 
-Usage: scripts/gguf-variants.py VARIANT OUT.gguf [--model SRC]
+With --hf DIR, the variant is also written as a Hugging Face folder: `model.safetensors` (the
+same arrays under Hugging Face names, experts one tensor each, Qwen3-MoE's naming), a
+`config.json`, and a `tokenizer_config.json` with the chat template (no tokenizer.json: the
+tests write one from the GGUF's tokenizer).
+
+Usage: scripts/gguf-variants.py VARIANT OUT.gguf [--model SRC] [--hf DIR]
   (SRC defaults to scripts/fetch-model.sh's model. gguf and numpy come from the venv of
   scripts/python-env.sh: run by a Python without them, the script runs itself again there.)
 """
 
 import argparse
+import json
 import os
+import struct
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -79,10 +99,12 @@ class Source:
 
 @dataclass
 class Model:
-    """What a variant writes: tensors are (name, array, GGML type), converted on write."""
+    """What a variant writes: tensors are (name, array, GGML type), converted on write;
+    hf_config is the config.json of its Hugging Face form (None: it has none)."""
     arch: str
     kvs: list[KV]
     tensors: list[tuple[str, np.ndarray, GGMLQuantizationType]] = field(default_factory=list)
+    hf_config: dict | None = None
 
 
 def read_source(path):
@@ -128,9 +150,283 @@ def variant_f16(src):
     return model
 
 
+def renamed_kvs(src, arch):
+    """The source's metadata with its `llama.` keys moved to `arch.`, at F16."""
+    kvs = []
+    for kv in src.kvs:
+        key = arch + kv.key[len(src.arch):] if kv.key.startswith(src.arch + ".") else kv.key
+        kvs.append(KV(key, kv.value, kv.vtype, kv.sub_type))
+    set_kv(kvs, "general.file_type", int(LlamaFileType.MOSTLY_F16), GGUFValueType.UINT32)
+    return kvs
+
+
+def unpermute(w, heads):
+    """Undoes llama.cpp's Llama Q/K row permutation (interleaved RoPE pairs -> halves)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hparams(src):
+    v = lambda k: int(src.kv(f"{src.arch}.{k}").value)
+    return {
+        "layers": v("block_count"),
+        "hidden": v("embedding_length"),
+        "ffn": v("feed_forward_length"),
+        "heads": v("attention.head_count"),
+        "kv_heads": v("attention.head_count_kv"),
+        "context": v("context_length"),
+        "theta": float(src.kv(f"{src.arch}.rope.freq_base").value),
+        "eps": float(src.kv(f"{src.arch}.attention.layer_norm_rms_epsilon").value),
+        "vocab": v("vocab_size"),
+    }
+
+
+CALIBRATION_FIXTURE = "runtime/tests/fixtures/llama_server_greedy.json"
+
+
+def rms_norm(x, g, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
+
+
+def rope_half(x, theta):
+    """Rotate-half RoPE of [tokens, heads, head_dim] at positions 0.."""
+    half = x.shape[-1] // 2
+    angle = np.arange(x.shape[0])[:, None] * theta ** (-np.arange(half) * 2.0 / x.shape[-1])
+    c, s = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], -1)
+
+
+@dataclass
+class Calibration:
+    """Per layer: the largest RMS of a head of q and of k (before any norm) over the calibration
+    tokens, and the FFN's normed inputs."""
+    q_rms: list
+    k_rms: list
+    ffn_inputs: list
+
+
+def calibrate(src, hp, t):
+    """Runs the source (Llama) model in float64 over the chat prompts of the default model's
+    llama.cpp fixture (5 prompts, ~200 tokens) and records what the variants are scaled by."""
+    with open(os.path.join(ROOT, CALIBRATION_FIXTURE)) as f:
+        prompts = [p["ids"] for p in json.load(f)["prompts"][:5]]
+    heads, kv_heads, eps = hp["heads"], hp["kv_heads"], hp["eps"]
+    d = hp["hidden"] // heads
+    cal = Calibration([0.0] * hp["layers"], [0.0] * hp["layers"], [[] for _ in range(hp["layers"])])
+    for ids in prompts:
+        n = len(ids)
+        x = t["token_embd.weight"][ids].astype(np.float64)
+        mask = np.triu(np.full((n, n), -np.inf), 1)
+        for i in range(hp["layers"]):
+            p = f"blk.{i}."
+            h = rms_norm(x, t[p + "attn_norm.weight"], eps)
+            q = (h @ unpermute(t[p + "attn_q.weight"], heads).T).reshape(n, heads, d)
+            k = (h @ unpermute(t[p + "attn_k.weight"], kv_heads).T).reshape(n, kv_heads, d)
+            v = (h @ t[p + "attn_v.weight"].T).reshape(n, kv_heads, d)
+            cal.q_rms[i] = max(cal.q_rms[i], float(np.sqrt((q * q).mean(-1)).max()))
+            cal.k_rms[i] = max(cal.k_rms[i], float(np.sqrt((k * k).mean(-1)).max()))
+            q, k = rope_half(q, hp["theta"]), rope_half(k, hp["theta"])
+            k, v = (np.repeat(a, heads // kv_heads, axis=1) for a in (k, v))
+            score = np.einsum("thd,shd->hts", q, k) / np.sqrt(d) + mask
+            score = np.exp(score - score.max(-1, keepdims=True))
+            score /= score.sum(-1, keepdims=True)
+            x = x + np.einsum("hts,shd->thd", score, v).reshape(n, -1) @ t[p + "attn_output.weight"].T
+            h = rms_norm(x, t[p + "ffn_norm.weight"], eps)
+            cal.ffn_inputs[i].append(h)
+            gate, up = h @ t[p + "ffn_gate.weight"].T, h @ t[p + "ffn_up.weight"].T
+            x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + "ffn_down.weight"].T
+    return cal
+
+
+def qwen3_attention(hp, i, t, cal):
+    """Layer i's attention tensors laid out for Qwen3 (names, arrays, GGML types)."""
+    p = f"blk.{i}."
+    g = t[p + "attn_norm.weight"]
+    q = unpermute(t[p + "attn_q.weight"], hp["heads"])
+    k = unpermute(t[p + "attn_k.weight"], hp["kv_heads"])
+    F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
+    return [
+        (p + "attn_norm.weight", g, F32),
+        (p + "attn_q.weight", q, F16),
+        (p + "attn_k.weight", k, F16),
+        (p + "attn_v.weight", t[p + "attn_v.weight"], F16),
+        (p + "attn_output.weight", t[p + "attn_output.weight"], F16),
+        (p + "attn_q_norm.weight", np.full(len(q) // hp["heads"], cal.q_rms[i], np.float32), F32),
+        (p + "attn_k_norm.weight", np.full(len(k) // hp["kv_heads"], cal.k_rms[i], np.float32), F32),
+        (p + "ffn_norm.weight", t[p + "ffn_norm.weight"], F32),
+    ]
+
+
+def qwen3_config(hp, arch_name):
+    return {
+        "architectures": [arch_name],
+        "hidden_size": hp["hidden"],
+        "intermediate_size": hp["ffn"],
+        "num_hidden_layers": hp["layers"],
+        "num_attention_heads": hp["heads"],
+        "num_key_value_heads": hp["kv_heads"],
+        "head_dim": hp["hidden"] // hp["heads"],
+        "vocab_size": hp["vocab"],
+        "rms_norm_eps": hp["eps"],
+        "rope_theta": hp["theta"],
+        "max_position_embeddings": hp["context"],
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+def qwen3_model(src, arch, ffn):
+    """A Qwen3-family model whose layer FFNs come from ffn(i, tensors, calibration)."""
+    if src.arch != "llama":
+        sys.exit("gguf-variants: the Qwen3 variants are made from a llama model")
+    hp = hparams(src)
+    t = dict(src.tensors)
+    cal = calibrate(src, hp, t)
+    model = Model(arch, renamed_kvs(src, arch))
+    F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
+    model.tensors.append(("token_embd.weight", t["token_embd.weight"], F16))
+    for i in range(hp["layers"]):
+        model.tensors += qwen3_attention(hp, i, t, cal)
+        model.tensors += ffn(i, t, cal)
+    model.tensors.append(("output_norm.weight", t["output_norm.weight"], F32))
+    return model, hp
+
+
+def variant_qwen3(src):
+    F16 = GGMLQuantizationType.F16
+    dense = lambda i, t, cal: [(f"blk.{i}.{n}.weight", t[f"blk.{i}.{n}.weight"], F16)
+                          for n in ("ffn_gate", "ffn_up", "ffn_down")]
+    model, hp = qwen3_model(src, "qwen3", dense)
+    model.hf_config = qwen3_config(hp, "Qwen3ForCausalLM")
+    return model
+
+
+MOE_EXPERTS, MOE_USED, MOE_NOISE = 4, 2, 0.2
+
+
+def experts_of(i, t, cal, rng):
+    """Layer i's dense FFN as MOE_EXPERTS experts (see the module doc), and a router."""
+    p = f"blk.{i}."
+    gate, up, down = (t[p + n + ".weight"] for n in ("ffn_gate", "ffn_up", "ffn_down"))
+    units = gate.shape[0]
+    downs = [down * (1 + MOE_NOISE * rng.choice([-1.0, 1.0], size=units))[None, :]
+             for _ in range(MOE_EXPERTS)]
+    # Random directions, scaled for logits of standard deviation 1.5 on the calibration inputs.
+    router = rng.standard_normal((MOE_EXPERTS, gate.shape[1]))
+    logits = np.concatenate(cal.ffn_inputs[i]) @ router.T
+    router *= 1.5 / logits.std()
+    stack = lambda a: np.stack([a] * MOE_EXPERTS)
+    return router.astype(np.float32), stack(gate), stack(up), np.stack(downs).astype(np.float32)
+
+
+def variant_qwen3moe(src):
+    F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
+    rng = np.random.default_rng(38)
+
+    def moe(i, t, cal):
+        router, gates, ups, downs = experts_of(i, t, cal, rng)
+        p = f"blk.{i}."
+        return [
+            (p + "ffn_gate_inp.weight", router, F32),
+            (p + "ffn_gate_exps.weight", gates, F16),
+            (p + "ffn_up_exps.weight", ups, F16),
+            (p + "ffn_down_exps.weight", downs, F16),
+        ]
+
+    model, hp = qwen3_model(src, "qwen3moe", moe)
+    expert_ffn = hp["ffn"]
+    for key, value in (("expert_count", MOE_EXPERTS), ("expert_used_count", MOE_USED),
+                       ("expert_feed_forward_length", expert_ffn)):
+        set_kv(model.kvs, f"qwen3moe.{key}", value, GGUFValueType.UINT32)
+    model.hf_config = qwen3_config(hp, "Qwen3MoeForCausalLM") | {
+        "num_experts": MOE_EXPERTS,
+        "num_experts_per_tok": MOE_USED,
+        "moe_intermediate_size": expert_ffn,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    return model
+
+
 VARIANTS = {
     "f16": variant_f16,
+    "qwen3": variant_qwen3,
+    "qwen3moe": variant_qwen3moe,
 }
+
+# Hugging Face names of a Qwen3-family layer's tensors (experts are split one per tensor).
+HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+}
+HF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                   "ffn_down_exps": "down_proj"}
+HF_FIXED = {"token_embd.weight": "model.embed_tokens.weight",
+            "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def hf_tensors(model):
+    """The model's tensors under Hugging Face names, at the precision the GGUF holds them."""
+    for name, a, kind in model.tensors:
+        dtype = NUMPY_TYPES[kind]
+        if name in HF_FIXED:
+            yield HF_FIXED[name], a.astype(dtype)
+            continue
+        _, layer, module, suffix = name.split(".")
+        if module in HF_EXPERT_NAMES:
+            for e in range(a.shape[0]):
+                yield (f"model.layers.{layer}.mlp.experts.{e}.{HF_EXPERT_NAMES[module]}.{suffix}",
+                       a[e].astype(dtype))
+        else:
+            yield f"model.layers.{layer}.{HF_LAYER_NAMES[module]}.{suffix}", a.astype(dtype)
+
+
+def write_safetensors(tensors, path):
+    """The safetensors format: a little-endian u64 header size, a JSON header of each tensor's
+    dtype, shape and byte range, padded to 8 bytes, then the data."""
+    names = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, a in tensors:
+        data = np.ascontiguousarray(a).tobytes()
+        header[name] = {"dtype": names[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for b in blobs:
+            f.write(b)
+    os.replace(tmp, path)
+
+
+def write_hf(model, out_dir):
+    if model.hf_config is None:
+        sys.exit("gguf-variants: this variant has no Hugging Face form")
+    os.makedirs(out_dir, exist_ok=True)
+    write_safetensors(list(hf_tensors(model)), os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(model.hf_config, f, indent=1, sort_keys=True)
+    template = next(kv.value for kv in model.kvs if kv.key == "tokenizer.chat_template")
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": template}, f)
 
 NUMPY_TYPES = {
     GGMLQuantizationType.F32: np.float32,
@@ -162,12 +458,15 @@ def main():
     p.add_argument("variant", choices=sorted(VARIANTS))
     p.add_argument("out", help="the GGUF file to write")
     p.add_argument("--model", help="the source GGUF (default: scripts/fetch-model.sh's)")
+    p.add_argument("--hf", help="also write the variant as a Hugging Face folder here")
     args = p.parse_args()
     src_path = args.model or subprocess.check_output(
         [os.path.join(ROOT, "scripts/fetch-model.sh")], text=True
     ).strip()
     model = VARIANTS[args.variant](read_source(src_path))
     write(model, args.out)
+    if args.hf:
+        write_hf(model, args.hf)
     print(args.out)
 
 

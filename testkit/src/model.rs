@@ -19,35 +19,96 @@ pub fn default_model() -> PathBuf {
 /// The folder `scripts/lora-adapter.py --seed SEED` wrote for the default model (`peft/` and
 /// `adapter.gguf`), made once per version of the script next to the model.
 pub fn lora_adapter_dir(seed: u64) -> PathBuf {
+    let seed = seed.to_string();
+    generated(
+        "scripts/lora-adapter.py",
+        &format!("lora-{{hash}}-seed{seed}"),
+        "adapter.gguf",
+        |partial| vec![partial.into(), "--seed".into(), seed.clone().into()],
+    )
+}
+
+/// The folder holding `scripts/gguf-variants.py VARIANT`'s checkpoint of the default model,
+/// `model.gguf`, and with `hf` its Hugging Face form in `hf/`; made once per version of the
+/// script next to the model.
+pub fn gguf_variant(variant: &str, hf: bool) -> PathBuf {
+    let kind = if hf { "gguf-hf" } else { "gguf" };
+    generated(
+        "scripts/gguf-variants.py",
+        &format!("{variant}-{{hash}}-{kind}"),
+        "model.gguf",
+        |partial| {
+            let mut args: Vec<std::ffi::OsString> =
+                vec![variant.into(), partial.join("model.gguf").into()];
+            if hf {
+                args.extend(["--hf".into(), partial.join("hf").into()]);
+            }
+            args
+        },
+    )
+}
+
+/// Runs `script` (a Python script of the workspace, given `--model` and the default model, and
+/// the arguments `args` makes of the folder to write) once per version of the script: its
+/// output is the folder `name` (where `{hash}` stands for the script's hash) next to the default
+/// model, done when it holds `marker`. Tests run in parallel processes: each writes its own
+/// copy and the first to finish puts it in place. Folders of the script's earlier versions are
+/// removed (checkpoints take hundreds of megabytes each).
+fn generated(
+    script: &str,
+    name: &str,
+    marker: &str,
+    args: impl Fn(&std::path::Path) -> Vec<std::ffi::OsString>,
+) -> PathBuf {
     let src = default_model();
-    let script = crate::kube::workspace_root().join("scripts/lora-adapter.py");
-    let text = std::fs::read(&script).expect("scripts/lora-adapter.py");
+    let script_path = crate::kube::workspace_root().join(script);
+    let text = std::fs::read(&script_path).unwrap_or_else(|e| panic!("{script}: {e}"));
     let mut h = std::hash::DefaultHasher::new();
     text.hash(&mut h);
-    let out = src.with_file_name(format!("lora-{:016x}-seed{seed}", h.finish()));
-    if !out.join("adapter.gguf").exists() {
-        // Tests run in parallel processes: each writes its own copy and the first to finish
-        // puts it in place.
-        let partial = out.with_extension(format!("partial-{}", std::process::id()));
+    let out = src.with_file_name(name.replace("{hash}", &format!("{:016x}", h.finish())));
+    if out.join(marker).exists() {
+        return out;
+    }
+    let partial = out.with_extension(format!("partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&partial);
+    std::fs::create_dir_all(&partial).expect("create the output folder");
+    let status = Command::new(crate::tools::python())
+        .arg(&script_path)
+        .args(args(&partial))
+        .arg("--model")
+        .arg(&src)
+        .status()
+        .unwrap_or_else(|e| panic!("run {script}: {e}"));
+    assert!(status.success(), "{script} failed: {status}");
+    if std::fs::rename(&partial, &out).is_err() {
+        assert!(
+            out.join(marker).exists(),
+            "could not put {} in place",
+            out.display()
+        );
         let _ = std::fs::remove_dir_all(&partial);
-        let status = Command::new(crate::tools::python())
-            .arg(&script)
-            .arg(&partial)
-            .arg("--model")
-            .arg(&src)
-            .arg("--seed")
-            .arg(seed.to_string())
-            .status()
-            .expect("run scripts/lora-adapter.py");
-        assert!(status.success(), "scripts/lora-adapter.py failed: {status}");
-        if std::fs::rename(&partial, &out).is_err() {
-            assert!(
-                out.join("adapter.gguf").exists(),
-                "could not put {} in place",
-                out.display()
-            );
-            let _ = std::fs::remove_dir_all(&partial);
+    }
+    remove_stale(&out, name);
+    out
+}
+
+/// Removes the siblings of `out` that match the name pattern `name` with another hash.
+fn remove_stale(out: &std::path::Path, name: &str) {
+    let (Some(dir), Some((before, after))) = (out.parent(), name.split_once("{hash}")) else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for path in entries.flatten().map(|e| e.path()) {
+        let file = path.file_name().unwrap_or_default().to_string_lossy();
+        let hash = file
+            .strip_prefix(before)
+            .and_then(|rest| rest.strip_suffix(after));
+        let is_hash =
+            hash.is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()));
+        if is_hash && path != out {
+            let _ = std::fs::remove_dir_all(&path);
         }
     }
-    out
 }

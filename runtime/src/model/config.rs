@@ -3,12 +3,41 @@
 use super::ModelError;
 
 /// Model families we run. All share the Llama block (RMSNorm, GQA attention with RoPE, SwiGLU);
-/// they differ in attention biases, RoPE layout and sliding windows.
+/// they differ in attention biases, RoPE layout, sliding windows, per-head q/k norms (Qwen3)
+/// and whether the FFN is a mixture of experts ([`Moe`]; Mixtral is a Llama with one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
     Mistral,
     Qwen2,
+    Qwen3,
+    Qwen3Moe,
+}
+
+impl Arch {
+    /// The name llama.cpp gives the family (`general.architecture`).
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
+        }
+    }
+}
+
+/// A mixture-of-experts FFN: a router picks `experts_per_token` of `num_experts` SwiGLU experts
+/// per token, weighted by the softmax of the router's logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Moe {
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    /// Each expert's intermediate size.
+    pub expert_ffn: usize,
+    /// Renormalise the chosen experts' weights to sum to 1 (Mixtral, and Qwen3-MoE's
+    /// `norm_topk_prob`); otherwise they keep their share of the softmax over all experts.
+    pub norm_top_k: bool,
 }
 
 /// How RoPE pairs up dimensions. GGUF Llama checkpoints have Q/K rows permuted for the
@@ -54,6 +83,10 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     pub sliding_window: Option<usize>,
     pub attention_bias: bool,
+    /// RMS norms over each head of q and of k, before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// The FFN is a mixture of experts (`intermediate_size` is then unused).
+    pub moe: Option<Moe>,
     pub tie_word_embeddings: bool,
 }
 
@@ -100,6 +133,17 @@ impl ModelConfig {
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return bad(format!("rope_theta ({}) must be positive", self.rope_theta));
+        }
+        if let Some(m) = &self.moe {
+            if m.num_experts == 0 || m.expert_ffn == 0 {
+                return bad("a mixture of experts needs experts of positive size".into());
+            }
+            if m.experts_per_token == 0 || m.experts_per_token > m.num_experts {
+                return bad(format!(
+                    "experts per token ({}) must be between 1 and the number of experts ({})",
+                    m.experts_per_token, m.num_experts
+                ));
+            }
         }
         if let RopeScaling::FreqFactors(f) = &self.rope_scaling
             && f.len() != self.head_dim / 2

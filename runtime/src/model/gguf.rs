@@ -122,17 +122,10 @@ impl GgufFile {
             "llama" => (Arch::Llama, RopeStyle::Interleaved, false),
             "mistral" => (Arch::Mistral, RopeStyle::Interleaved, false),
             "qwen2" => (Arch::Qwen2, RopeStyle::Half, true),
+            "qwen3" => (Arch::Qwen3, RopeStyle::Half, false),
+            "qwen3moe" => (Arch::Qwen3Moe, RopeStyle::Half, false),
             other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
         };
-        if self
-            .opt_usize(&format!("{arch_name}.expert_count"))?
-            .unwrap_or(0)
-            > 1
-        {
-            return Err(ModelError::UnsupportedArchitecture(format!(
-                "{arch_name} (mixture of experts)"
-            )));
-        }
         let k = |s: &str| format!("{arch_name}.{s}");
         let hidden_size = self.usize(&k("embedding_length"))?;
         let num_heads = self.usize(&k("attention.head_count"))?;
@@ -151,10 +144,12 @@ impl GgufFile {
             },
         };
         let rope_scaling = self.rope_scaling(&arch_name, head_dim)?;
+        let intermediate_size = self.usize(&k("feed_forward_length"))?;
+        let moe = self.moe(&arch_name, arch, intermediate_size)?;
         let cfg = ModelConfig {
             arch,
             hidden_size,
-            intermediate_size: self.usize(&k("feed_forward_length"))?,
+            intermediate_size,
             num_layers: self.usize(&k("block_count"))?,
             num_heads,
             num_kv_heads,
@@ -169,10 +164,51 @@ impl GgufFile {
             max_position_embeddings: self.opt_usize(&k("context_length"))?.unwrap_or(4096),
             sliding_window: self.opt_usize(&k("attention.sliding_window"))?,
             attention_bias: attention_bias && self.has_tensor("blk.0.attn_q.bias"),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            moe,
             tie_word_embeddings: !self.has_tensor("output.weight"),
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The mixture of experts of a file with more than one expert: Mixtral (filed as `llama`)
+    /// and Qwen3-MoE, which both renormalise the chosen experts' weights. Other families with
+    /// experts are refused by name rather than run as dense models.
+    fn moe(
+        &self,
+        arch_name: &str,
+        arch: Arch,
+        ffn: usize,
+    ) -> Result<Option<super::config::Moe>, ModelError> {
+        let k = |s: &str| format!("{arch_name}.{s}");
+        let experts = self.opt_usize(&k("expert_count"))?.unwrap_or(0);
+        if experts <= 1 {
+            if arch == Arch::Qwen3Moe {
+                return Err(ModelError::MissingMetadata(k("expert_count")));
+            }
+            return Ok(None);
+        }
+        if !matches!(arch, Arch::Llama | Arch::Qwen3Moe) {
+            return Err(ModelError::UnsupportedArchitecture(format!(
+                "{arch_name} (mixture of experts)"
+            )));
+        }
+        if self.has_tensor("blk.0.ffn_gate_inp_shexp.weight")
+            || self.has_tensor("blk.0.ffn_up_shexp.weight")
+        {
+            return Err(ModelError::Unsupported(format!(
+                "{arch_name}: shared experts"
+            )));
+        }
+        Ok(Some(super::config::Moe {
+            num_experts: experts,
+            experts_per_token: self.usize(&k("expert_used_count"))?,
+            expert_ffn: self
+                .opt_usize(&k("expert_feed_forward_length"))?
+                .unwrap_or(ffn),
+            norm_top_k: true,
+        }))
     }
 
     fn rope_scaling(&mut self, arch: &str, head_dim: usize) -> Result<RopeScaling, ModelError> {

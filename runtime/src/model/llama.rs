@@ -11,7 +11,7 @@ use super::norm::residual_norm;
 use super::rope::Rope;
 pub use super::step::SeqInput;
 use super::step::{PackedStep, StepTensors};
-use super::weights::LlamaWeights;
+use super::weights::{Ffn, LlamaWeights};
 use crate::kv::KvCache;
 
 /// A Llama-family model ready to run batches.
@@ -207,6 +207,7 @@ impl LlamaModel {
         // Graphs are captured with the attention kernel; a model set to the generic path (tests
         // comparing the two) runs eagerly.
         if self.max_graph_batch == 0
+            || self.cfg.moe.is_some()
             || self.attention != AttentionBackend::Auto
             || batch.len() > self.max_graph_batch
             || batch.iter().any(|s| s.adapter.is_some())
@@ -292,19 +293,34 @@ impl LlamaModel {
         let (mut x, mut h) =
             residual_norm(&self.weights.embed.lookup(&step.ids)?, None, first, eps)?;
         for (l, w) in layers.iter().enumerate() {
-            let qkv = lora.apply(l, Proj::Qkv, &h, w.qkv.forward(&h)?)?;
+            let mut qkv = lora.apply(l, Proj::Qkv, &h, w.qkv.forward(&h)?)?;
+            if let Some((q_norm, k_norm)) = &w.qk_norm {
+                qkv = super::norm::qk_norm(&qkv, heads, q_norm, k_norm, eps)?;
+            }
             let (kc, vc) = cache.layer(l);
             let q = writer.write(&qkv, heads, kc, vc)?;
             let attn = paged_attention(&q, kc, vc, meta, self.attention)?;
             let o = lora.apply(l, Proj::O, &attn, w.o.forward(&attn)?)?;
             (x, h) = residual_norm(&x, Some(&o), &w.ffn_norm, eps)?;
-            let gate_up = lora.apply(l, Proj::GateUp, &h, w.gate_up.forward(&h)?)?;
-            let act = super::activation::swiglu(&gate_up, cfg.intermediate_size)?;
+            let ffn = match &w.ffn {
+                Ffn::Dense { gate_up, down } => {
+                    let gate_up = lora.apply(l, Proj::GateUp, &h, gate_up.forward(&h)?)?;
+                    let act = super::activation::swiglu(&gate_up, cfg.intermediate_size)?;
+                    lora.apply(l, Proj::Down, &act, down.forward(&act)?)?
+                }
+                Ffn::Experts(experts) => match &cfg.moe {
+                    Some(moe) => super::moe::forward(experts, moe, &h)?,
+                    None => {
+                        return Err(ModelError::InvalidConfig(
+                            "experts loaded for a model without a mixture of experts".into(),
+                        ));
+                    }
+                },
+            };
             let next = layers
                 .get(l + 1)
                 .map_or(&self.weights.norm, |n| &n.attn_norm);
-            let down = lora.apply(l, Proj::Down, &act, w.down.forward(&act)?)?;
-            (x, h) = residual_norm(&x, Some(&down), next, eps)?;
+            (x, h) = residual_norm(&x, Some(&ffn), next, eps)?;
         }
         Ok(h)
     }

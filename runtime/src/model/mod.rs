@@ -16,6 +16,7 @@ pub mod driver;
 pub mod gguf;
 pub mod llama;
 pub mod lora;
+pub mod moe;
 pub mod norm;
 pub mod rope;
 pub mod safetensors;
@@ -28,7 +29,7 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
-pub use config::{Arch, ModelConfig, RopeScaling, RopeStyle};
+pub use config::{Arch, ModelConfig, Moe, RopeScaling, RopeStyle};
 pub use llama::{LlamaModel, SeqInput};
 pub use tokenizer::Tokenizer;
 pub use weights::{Checkpoint, LlamaWeights, RawWeight, WeightMode, WeightSource};
@@ -45,7 +46,9 @@ pub enum ModelError {
     },
     #[error("{path}: {reason}")]
     Corrupt { path: PathBuf, reason: String },
-    #[error("unsupported model architecture '{0}' (supported: llama, mistral, qwen2)")]
+    #[error(
+        "unsupported model architecture '{0}' (supported: llama, mistral, mixtral, qwen2, qwen3, qwen3moe)"
+    )]
     UnsupportedArchitecture(String),
     #[error("unsupported: {0}")]
     Unsupported(String),

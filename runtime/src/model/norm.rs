@@ -42,6 +42,29 @@ pub fn residual_norm(
     }
 }
 
+/// Qwen3's per-head RMS norms of a fused `[tokens, q_dim + 2 * kv_dim]` projection: each head
+/// of q normed with `q_w`, each head of k with `k_w` (`[head_dim]` each), v as it is.
+pub fn qk_norm(
+    qkv: &Tensor,
+    heads: super::cache_write::Heads,
+    q_w: &Tensor,
+    k_w: &Tensor,
+    eps: f32,
+) -> Result<Tensor> {
+    let tokens = qkv.dim(0)?;
+    let d = heads.head_dim;
+    let (q_dim, kv_dim) = (heads.num_heads * d, heads.num_kv_heads * d);
+    let per_head = |x: Tensor, w: &Tensor, width: usize| -> Result<Tensor> {
+        let rows = x.contiguous()?.reshape((tokens * width / d, d))?;
+        let (_, normed) = residual_norm(&rows, None, w, eps)?;
+        normed.reshape((tokens, width))
+    };
+    let q = per_head(qkv.narrow(1, 0, q_dim)?, q_w, q_dim)?;
+    let k = per_head(qkv.narrow(1, q_dim, kv_dim)?, k_w, kv_dim)?;
+    let v = qkv.narrow(1, q_dim + kv_dim, kv_dim)?;
+    Tensor::cat(&[q, k, v], 1)
+}
+
 /// The rows' width, checked against the norm's weights.
 fn width(l: &Layout, w: &Layout) -> Result<(usize, usize)> {
     let (rows, hidden) = l.shape().dims2()?;

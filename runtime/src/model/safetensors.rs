@@ -58,6 +58,16 @@ pub struct HfConfig {
     use_sliding_window: Option<bool>,
     attention_bias: Option<bool>,
     tie_word_embeddings: Option<bool>,
+    /// Qwen3-MoE's expert count; Mixtral calls it `num_local_experts`.
+    #[serde(alias = "num_local_experts")]
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    /// Qwen3-MoE: every n-th layer is sparse, and `mlp_only_layers` are dense.
+    decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    mlp_only_layers: Vec<usize>,
     pub bos_token_id: Option<u32>,
     pub eos_token_id: Option<OneOrMany>,
 }
@@ -86,8 +96,12 @@ impl HfConfig {
             "LlamaForCausalLM" | "llama" => Arch::Llama,
             "MistralForCausalLM" | "mistral" => Arch::Mistral,
             "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
+            "Qwen3ForCausalLM" | "qwen3" => Arch::Qwen3,
+            "Qwen3MoeForCausalLM" | "qwen3_moe" => Arch::Qwen3Moe,
+            "MixtralForCausalLM" | "mixtral" => Arch::Mistral,
             other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
         };
+        let moe = self.moe(&name, arch)?;
         let head_dim = self.head_dim.unwrap_or_else(|| {
             self.hidden_size
                 .checked_div(self.num_attention_heads)
@@ -131,10 +145,44 @@ impl HfConfig {
             max_position_embeddings: self.max_position_embeddings.unwrap_or(4096),
             sliding_window,
             attention_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            moe,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false) || !has_lm_head,
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+}
+
+impl HfConfig {
+    /// The mixture of experts of Mixtral and Qwen3-MoE configs (every layer sparse; mixed
+    /// dense and sparse layers are refused by name).
+    fn moe(&self, name: &str, arch: Arch) -> Result<Option<super::config::Moe>, ModelError> {
+        let experts = self.num_experts.unwrap_or(0);
+        let is_moe = arch == Arch::Qwen3Moe || name.starts_with("Mixtral") || name == "mixtral";
+        if !is_moe {
+            if experts > 1 {
+                return Err(ModelError::UnsupportedArchitecture(format!(
+                    "{name} (mixture of experts)"
+                )));
+            }
+            return Ok(None);
+        }
+        if self.decoder_sparse_step.unwrap_or(1) != 1 || !self.mlp_only_layers.is_empty() {
+            return Err(ModelError::Unsupported(format!(
+                "{name}: dense layers among sparse ones (decoder_sparse_step, mlp_only_layers)"
+            )));
+        }
+        let per_token = self
+            .num_experts_per_tok
+            .ok_or_else(|| ModelError::MissingMetadata("num_experts_per_tok".into()))?;
+        Ok(Some(super::config::Moe {
+            num_experts: experts,
+            experts_per_token: per_token,
+            expert_ffn: self.moe_intermediate_size.unwrap_or(self.intermediate_size),
+            // Mixtral always renormalises; Qwen3-MoE says so in its config.
+            norm_top_k: arch != Arch::Qwen3Moe || self.norm_topk_prob.unwrap_or(false),
+        }))
     }
 }
 
@@ -178,8 +226,10 @@ impl SafetensorsDir {
     }
 }
 
-/// Maps a canonical (GGUF-style) tensor name to its Hugging Face name.
-pub fn hf_name(canonical: &str) -> Option<String> {
+/// Maps a canonical (GGUF-style) tensor name to its Hugging Face names, in the order tried
+/// (Qwen3-MoE's and Mixtral's names for a router differ). Experts are stacked from per-expert
+/// tensors by [`SafetensorsDir`], not named here.
+pub fn hf_names(canonical: &str) -> Vec<String> {
     let fixed = match canonical {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -187,32 +237,90 @@ pub fn hf_name(canonical: &str) -> Option<String> {
         _ => None,
     };
     if let Some(n) = fixed {
-        return Some(n.to_string());
+        return vec![n.to_string()];
     }
+    let Some((layer, module, kind)) = split_layer_name(canonical) else {
+        return Vec::new();
+    };
+    let hf: &[&str] = match module {
+        "attn_norm" => &["input_layernorm"],
+        "ffn_norm" => &["post_attention_layernorm"],
+        "attn_q" => &["self_attn.q_proj"],
+        "attn_k" => &["self_attn.k_proj"],
+        "attn_v" => &["self_attn.v_proj"],
+        "attn_output" => &["self_attn.o_proj"],
+        "attn_q_norm" => &["self_attn.q_norm"],
+        "attn_k_norm" => &["self_attn.k_norm"],
+        "ffn_gate" => &["mlp.gate_proj"],
+        "ffn_up" => &["mlp.up_proj"],
+        "ffn_down" => &["mlp.down_proj"],
+        "ffn_gate_inp" => &["mlp.gate", "block_sparse_moe.gate"],
+        _ => &[],
+    };
+    hf.iter()
+        .map(|m| format!("model.layers.{layer}.{m}.{kind}"))
+        .collect()
+}
+
+/// The first Hugging Face name of `canonical` (the one a converter writes).
+pub fn hf_name(canonical: &str) -> Option<String> {
+    hf_names(canonical).into_iter().next()
+}
+
+/// `blk.3.attn_q.weight` -> `("3", "attn_q", "weight")`.
+fn split_layer_name(canonical: &str) -> Option<(&str, &str, &str)> {
     let rest = canonical.strip_prefix("blk.")?;
     let (layer, rest) = rest.split_once('.')?;
     let (module, kind) = rest.rsplit_once('.')?;
-    let hf = match module {
-        "attn_norm" => "input_layernorm",
-        "ffn_norm" => "post_attention_layernorm",
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
+    Some((layer, module, kind))
+}
+
+/// Per-expert Hugging Face names of a stacked expert tensor (`blk.N.ffn_gate_exps.weight`), as
+/// a function of the expert: Qwen3-MoE's `mlp.experts.E.gate_proj`, then Mixtral's
+/// `block_sparse_moe.experts.E.w1` (w1 gate, w3 up, w2 down).
+fn expert_names(canonical: &str) -> Option<[impl Fn(usize) -> String; 2]> {
+    let (layer, module, kind) = split_layer_name(canonical)?;
+    let (qwen, mixtral) = match module {
+        "ffn_gate_exps" => ("gate_proj", "w1"),
+        "ffn_up_exps" => ("up_proj", "w3"),
+        "ffn_down_exps" => ("down_proj", "w2"),
         _ => return None,
     };
-    Some(format!("model.layers.{layer}.{hf}.{kind}"))
+    let name = move |prefix: &'static str, proj: &'static str| {
+        let (layer, kind) = (layer.to_string(), kind.to_string());
+        move |e: usize| format!("model.layers.{layer}.{prefix}.experts.{e}.{proj}.{kind}")
+    };
+    Some([name("mlp", qwen), name("block_sparse_moe", mixtral)])
+}
+
+impl SafetensorsDir {
+    /// The experts' matrices stacked `[experts, out, in]`, as GGUF stores them.
+    fn stacked_experts(&mut self, canonical: &str) -> Result<Option<Tensor>, ModelError> {
+        let Some(namings) = expert_names(canonical) else {
+            return Ok(None);
+        };
+        for name in namings {
+            let mut experts = Vec::new();
+            while let Some(t) = self.tensors.remove(&name(experts.len())) {
+                experts.push(t);
+            }
+            if !experts.is_empty() {
+                return Ok(Some(Tensor::stack(&experts, 0)?));
+            }
+        }
+        Ok(None)
+    }
 }
 
 impl WeightSource for SafetensorsDir {
     fn take(&mut self, name: &str) -> Result<Option<RawWeight>, ModelError> {
-        let Some(hf) = hf_name(name) else {
-            return Ok(None);
-        };
-        Ok(self.tensors.remove(&hf).map(RawWeight::Dense))
+        if let Some(t) = self.stacked_experts(name)? {
+            return Ok(Some(RawWeight::Dense(t)));
+        }
+        Ok(hf_names(name)
+            .into_iter()
+            .find_map(|hf| self.tensors.remove(&hf))
+            .map(RawWeight::Dense))
     }
 }
 

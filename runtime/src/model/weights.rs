@@ -338,11 +338,32 @@ pub struct LayerWeights {
     pub attn_norm: Tensor,
     /// Q, K and V stacked: output `[tokens, q_dim + 2 * kv_dim]`.
     pub qkv: Linear,
+    /// The weights of the RMS norms over each head of q and of k, `[head_dim]` each (Qwen3).
+    pub qk_norm: Option<(Tensor, Tensor)>,
     pub o: Linear,
     pub ffn_norm: Tensor,
-    /// Gate and up stacked: output `[tokens, 2 * intermediate]`.
-    pub gate_up: Linear,
-    pub down: Linear,
+    pub ffn: Ffn,
+}
+
+/// A layer's feed-forward network.
+#[derive(Debug, Clone)]
+pub enum Ffn {
+    Dense {
+        /// Gate and up stacked: output `[tokens, 2 * intermediate]`.
+        gate_up: Linear,
+        down: Linear,
+    },
+    Experts(Experts),
+}
+
+/// A mixture of experts' weights: the router and each expert's SwiGLU FFN.
+#[derive(Debug, Clone)]
+pub struct Experts {
+    /// `[experts, hidden]` f32: routing decides which weights run, so it is never quantized.
+    pub router: Tensor,
+    /// Per expert, gate and up stacked: output `[tokens, 2 * expert_ffn]`.
+    pub gate_up: Vec<Linear>,
+    pub down: Vec<Linear>,
 }
 
 /// The token-embedding table.
@@ -484,6 +505,94 @@ impl Loader<'_> {
     }
 }
 
+impl Loader<'_> {
+    /// The `n` experts' matrices of a stacked `[n, out, inp]` tensor, one [`Linear`] each.
+    fn experts(
+        &mut self,
+        prefix: &str,
+        n: usize,
+        out: usize,
+        inp: usize,
+    ) -> Result<Vec<Linear>, ModelError> {
+        let name = format!("{prefix}.weight");
+        let w = self.required(&name)?;
+        Self::check_shape(&name, &w, &[n, out, inp])?;
+        split_experts(&name, w, n, self.device)?
+            .into_iter()
+            .enumerate()
+            .map(|(e, w)| {
+                Ok(Linear {
+                    parts: vec![self.part(&format!("{name}[{e}]"), w, out)?],
+                    bias: None,
+                })
+            })
+            .collect()
+    }
+
+    fn ffn(&mut self, cfg: &ModelConfig, i: usize) -> Result<Ffn, ModelError> {
+        let p = |s: &str| format!("blk.{i}.{s}");
+        let h = cfg.hidden_size;
+        let Some(moe) = cfg.moe else {
+            let ffn = cfg.intermediate_size;
+            let gate = self.linear(&p("ffn_gate"), ffn, h, false)?;
+            let up = self.linear(&p("ffn_up"), ffn, h, false)?;
+            return Ok(Ffn::Dense {
+                gate_up: Linear::fuse(vec![gate, up])?,
+                down: self.linear(&p("ffn_down"), h, ffn, false)?,
+            });
+        };
+        let (n, f) = (moe.num_experts, moe.expert_ffn);
+        let router_name = p("ffn_gate_inp.weight");
+        let router = self.required(&router_name)?;
+        Self::check_shape(&router_name, &router, &[n, h])?;
+        let gates = self.experts(&p("ffn_gate_exps"), n, f, h)?;
+        let ups = self.experts(&p("ffn_up_exps"), n, f, h)?;
+        let gate_up = gates
+            .into_iter()
+            .zip(ups)
+            .map(|(g, u)| Linear::fuse(vec![g, u]))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Ffn::Experts(Experts {
+            router: router.dense(self.device)?,
+            gate_up,
+            down: self.experts(&p("ffn_down_exps"), n, h, f)?,
+        }))
+    }
+}
+
+/// Cuts a stacked `[n, out, in]` tensor into its `n` matrices. Quantized blocks run along rows,
+/// so each expert's blocks are one contiguous run of the bytes.
+fn split_experts(
+    name: &str,
+    w: RawWeight,
+    n: usize,
+    device: &Device,
+) -> Result<Vec<RawWeight>, ModelError> {
+    match w {
+        RawWeight::Dense(t) => (0..n).map(|e| Ok(RawWeight::Dense(t.get(e)?))).collect(),
+        RawWeight::Quantized(q) => {
+            let dims = q.shape().dims().to_vec();
+            let data = q.data()?;
+            if n == 0 || !data.len().is_multiple_of(n) {
+                return Err(ModelError::Tensor(format!(
+                    "{name}: {} bytes do not split into {n} experts",
+                    data.len()
+                )));
+            }
+            data.chunks_exact(data.len() / n)
+                .map(|bytes| {
+                    let storage =
+                        QStorage::from_data(Cow::Owned(bytes.to_vec()), device, q.dtype())?;
+                    Ok(RawWeight::Quantized(Box::new(QTensor::new(
+                        storage,
+                        (dims[1], dims[2]),
+                    )?)))
+                })
+                .collect()
+        }
+    }
+}
+
 impl LlamaWeights {
     pub fn load(
         cfg: &ModelConfig,
@@ -492,7 +601,7 @@ impl LlamaWeights {
         device: &Device,
     ) -> Result<Self, ModelError> {
         let mut l = Loader { src, mode, device };
-        let (h, ffn) = (cfg.hidden_size, cfg.intermediate_size);
+        let h = cfg.hidden_size;
         let embed_raw = l.required("token_embd.weight")?;
         Loader::check_shape("token_embd.weight", &embed_raw, &[cfg.vocab_size, h])?;
         let tied = cfg.tie_word_embeddings;
@@ -530,15 +639,20 @@ impl LlamaWeights {
             let q = l.linear(&p("attn_q"), cfg.q_dim(), h, bias)?;
             let k = l.linear(&p("attn_k"), cfg.kv_dim(), h, bias)?;
             let v = l.linear(&p("attn_v"), cfg.kv_dim(), h, bias)?;
-            let gate = l.linear(&p("ffn_gate"), ffn, h, false)?;
-            let up = l.linear(&p("ffn_up"), ffn, h, false)?;
+            let qk_norm = if cfg.qk_norm {
+                let d = cfg.head_dim;
+                let q_norm = l.vector(&p("attn_q_norm.weight"), d)?;
+                Some((q_norm, l.vector(&p("attn_k_norm.weight"), d)?))
+            } else {
+                None
+            };
             layers.push(LayerWeights {
                 attn_norm: l.vector(&p("attn_norm.weight"), h)?,
                 qkv: Linear::fuse(vec![q, k, v])?,
+                qk_norm,
                 o: l.linear(&p("attn_output"), h, cfg.q_dim(), false)?,
                 ffn_norm: l.vector(&p("ffn_norm.weight"), h)?,
-                gate_up: Linear::fuse(vec![gate, up])?,
-                down: l.linear(&p("ffn_down"), h, ffn, false)?,
+                ffn: l.ffn(cfg, i)?,
             });
         }
         let norm = l.vector("output_norm.weight", h)?;

@@ -9,9 +9,7 @@
 //! is not expected everywhere: a prompt must agree for at least [`MIN_AGREED`] tokens, or part
 //! only at a near-tie, where either side's two best logits are within [`TIE_GAP`].
 
-use std::hash::{Hash, Hasher};
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use crate::common;
 
@@ -35,46 +33,6 @@ fn fixture(name: &str) -> Value {
     serde_json::from_str(&text).expect("fixture JSON")
 }
 
-/// The default model as an F16 checkpoint, written next to it by `scripts/gguf-variants.py f16`
-/// (the file llama-server's F16 answers were recorded on) once per version of the generator.
-fn f16_model() -> PathBuf {
-    let src = common::default_model();
-    let script = ferrite_testkit::kube::workspace_root().join("scripts/gguf-variants.py");
-    let text = std::fs::read(&script).expect("scripts/gguf-variants.py");
-    let mut h = std::hash::DefaultHasher::new();
-    text.hash(&mut h);
-    let out = src.with_file_name(format!("smollm2-f16-{:016x}.gguf", h.finish()));
-    if !out.exists() {
-        let partial = out.with_extension("partial");
-        let status = Command::new(ferrite_testkit::tools::python())
-            .arg(&script)
-            .arg("f16")
-            .arg(&partial)
-            .arg("--model")
-            .arg(&src)
-            .status()
-            .expect("run scripts/gguf-variants.py");
-        assert!(
-            status.success(),
-            "scripts/gguf-variants.py f16 failed: {status}"
-        );
-        std::fs::rename(&partial, &out).expect("rename the F16 checkpoint");
-        // Files of earlier generators are 271 MB each and nothing reads them any more.
-        for stale in std::fs::read_dir(src.parent().expect("model folder"))
-            .expect("model folder")
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p != &out)
-        {
-            let name = stale.file_name().unwrap_or_default().to_string_lossy();
-            if name.starts_with("smollm2-f16-") && name.ends_with(".gguf") {
-                let _ = std::fs::remove_file(&stale);
-            }
-        }
-    }
-    out
-}
-
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
         .expect("array")
@@ -94,7 +52,7 @@ fn greedy_answers_agree_with_llama_server() {
     let exact = agree(
         "llama_server_greedy.json",
         &common::default_model(),
-        WeightMode::Packed,
+        (WeightMode::Auto, WeightMode::Packed),
         None,
     );
     eprintln!("{exact} of 10 answers identical to llama.cpp's");
@@ -108,7 +66,7 @@ fn greedy_answers_with_a_lora_adapter_agree_with_llama_server() {
     let exact = agree(
         "llama_server_greedy_lora.json",
         &common::default_model(),
-        WeightMode::Packed,
+        (WeightMode::Auto, WeightMode::Packed),
         Some(&adapter),
     );
     eprintln!("LoRA: {exact} of 10 answers identical to llama.cpp's");
@@ -120,25 +78,68 @@ fn greedy_answers_with_a_lora_adapter_agree_with_llama_server() {
 fn greedy_answers_of_an_f16_checkpoint_agree_with_llama_server() {
     let exact = agree(
         "llama_server_greedy_f16.json",
-        &f16_model(),
-        WeightMode::Dense,
+        &ferrite_testkit::model::gguf_variant("f16", false).join("model.gguf"),
+        (WeightMode::Auto, WeightMode::Dense),
         None,
     );
     eprintln!("F16: {exact} of 10 answers identical to llama.cpp's");
 }
 
+/// Qwen3 (per-head q/k norms, rotate-half RoPE) made from the default model's weights at F16
+/// (`scripts/gguf-variants.py qwen3`), against llama-server on the same file.
+#[test]
+fn greedy_answers_of_a_qwen3_checkpoint_agree_with_llama_server() {
+    let exact = agree(
+        "llama_server_greedy_qwen3.json",
+        &ferrite_testkit::model::gguf_variant("qwen3", true).join("model.gguf"),
+        (WeightMode::Auto, WeightMode::Dense),
+        None,
+    );
+    eprintln!("Qwen3: {exact} of 10 answers identical to llama.cpp's");
+}
+
+/// Qwen3-MoE (4 experts, top 2; `scripts/gguf-variants.py qwen3moe`) in every weight mode: at
+/// F16 (`auto`), with the experts cut out of the stacked F16 blocks (`quantized`), and
+/// repacked to 8 bits (`packed`).
+#[test]
+fn greedy_answers_of_a_qwen3_moe_checkpoint_agree_with_llama_server() {
+    let path = ferrite_testkit::model::gguf_variant("qwen3moe", true).join("model.gguf");
+    for (request, resolved) in [
+        (WeightMode::Auto, WeightMode::Dense),
+        (WeightMode::Quantized, WeightMode::Quantized),
+        (WeightMode::Packed, WeightMode::Packed),
+    ] {
+        let exact = agree(
+            "llama_server_greedy_qwen3moe.json",
+            &path,
+            (request, resolved),
+            None,
+        );
+        eprintln!("Qwen3-MoE {resolved:?}: {exact} of 10 answers identical to llama.cpp's");
+    }
+}
+
 /// Runs the fixture's prompts greedily on `model` (with `adapter`, a LoRA adapter's path, on
-/// every sequence) with the default load options, checks that
-/// `auto` resolved to `mode`, and that every answer agrees with llama.cpp's for
-/// [`MIN_AGREED`] tokens or parts only at a near-tie. Returns how many are identical.
-fn agree(fixture_name: &str, model_path: &Path, mode: WeightMode, adapter: Option<&Path>) -> usize {
+/// every sequence) loaded with weight mode `request`, checks that it resolved to `resolved`,
+/// and that every answer agrees with llama.cpp's for [`MIN_AGREED`] tokens or parts only at a
+/// near-tie. Returns how many are identical.
+fn agree(
+    fixture_name: &str,
+    model_path: &Path,
+    (request, resolved): (WeightMode, WeightMode),
+    adapter: Option<&Path>,
+) -> usize {
     let fx = fixture(fixture_name);
-    let loaded = model::load(model_path, &LoadOptions::default()).expect("load");
+    let opts = LoadOptions {
+        weight_mode: request,
+        ..Default::default()
+    };
+    let loaded = model::load(model_path, &opts).expect("load");
     let adapter = adapter.map(|p| crate::lora::load_adapter(&loaded, "adapter", p));
     assert_eq!(
         loaded.weight_mode,
-        mode,
-        "--weights auto on {}",
+        resolved,
+        "--weights {request:?} on {}",
         model_path.display()
     );
     let prompts = fx["prompts"].as_array().expect("prompts");

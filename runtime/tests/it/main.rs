@@ -3,6 +3,7 @@
 
 mod common;
 
+mod architectures;
 mod attention;
 mod batch_invariance;
 mod cuda_kernel_on_cpu;

@@ -141,6 +141,8 @@ fn config_arch_names(arch: Arch) -> &'static [&'static str] {
     match arch {
         Arch::Llama | Arch::Mistral => &["llama", "mistral"],
         Arch::Qwen2 => &["qwen2"],
+        Arch::Qwen3 => &["qwen3"],
+        Arch::Qwen3Moe => &["qwen3moe"],
     }
 }
 
@@ -525,7 +527,7 @@ fn build(
         _ => RowOrder::Hf,
     };
     let file_order = match (raw.order, cfg.arch) {
-        (RowOrder::LlamaCpp, Arch::Qwen2) => RowOrder::Hf,
+        (RowOrder::LlamaCpp, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe) => RowOrder::Hf,
         (o, _) => o,
     };
     let mut placed: Vec<[Vec<Placed>; 4]> =
@@ -542,6 +544,12 @@ fn build(
         }
         if !seen.insert((p.layer, p.target)) {
             return Err(invalid(format!("{what} appears twice")));
+        }
+        if cfg.moe.is_some() && matches!(p.target, Target::Gate | Target::Up | Target::Down) {
+            return Err(invalid(format!(
+                "{what}: adapters of a mixture of experts' FFN are not supported (only \
+                 q/k/v/o)"
+            )));
         }
         let (fan_in, fan_out) = p.target.dims(cfg);
         let r = p.a_shape.0;

@@ -1,0 +1,111 @@
+//! The architectures that `scripts/gguf-variants.py` builds from the default model's weights
+//! (Qwen3's q/k norms, Qwen3-MoE's experts), in their two forms: the Hugging Face folder must
+//! give the tokens the GGUF gives. (Each GGUF against llama.cpp is in
+//! `llama_server_agreement.rs`.)
+
+use std::path::PathBuf;
+
+use candle_core::Device;
+use ferrite_runtime::kv::{KvCache, KvCacheConfig};
+use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
+use ferrite_runtime::model::{self, Arch, LoadOptions, LoadedModel, Moe, WeightMode};
+
+use crate::common;
+
+const QUESTIONS: [&str; 4] = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a CPU does in one sentence.",
+];
+
+/// The variant's GGUF and its Hugging Face folder, with a `tokenizer.json` written there from
+/// the GGUF's tokenizer (the generator has no tokenizer library to write one).
+fn variant(name: &str) -> (PathBuf, PathBuf) {
+    let dir = ferrite_testkit::model::gguf_variant(name, true);
+    let (gguf, hf) = (dir.join("model.gguf"), dir.join("hf"));
+    let tokenizer = hf.join("tokenizer.json");
+    if !tokenizer.exists() {
+        let file = model::gguf::GgufFile::open(&gguf, &Device::Cpu).expect("open the GGUF");
+        let tok = model::Tokenizer::from_gguf(file.metadata()).expect("the GGUF's tokenizer");
+        let partial = hf.join(format!("tokenizer.json.{}", std::process::id()));
+        tok.save_json(&partial).expect("write tokenizer.json");
+        std::fs::rename(&partial, &tokenizer).expect("put tokenizer.json in place");
+    }
+    (gguf, hf)
+}
+
+fn load(path: &std::path::Path) -> LoadedModel {
+    let opts = LoadOptions {
+        weight_mode: WeightMode::Dense,
+        ..Default::default()
+    };
+    model::load(path, &opts).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Greedy answers to [`QUESTIONS`], `tokens` each, and every step's logits.
+fn answers(m: &LoadedModel, tokens: usize) -> Vec<GreedySeq> {
+    let template = m.chat_template.as_ref().expect("a chat template");
+    let mut seqs: Vec<GreedySeq> = QUESTIONS
+        .iter()
+        .map(|q| {
+            let msgs = [model::ChatMessage {
+                role: "user".into(),
+                content: (*q).into(),
+                ..Default::default()
+            }];
+            let text = template.render(&msgs, true).expect("render");
+            let mut s = GreedySeq::new(m.tokenizer.encode(&text, false).expect("encode"), tokens);
+            s.keep_all_logits = true;
+            s
+        })
+        .collect();
+    let cfg = KvCacheConfig::for_model(m.model.config(), 16, 128, 0);
+    let mut cache = KvCache::new(cfg, &Device::Cpu).expect("cache");
+    run_greedy(&m.model, &mut cache, &mut seqs, 64).expect("run");
+    seqs
+}
+
+/// Loads both forms, checks they read the same configuration, and that they answer with the
+/// same tokens and (from the same F16 values, computed the same way) the same logits.
+fn folder_matches_gguf(name: &str, arch: Arch, moe: Option<Moe>) {
+    let (gguf_path, hf_path) = variant(name);
+    let (gguf, hf) = (load(&gguf_path), load(&hf_path));
+    let (a, b) = (gguf.model.config(), hf.model.config());
+    assert_eq!((a.arch, b.arch), (arch, arch));
+    assert!(a.qk_norm && b.qk_norm);
+    assert_eq!((a.moe, b.moe), (moe, moe));
+    assert_eq!(a.rope_style, b.rope_style);
+    assert_eq!((a.head_dim, a.num_kv_heads), (b.head_dim, b.num_kv_heads));
+    assert_eq!(hf.eos_token_ids, gguf.eos_token_ids);
+    let (ours, theirs) = (answers(&hf, 24), answers(&gguf, 24));
+    for (q, (h, g)) in QUESTIONS.iter().zip(ours.iter().zip(&theirs)) {
+        let text = gguf.tokenizer.decode(&g.generated, true).expect("decode");
+        eprintln!("{name} {q:?}: {text:?}");
+        assert_eq!(h.prompt, g.prompt, "{name}: prompt tokens of {q:?}");
+        assert_eq!(h.generated, g.generated, "{name}: answer to {q:?}");
+        let worst = h
+            .all_logits
+            .iter()
+            .zip(&g.all_logits)
+            .map(|(x, y)| common::rel_err(x, y))
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "{name}: logits of {q:?} differ by {worst}");
+    }
+}
+
+#[test]
+fn a_qwen3_folder_answers_as_its_gguf_does() {
+    folder_matches_gguf("qwen3", Arch::Qwen3, None);
+}
+
+#[test]
+fn a_qwen3_moe_folder_answers_as_its_gguf_does() {
+    let moe = Moe {
+        num_experts: 4,
+        experts_per_token: 2,
+        expert_ffn: 1536,
+        norm_top_k: true,
+    };
+    folder_matches_gguf("qwen3moe", Arch::Qwen3Moe, Some(moe));
+}
