@@ -38,6 +38,11 @@ Variants:
             (seeded) with logits of standard deviation 1.5 on the calibration prompts, so which experts run, and their weights, change
             the output. `ffn_gate_inp` [4, hidden] F32, `ffn_{gate,up,down}_exps` F16.
 
+  phi3      Phi-3: Q, K (in Hugging Face order) and V fused as `attn_qkv`, gate and up fused as
+            `ffn_up` [2 x 1536], gate first; an untied `output` (a copy of the embedding);
+            LongRoPE factors `rope_factors_short` (1 to 1.2 over the frequencies, which the
+            model's 8192-token context uses) and `rope_factors_long` (1 to 4), attn_factor 1.
+
 With --hf DIR, the variant is also written as a Hugging Face folder: `model.safetensors` (the
 same arrays under Hugging Face names, experts one tensor each, Qwen3-MoE's naming), a
 `config.json`, and a `tokenizer_config.json` with the chat template (no tokenizer.json: the
@@ -352,8 +357,58 @@ def variant_qwen3moe(src):
     return model
 
 
+def variant_phi3(src):
+    """Phi-3's layout: fused attn_qkv and gate-up ffn_up, an untied output, LongRoPE factors."""
+    if src.arch != "llama":
+        sys.exit("gguf-variants: the phi3 variant is made from a llama model")
+    hp = hparams(src)
+    t = dict(src.tensors)
+    F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
+    model = Model("phi3", renamed_kvs(src, "phi3"))
+    half = hp["hidden"] // hp["heads"] // 2
+    ramp = np.linspace(0.0, 1.0, half, dtype=np.float32)
+    set_kv(model.kvs, "phi3.rope.scaling.original_context_length", hp["context"],
+           GGUFValueType.UINT32)
+    set_kv(model.kvs, "phi3.rope.scaling.attn_factor", 1.0, GGUFValueType.FLOAT32)
+    short, long = 1.0 + PHI3_SHORT_RAMP * ramp, 1.0 + 3.0 * ramp
+    model.tensors += [
+        ("token_embd.weight", t["token_embd.weight"], F16),
+        ("rope_factors_long.weight", long, F32),
+        ("rope_factors_short.weight", short, F32),
+    ]
+    for i in range(hp["layers"]):
+        p = f"blk.{i}."
+        qkv = np.concatenate([unpermute(t[p + "attn_q.weight"], hp["heads"]),
+                              unpermute(t[p + "attn_k.weight"], hp["kv_heads"]),
+                              t[p + "attn_v.weight"]])
+        gate_up = np.concatenate([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]])
+        model.tensors += [
+            (p + "attn_norm.weight", t[p + "attn_norm.weight"], F32),
+            (p + "attn_qkv.weight", qkv, F16),
+            (p + "attn_output.weight", t[p + "attn_output.weight"], F16),
+            (p + "ffn_norm.weight", t[p + "ffn_norm.weight"], F32),
+            (p + "ffn_up.weight", gate_up, F16),
+            (p + "ffn_down.weight", t[p + "ffn_down.weight"], F16),
+        ]
+    model.tensors += [
+        ("output_norm.weight", t["output_norm.weight"], F32),
+        ("output.weight", t["token_embd.weight"], F16),
+    ]
+    model.hf_config = qwen3_config(hp, "Phi3ForCausalLM") | {
+        "tie_word_embeddings": False,
+        "original_max_position_embeddings": hp["context"],
+        "rope_scaling": {"type": "longrope", "short_factor": short.tolist(),
+                         "long_factor": long.tolist()},
+    }
+    del model.hf_config["attention_bias"]
+    return model
+
+
+PHI3_SHORT_RAMP = 0.2
+
 VARIANTS = {
     "f16": variant_f16,
+    "phi3": variant_phi3,
     "qwen3": variant_qwen3,
     "qwen3moe": variant_qwen3moe,
 }
@@ -372,7 +427,10 @@ HF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
+    "attn_qkv": "self_attn.qkv_proj",
 }
+# Per architecture, Hugging Face names that differ from HF_LAYER_NAMES'.
+HF_ARCH_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 HF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                    "ffn_down_exps": "down_proj"}
 HF_FIXED = {"token_embd.weight": "model.embed_tokens.weight",
@@ -381,8 +439,11 @@ HF_FIXED = {"token_embd.weight": "model.embed_tokens.weight",
 
 def hf_tensors(model):
     """The model's tensors under Hugging Face names, at the precision the GGUF holds them."""
+    names = HF_LAYER_NAMES | HF_ARCH_NAMES.get(model.arch, {})
     for name, a, kind in model.tensors:
         dtype = NUMPY_TYPES[kind]
+        if name.startswith("rope_factors_"):
+            continue  # in config.json's rope_scaling
         if name in HF_FIXED:
             yield HF_FIXED[name], a.astype(dtype)
             continue
@@ -392,7 +453,7 @@ def hf_tensors(model):
                 yield (f"model.layers.{layer}.mlp.experts.{e}.{HF_EXPERT_NAMES[module]}.{suffix}",
                        a[e].astype(dtype))
         else:
-            yield f"model.layers.{layer}.{HF_LAYER_NAMES[module]}.{suffix}", a.astype(dtype)
+            yield f"model.layers.{layer}.{names[module]}.{suffix}", a.astype(dtype)
 
 
 def write_safetensors(tensors, path):

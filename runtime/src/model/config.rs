@@ -12,9 +12,17 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Qwen3Moe,
+    /// Phi-3 and Phi-3.5: Q/K/V and gate/up stored fused, LongRoPE scaling.
+    Phi3,
 }
 
 impl Arch {
+    /// Checkpoints store Q/K/V as one `attn_qkv` and gate/up as one `ffn_up` of twice the
+    /// intermediate size, gate first (Phi-3).
+    pub fn fused_projections(self) -> bool {
+        self == Arch::Phi3
+    }
+
     /// The name llama.cpp gives the family (`general.architecture`).
     pub fn gguf_name(self) -> &'static str {
         match self {
@@ -23,6 +31,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
+            Arch::Phi3 => "phi3",
         }
     }
 }
@@ -64,6 +73,15 @@ pub enum RopeScaling {
     },
     /// Per-frequency divisors stored in the checkpoint (GGUF `rope_freqs.weight`).
     FreqFactors(Vec<f32>),
+    /// Phi-3's LongRoPE: per-frequency divisors, `long` when the served context is longer than
+    /// `original_max_position` and `short` otherwise (chosen once, by the context, as llama.cpp
+    /// does), and cos/sin scaled by `attn_factor`.
+    LongRope {
+        short: Vec<f32>,
+        long: Vec<f32>,
+        original_max_position: usize,
+        attn_factor: f32,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -145,14 +163,22 @@ impl ModelConfig {
                 ));
             }
         }
-        if let RopeScaling::FreqFactors(f) = &self.rope_scaling
-            && f.len() != self.head_dim / 2
-        {
-            return bad(format!(
-                "rope frequency factors have {} entries, expected head_dim/2 = {}",
-                f.len(),
-                self.head_dim / 2
-            ));
+        let factor_lists: Vec<&Vec<f32>> = match &self.rope_scaling {
+            RopeScaling::FreqFactors(f) => vec![f],
+            RopeScaling::LongRope { short, long, .. } => vec![short, long],
+            _ => Vec::new(),
+        };
+        for f in factor_lists {
+            if f.len() != self.head_dim / 2 {
+                return bad(format!(
+                    "rope frequency factors have {} entries, expected head_dim/2 = {}",
+                    f.len(),
+                    self.head_dim / 2
+                ));
+            }
+            if f.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+                return bad("rope frequency factors must be positive".into());
+            }
         }
         Ok(())
     }

@@ -124,6 +124,7 @@ impl GgufFile {
             "qwen2" => (Arch::Qwen2, RopeStyle::Half, true),
             "qwen3" => (Arch::Qwen3, RopeStyle::Half, false),
             "qwen3moe" => (Arch::Qwen3Moe, RopeStyle::Half, false),
+            "phi3" => (Arch::Phi3, RopeStyle::Half, false),
             other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
         };
         let k = |s: &str| format!("{arch_name}.{s}");
@@ -143,6 +144,14 @@ impl GgufFile {
                 _ => return Err(ModelError::MissingMetadata(k("vocab_size"))),
             },
         };
+        if let Some(rotary) = self.opt_usize(&k("rope.dimension_count"))?
+            && rotary != head_dim
+        {
+            return Err(ModelError::Unsupported(format!(
+                "partial rotary embeddings ({arch_name}.rope.dimension_count {rotary} of \
+                 head_dim {head_dim}, as in Phi-4-mini)"
+            )));
+        }
         let rope_scaling = self.rope_scaling(&arch_name, head_dim)?;
         let intermediate_size = self.usize(&k("feed_forward_length"))?;
         let moe = self.moe(&arch_name, arch, intermediate_size)?;
@@ -211,23 +220,46 @@ impl GgufFile {
         }))
     }
 
+    /// A 1-D F32 table of `head_dim / 2` rope factors.
+    fn rope_factors(&mut self, name: &str, head_dim: usize) -> Result<Vec<f32>, ModelError> {
+        let t = self
+            .take(name)?
+            .ok_or_else(|| ModelError::MissingTensor(name.into()))?;
+        let factors = match t {
+            RawWeight::Quantized(q) => q.dequantize(&candle_core::Device::Cpu)?,
+            RawWeight::Dense(t) => t,
+        };
+        let factors = factors.flatten_all()?.to_vec1::<f32>()?;
+        if factors.len() != head_dim / 2 {
+            return Err(ModelError::ShapeMismatch {
+                tensor: name.into(),
+                expected: vec![head_dim / 2],
+                got: vec![factors.len()],
+            });
+        }
+        Ok(factors)
+    }
+
     fn rope_scaling(&mut self, arch: &str, head_dim: usize) -> Result<RopeScaling, ModelError> {
+        if self.has_tensor("rope_factors_long.weight") {
+            let long = self.rope_factors("rope_factors_long.weight", head_dim)?;
+            let short = self.rope_factors("rope_factors_short.weight", head_dim)?;
+            let k = |s: &str| format!("{arch}.{s}");
+            let original_max_position =
+                match self.opt_usize(&k("rope.scaling.original_context_length"))? {
+                    Some(n) => n,
+                    None => self.usize(&k("context_length"))?,
+                };
+            let attn_factor = self.opt_f32(&k("rope.scaling.attn_factor"))?.unwrap_or(1.0);
+            return Ok(RopeScaling::LongRope {
+                short,
+                long,
+                original_max_position,
+                attn_factor,
+            });
+        }
         if self.has_tensor("rope_freqs.weight") {
-            let t = self
-                .take("rope_freqs.weight")?
-                .ok_or_else(|| ModelError::MissingTensor("rope_freqs.weight".into()))?;
-            let factors = match t {
-                RawWeight::Quantized(q) => q.dequantize(&candle_core::Device::Cpu)?,
-                RawWeight::Dense(t) => t,
-            };
-            let factors = factors.flatten_all()?.to_vec1::<f32>()?;
-            if factors.len() != head_dim / 2 {
-                return Err(ModelError::ShapeMismatch {
-                    tensor: "rope_freqs.weight".into(),
-                    expected: vec![head_dim / 2],
-                    got: vec![factors.len()],
-                });
-            }
+            let factors = self.rope_factors("rope_freqs.weight", head_dim)?;
             return Ok(RopeScaling::FreqFactors(factors));
         }
         let ty = self

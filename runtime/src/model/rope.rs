@@ -13,8 +13,9 @@ pub struct Rope {
     style: RopeStyle,
 }
 
-/// Inverse frequencies after scaling; public for tests against closed-form values.
-pub fn inv_freqs(cfg: &ModelConfig) -> Vec<f32> {
+/// Inverse frequencies after scaling, for a model served with contexts up to `max_len`; public
+/// for tests against closed-form values.
+pub fn inv_freqs(cfg: &ModelConfig, max_len: usize) -> Vec<f32> {
     let d = cfg.head_dim;
     let base: Vec<f32> = (0..d / 2)
         .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / d as f32))
@@ -23,6 +24,19 @@ pub fn inv_freqs(cfg: &ModelConfig) -> Vec<f32> {
         RopeScaling::None => base,
         RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
         RopeScaling::FreqFactors(factors) => base.iter().zip(factors).map(|(f, s)| f / s).collect(),
+        RopeScaling::LongRope {
+            short,
+            long,
+            original_max_position,
+            ..
+        } => {
+            let factors = if max_len > *original_max_position {
+                long
+            } else {
+                short
+            };
+            base.iter().zip(factors).map(|(f, s)| f / s).collect()
+        }
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -52,15 +66,23 @@ pub fn inv_freqs(cfg: &ModelConfig) -> Vec<f32> {
 
 impl Rope {
     pub fn new(cfg: &ModelConfig, max_len: usize, device: &Device) -> Result<Self> {
-        let inv = inv_freqs(cfg);
+        let inv = inv_freqs(cfg, max_len);
         let inv = Tensor::from_vec(inv, (1, cfg.head_dim / 2), device)?;
         let pos = Tensor::arange(0u32, max_len as u32, device)?
             .to_dtype(DType::F32)?
             .reshape((max_len, 1))?;
         let freqs = pos.broadcast_mul(&inv)?;
+        let (cos, sin) = (freqs.cos()?, freqs.sin()?);
+        let (cos, sin) = match &cfg.rope_scaling {
+            RopeScaling::LongRope { attn_factor, .. } if *attn_factor != 1.0 => {
+                let m = f64::from(*attn_factor);
+                ((cos * m)?, (sin * m)?)
+            }
+            _ => (cos, sin),
+        };
         Ok(Self {
-            cos: freqs.cos()?,
-            sin: freqs.sin()?,
+            cos,
+            sin,
             style: cfg.rope_style,
         })
     }

@@ -31,6 +31,10 @@ struct HfRopeScaling {
     #[serde(alias = "type")]
     rope_type: Option<String>,
     factor: Option<f32>,
+    /// LongRoPE (Phi-3): per-frequency divisors, and the cos/sin scale when given.
+    short_factor: Option<Vec<f32>>,
+    long_factor: Option<Vec<f32>>,
+    attention_factor: Option<f32>,
     low_freq_factor: Option<f32>,
     high_freq_factor: Option<f32>,
     original_max_position_embeddings: Option<usize>,
@@ -53,6 +57,10 @@ pub struct HfConfig {
     rope_theta: Option<f32>,
     rope_scaling: Option<HfRopeScaling>,
     max_position_embeddings: Option<usize>,
+    /// Phi-3 keeps LongRoPE's original context here, not in `rope_scaling`.
+    original_max_position_embeddings: Option<usize>,
+    /// Below 1 (Phi-4-mini), only part of each head is rotated: refused by name.
+    partial_rotary_factor: Option<f32>,
     sliding_window: Option<usize>,
     #[serde(default)]
     use_sliding_window: Option<bool>,
@@ -99,9 +107,17 @@ impl HfConfig {
             "Qwen3ForCausalLM" | "qwen3" => Arch::Qwen3,
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Arch::Qwen3Moe,
             "MixtralForCausalLM" | "mixtral" => Arch::Mistral,
+            "Phi3ForCausalLM" | "phi3" => Arch::Phi3,
             other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
         };
         let moe = self.moe(&name, arch)?;
+        if let Some(f) = self.partial_rotary_factor
+            && f < 1.0
+        {
+            return Err(ModelError::Unsupported(format!(
+                "partial rotary embeddings (partial_rotary_factor {f}, as in Phi-4-mini)"
+            )));
+        }
         let head_dim = self.head_dim.unwrap_or_else(|| {
             self.hidden_size
                 .checked_div(self.num_attention_heads)
@@ -111,6 +127,7 @@ impl HfConfig {
             None => RopeScaling::None,
             Some(s) => match (s.rope_type.as_deref(), s.factor) {
                 (Some("default") | None, _) => RopeScaling::None,
+                (Some("longrope" | "su"), _) => self.long_rope(s)?,
                 (Some("linear"), Some(factor)) => RopeScaling::Linear { factor },
                 (Some("llama3"), Some(factor)) => RopeScaling::Llama3 {
                     factor,
@@ -155,6 +172,34 @@ impl HfConfig {
 }
 
 impl HfConfig {
+    /// Phi-3's LongRoPE. The cos/sin scale is the config's `attention_factor`, else
+    /// `sqrt(1 + ln(s) / ln(original))` for `s` = max positions / original (1 when `s` <= 1),
+    /// as Transformers and llama.cpp's converter compute it.
+    fn long_rope(&self, s: &HfRopeScaling) -> Result<RopeScaling, ModelError> {
+        let (Some(short), Some(long)) = (&s.short_factor, &s.long_factor) else {
+            return Err(ModelError::InvalidConfig(
+                "longrope scaling needs short_factor and long_factor".into(),
+            ));
+        };
+        let max = self.max_position_embeddings.unwrap_or(4096);
+        let original = self
+            .original_max_position_embeddings
+            .or(s.original_max_position_embeddings)
+            .unwrap_or(max);
+        let scale = max as f32 / original.max(1) as f32;
+        let computed = if scale <= 1.0 {
+            1.0
+        } else {
+            (1.0 + scale.ln() / (original as f32).ln()).sqrt()
+        };
+        Ok(RopeScaling::LongRope {
+            short: short.clone(),
+            long: long.clone(),
+            original_max_position: original,
+            attn_factor: s.attention_factor.unwrap_or(computed),
+        })
+    }
+
     /// The mixture of experts of Mixtral and Qwen3-MoE configs (every layer sparse; mixed
     /// dense and sparse layers are refused by name).
     fn moe(&self, name: &str, arch: Arch) -> Result<Option<super::config::Moe>, ModelError> {
@@ -249,10 +294,12 @@ pub fn hf_names(canonical: &str) -> Vec<String> {
         "attn_k" => &["self_attn.k_proj"],
         "attn_v" => &["self_attn.v_proj"],
         "attn_output" => &["self_attn.o_proj"],
+        "attn_qkv" => &["self_attn.qkv_proj"],
         "attn_q_norm" => &["self_attn.q_norm"],
         "attn_k_norm" => &["self_attn.k_norm"],
         "ffn_gate" => &["mlp.gate_proj"],
-        "ffn_up" => &["mlp.up_proj"],
+        // Phi-3's `ffn_up` is gate and up fused.
+        "ffn_up" => &["mlp.up_proj", "mlp.gate_up_proj"],
         "ffn_down" => &["mlp.down_proj"],
         "ffn_gate_inp" => &["mlp.gate", "block_sparse_moe.gate"],
         _ => &[],
@@ -355,4 +402,55 @@ pub fn read_chat_template(dir: &Path) -> Result<Option<String>, ModelError> {
             .map(str::to_string),
         _ => None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &str) -> Result<ModelConfig, ModelError> {
+        let text = format!(
+            r#"{{"architectures":["Phi3ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":1,"num_attention_heads":4,"vocab_size":16{extra}}}"#
+        );
+        let hf: HfConfig = serde_json::from_str(&text).expect("config.json");
+        hf.to_model_config(true)
+    }
+
+    #[test]
+    fn longrope_scales_attention_as_transformers_does() {
+        let factors = |x: f32| format!("[{}]", vec![x.to_string(); 8].join(","));
+        let cfg = config(&format!(
+            r#","max_position_embeddings":131072,"original_max_position_embeddings":4096,
+            "rope_scaling":{{"type":"longrope","short_factor":{},"long_factor":{}}}"#,
+            factors(1.0),
+            factors(2.0)
+        ))
+        .expect("phi3");
+        let RopeScaling::LongRope {
+            short,
+            long,
+            original_max_position,
+            attn_factor,
+        } = &cfg.rope_scaling
+        else {
+            panic!("{:?}", cfg.rope_scaling)
+        };
+        assert_eq!(
+            (short[0], long[0], *original_max_position),
+            (1.0, 2.0, 4096)
+        );
+        let want = (1.0 + 32f32.ln() / 4096f32.ln()).sqrt();
+        assert!((attn_factor - want).abs() < 1e-6, "{attn_factor} vs {want}");
+        // The context picks the factors: long only past the original context.
+        let short_freqs = super::super::rope::inv_freqs(&cfg, 4096);
+        let long_freqs = super::super::rope::inv_freqs(&cfg, 4097);
+        assert_eq!(short_freqs[1] / long_freqs[1], 2.0);
+    }
+
+    #[test]
+    fn partial_rotary_embeddings_are_refused_by_name() {
+        let e = config(r#","partial_rotary_factor":0.75"#).expect_err("Phi-4-mini");
+        assert!(e.to_string().contains("partial rotary"), "{e}");
+    }
 }

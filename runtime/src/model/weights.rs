@@ -534,6 +534,12 @@ impl Loader<'_> {
         let h = cfg.hidden_size;
         let Some(moe) = cfg.moe else {
             let ffn = cfg.intermediate_size;
+            if cfg.arch.fused_projections() {
+                return Ok(Ffn::Dense {
+                    gate_up: self.linear(&p("ffn_up"), 2 * ffn, h, false)?,
+                    down: self.linear(&p("ffn_down"), h, ffn, false)?,
+                });
+            }
             let gate = self.linear(&p("ffn_gate"), ffn, h, false)?;
             let up = self.linear(&p("ffn_up"), ffn, h, false)?;
             return Ok(Ffn::Dense {
@@ -636,9 +642,14 @@ impl LlamaWeights {
         for i in 0..cfg.num_layers {
             let p = |s: &str| format!("blk.{i}.{s}");
             let bias = cfg.attention_bias;
-            let q = l.linear(&p("attn_q"), cfg.q_dim(), h, bias)?;
-            let k = l.linear(&p("attn_k"), cfg.kv_dim(), h, bias)?;
-            let v = l.linear(&p("attn_v"), cfg.kv_dim(), h, bias)?;
+            let qkv = if cfg.arch.fused_projections() {
+                l.linear(&p("attn_qkv"), cfg.q_dim() + 2 * cfg.kv_dim(), h, bias)?
+            } else {
+                let q = l.linear(&p("attn_q"), cfg.q_dim(), h, bias)?;
+                let k = l.linear(&p("attn_k"), cfg.kv_dim(), h, bias)?;
+                let v = l.linear(&p("attn_v"), cfg.kv_dim(), h, bias)?;
+                Linear::fuse(vec![q, k, v])?
+            };
             let qk_norm = if cfg.qk_norm {
                 let d = cfg.head_dim;
                 let q_norm = l.vector(&p("attn_q_norm.weight"), d)?;
@@ -648,7 +659,7 @@ impl LlamaWeights {
             };
             layers.push(LayerWeights {
                 attn_norm: l.vector(&p("attn_norm.weight"), h)?,
-                qkv: Linear::fuse(vec![q, k, v])?,
+                qkv,
                 qk_norm,
                 o: l.linear(&p("attn_output"), h, cfg.q_dim(), false)?,
                 ffn_norm: l.vector(&p("ffn_norm.weight"), h)?,

@@ -1,5 +1,6 @@
 //! The architectures that `scripts/gguf-variants.py` builds from the default model's weights
-//! (Qwen3's q/k norms, Qwen3-MoE's experts), in their two forms: the Hugging Face folder must
+//! (Qwen3's q/k norms, Qwen3-MoE's experts, Phi-3's fused projections and LongRoPE), in their
+//! two forms: the Hugging Face folder must
 //! give the tokens the GGUF gives. (Each GGUF against llama.cpp is in
 //! `llama_server_agreement.rs`.)
 
@@ -69,11 +70,14 @@ fn answers(m: &LoadedModel, tokens: usize) -> Vec<GreedySeq> {
 /// Loads both forms, checks they read the same configuration, and that they answer with the
 /// same tokens and (from the same F16 values, computed the same way) the same logits.
 fn folder_matches_gguf(name: &str, arch: Arch, moe: Option<Moe>) {
+    let qk_norm = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe);
     let (gguf_path, hf_path) = variant(name);
     let (gguf, hf) = (load(&gguf_path), load(&hf_path));
     let (a, b) = (gguf.model.config(), hf.model.config());
     assert_eq!((a.arch, b.arch), (arch, arch));
-    assert!(a.qk_norm && b.qk_norm);
+    assert_eq!((a.qk_norm, b.qk_norm), (qk_norm, qk_norm));
+    assert_eq!(a.rope_scaling, b.rope_scaling);
+    assert_eq!(a.tie_word_embeddings, b.tie_word_embeddings);
     assert_eq!((a.moe, b.moe), (moe, moe));
     assert_eq!(a.rope_style, b.rope_style);
     assert_eq!((a.head_dim, a.num_kv_heads), (b.head_dim, b.num_kv_heads));
@@ -108,4 +112,9 @@ fn a_qwen3_moe_folder_answers_as_its_gguf_does() {
         norm_top_k: true,
     };
     folder_matches_gguf("qwen3moe", Arch::Qwen3Moe, Some(moe));
+}
+
+#[test]
+fn a_phi3_folder_answers_as_its_gguf_does() {
+    folder_matches_gguf("phi3", Arch::Phi3, None);
 }

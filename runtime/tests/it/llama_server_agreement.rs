@@ -98,6 +98,19 @@ fn greedy_answers_of_a_qwen3_checkpoint_agree_with_llama_server() {
     eprintln!("Qwen3: {exact} of 10 answers identical to llama.cpp's");
 }
 
+/// Phi-3 (fused Q/K/V and gate/up, an untied output, LongRoPE's short factors;
+/// `scripts/gguf-variants.py phi3`), against llama-server on the same file.
+#[test]
+fn greedy_answers_of_a_phi3_checkpoint_agree_with_llama_server() {
+    let exact = agree(
+        "llama_server_greedy_phi3.json",
+        &ferrite_testkit::model::gguf_variant("phi3", true).join("model.gguf"),
+        (WeightMode::Auto, WeightMode::Dense),
+        None,
+    );
+    eprintln!("Phi-3: {exact} of 10 answers identical to llama.cpp's");
+}
+
 /// Qwen3-MoE (4 experts, top 2; `scripts/gguf-variants.py qwen3moe`) in every weight mode: at
 /// F16 (`auto`), with the experts cut out of the stacked F16 blocks (`quantized`), and
 /// repacked to 8 bits (`packed`).

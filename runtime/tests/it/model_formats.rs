@@ -103,11 +103,17 @@ fn bad_checkpoints_get_clear_errors() {
     let p = dir.join("qwen2moe.gguf");
     write_tiny_gguf(&p, "qwen2moe", GgmlDType::F32, None, None);
     let e = expect_err(&p);
-    assert!(e.contains("unsupported model architecture 'qwen2moe'"), "{e}");
+    assert!(
+        e.contains("unsupported model architecture 'qwen2moe'"),
+        "{e}"
+    );
     let p = dir.join("qwen3.gguf");
     write_tiny_gguf(&p, "qwen3", GgmlDType::F32, None, None);
     let e = expect_err(&p);
-    assert!(e.contains("missing tensor 'blk.0.attn_q_norm.weight'"), "{e}");
+    assert!(
+        e.contains("missing tensor 'blk.0.attn_q_norm.weight'"),
+        "{e}"
+    );
 
     let p = dir.join("garbage.gguf");
     std::fs::write(&p, b"this is not a model at all").expect("write");
