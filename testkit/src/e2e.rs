@@ -27,6 +27,37 @@ use crate::tls::{Identity, client_config, identity_files};
 /// Field manager of the objects a test applies (not the operator's).
 const TEST_MANAGER: &str = "ferrite-e2e";
 
+/// Groups no test applies objects of: the metrics APIs that an operator serves through an
+/// APIService. Another test's operator may have just stopped, and discovering a group whose
+/// backend is gone fails the whole discovery.
+const NOT_APPLIED: [&str; 3] = [
+    "external.metrics.k8s.io",
+    "custom.metrics.k8s.io",
+    "metrics.k8s.io",
+];
+
+/// Discovers the cluster's API resources. Tests share one API server, where another test may be
+/// adding or removing CRDs meanwhile (a group listed one moment answers 404 the next), so a
+/// failed discovery is tried again, up to 5 s.
+async fn discover(client: &kube::Client) -> Discovery {
+    let mut attempt = 0;
+    loop {
+        match Discovery::new(client.clone())
+            .exclude(&NOT_APPLIED)
+            .run()
+            .await
+        {
+            Ok(d) => return d,
+            Err(e) if attempt < 25 => {
+                eprintln!("API discovery failed ({e}); trying again");
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("API discovery: {e}"),
+        }
+    }
+}
+
 /// Resolves kinds to API resources, rediscovering when a kind is new (a CRD just installed).
 pub struct Applier {
     client: kube::Client,
@@ -42,10 +73,7 @@ impl std::fmt::Debug for Applier {
 
 impl Applier {
     pub async fn new(client: kube::Client) -> Applier {
-        let discovery = Discovery::new(client.clone())
-            .run()
-            .await
-            .expect("API discovery");
+        let discovery = discover(&client).await;
         Applier { client, discovery }
     }
 
@@ -58,10 +86,7 @@ impl Applier {
             }
             assert!(attempt < 49, "{api_version} {kind} is not served");
             tokio::time::sleep(Duration::from_millis(200)).await;
-            self.discovery = Discovery::new(self.client.clone())
-                .run()
-                .await
-                .expect("API discovery");
+            self.discovery = discover(&self.client).await;
         }
         unreachable!()
     }
