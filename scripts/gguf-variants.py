@@ -43,6 +43,12 @@ Variants:
             LongRoPE factors `rope_factors_short` (1 to 1.2 over the frequencies, which the
             model's 8192-token context uses) and `rope_factors_long` (1 to 4), attn_factor 1.
 
+  spm       the f16 model with a SentencePiece vocabulary (`tokenizer.ggml.model` "llama") made
+            from its byte-level BPE: each piece's bytes as text, spaces as U+2581, lone bytes
+            0x80-0xFF as `<0xNN>` byte pieces, pieces that are not whole UTF-8 as unused; scores
+            from the BPE's merge ranks; `add_space_prefix` true (as Llama 2, Mistral 7B and
+            Phi-3 have it). No Hugging Face form.
+
 With --hf DIR, the variant is also written as a Hugging Face folder: `model.safetensors` (the
 same arrays under Hugging Face names, experts one tensor each, Qwen3-MoE's naming), a
 `config.json`, and a `tokenizer_config.json` with the chat template (no tokenizer.json: the
@@ -406,11 +412,75 @@ def variant_phi3(src):
 
 PHI3_SHORT_RAMP = 0.2
 
+
+def byte_decoder():
+    """GPT-2's byte-level alphabet, character -> byte."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def set_array(kvs, key, values, sub_type):
+    for kv in kvs:
+        if kv.key == key:
+            kv.value, kv.vtype, kv.sub_type = values, GGUFValueType.ARRAY, sub_type
+            return
+    kvs.append(KV(key, values, GGUFValueType.ARRAY, sub_type))
+
+
+def variant_spm(src):
+    """The f16 model with its byte-level BPE turned into a SentencePiece vocabulary."""
+    model = variant_f16(src)
+    tokens = src.kv("tokenizer.ggml.tokens").value
+    types = src.kv("tokenizer.ggml.token_type").value
+    chars = byte_decoder()
+    pieces, kinds, seen = [], [], set()
+    for i, (tok, ty) in enumerate(zip(tokens, types)):
+        piece, kind = tok, int(ty)
+        if kind == 1:
+            raw = bytes(chars[c] for c in tok) if all(c in chars for c in tok) else None
+            if raw is not None and len(raw) == 1 and raw[0] >= 0x80:
+                piece, kind = f"<0x{raw[0]:02X}>", 6
+            else:
+                try:
+                    piece = raw.decode("utf-8").replace(" ", "\u2581")
+                except (AttributeError, UnicodeDecodeError):
+                    piece, kind = f"<unused{i}>", 5
+            if piece in seen:
+                piece, kind = f"<unused{i}>", 5
+        seen.add(piece)
+        pieces.append(piece)
+        kinds.append(kind)
+    # A merged piece scores by its merge's rank: earlier merges first, as BPE applies them.
+    ids = {t: i for i, t in enumerate(tokens)}
+    scores = [0.0] * len(pieces)
+    for rank, merge in enumerate(src.kv("tokenizer.ggml.merges").value):
+        a, b = merge.split(" ")
+        i = ids.get(a + b)
+        if i is not None and kinds[i] == 1 and scores[i] == 0.0:
+            scores[i] = -float(rank + 1)
+    model.kvs = [kv for kv in model.kvs if kv.key not in ("tokenizer.ggml.merges", "tokenizer.ggml.pre")]
+    set_kv(model.kvs, "tokenizer.ggml.model", "llama", GGUFValueType.STRING)
+    set_kv(model.kvs, "tokenizer.ggml.add_space_prefix", True, GGUFValueType.BOOL)
+    set_array(model.kvs, "tokenizer.ggml.tokens", pieces, GGUFValueType.STRING)
+    set_array(model.kvs, "tokenizer.ggml.token_type", kinds, GGUFValueType.INT32)
+    set_array(model.kvs, "tokenizer.ggml.scores", scores, GGUFValueType.FLOAT32)
+    return model
+
+
 VARIANTS = {
     "f16": variant_f16,
     "phi3": variant_phi3,
     "qwen3": variant_qwen3,
     "qwen3moe": variant_qwen3moe,
+    "spm": variant_spm,
 }
 
 # Hugging Face names of a Qwen3-family layer's tensors (experts are split one per tensor).

@@ -76,6 +76,22 @@ def free_port():
         return s.getsockname()[1]
 
 
+# Texts whose tokens are recorded as llama.cpp reads them (special tokens parsed, nothing
+# added): spaces in runs and at the ends, newlines and tabs, accents, emoji, CJK, digits.
+TEXTS = [
+    "Hello world",
+    "  two leading spaces",
+    "a trailing space ",
+    "runs   of    spaces",
+    "line\nbreaks\n\nand\ttabs",
+    "café naïve façade Ünïcödé ß",
+    "emoji 🦀🚀 and CJK 你好世界",
+    "12345 3.14159 -42",
+    "don't won't I'm",
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("server", nargs="?", help="llama-server (default: scripts/build-llama-server.sh's)")
@@ -131,6 +147,8 @@ def main():
             prompts.append({"question": q, "text": text, "ids": ids, "tokens": tokens,
                             "top2_gaps": gaps, "answer": r["content"]})
             print(f"{q!r} -> {r['content']!r}", file=sys.stderr)
+        texts = [{"text": t, "ids": post(base, "/tokenize", {"content": t, "add_special": False})["tokens"]}
+                 for t in TEXTS]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -143,6 +161,7 @@ def main():
             **({"lora": args.lora_name or os.path.basename(args.lora)} if args.lora else {}),
             "new_tokens": NEW_TOKENS,
             "prompts": prompts,
+            "texts": texts,
         }, f, indent=1)
         f.write("\n")
     print(out)

@@ -1,4 +1,5 @@
-//! Tokenizer: a Hugging Face `tokenizer.json`, or a byte-level BPE rebuilt from GGUF metadata.
+//! Tokenizer: a Hugging Face `tokenizer.json`, or one rebuilt from GGUF metadata: byte-level
+//! BPE (`gpt2`) or SentencePiece (`llama`).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -14,6 +15,8 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use super::ModelError;
+
+mod sentencepiece;
 
 /// Llama 3 / Qwen2 style pre-tokenizer split (contractions, letters, 1-3 digits, punctuation,
 /// newlines, spaces).
@@ -54,27 +57,12 @@ impl Tokenizer {
                 .ok_or_else(|| ModelError::MissingMetadata(k.to_string()))
         };
         let model = get("tokenizer.ggml.model")?.to_string().map_err(tok_err)?;
-        if model != "gpt2" {
-            return Err(ModelError::Unsupported(format!(
-                "GGUF tokenizer model '{model}' (only byte-level BPE, 'gpt2', is rebuilt from metadata; \
-                 put a tokenizer.json next to the model or pass --tokenizer)"
-            )));
-        }
         let tokens = get("tokenizer.ggml.tokens")?.to_vec().map_err(tok_err)?;
         let tokens: Vec<&String> = tokens
             .iter()
             .map(|v| v.to_string())
             .collect::<Result<_, _>>()
             .map_err(tok_err)?;
-        let merges = get("tokenizer.ggml.merges")?.to_vec().map_err(tok_err)?;
-        let mut merge_pairs = Vec::with_capacity(merges.len());
-        for m in merges {
-            let m = m.to_string().map_err(tok_err)?;
-            let (a, b) = m
-                .split_once(' ')
-                .ok_or_else(|| ModelError::Tokenizer(format!("malformed merge '{m}'")))?;
-            merge_pairs.push((a.to_string(), b.to_string()));
-        }
         let types: Vec<i64> = match md.get("tokenizer.ggml.token_type") {
             Some(Value::Array(a)) => a
                 .iter()
@@ -82,42 +70,17 @@ impl Tokenizer {
                 .collect(),
             _ => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| ((*t).clone(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merge_pairs)
-            .build()
-            .map_err(tok_err)?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let byte_level = ByteLevel::new(false, true, true);
-        let pre: PreTokenizerWrapper = match md
-            .get("tokenizer.ggml.pre")
-            .and_then(|v| v.to_string().ok())
-            .map(String::as_str)
-        {
-            Some("smollm") => {
-                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+        let mut inner = match model.as_str() {
+            "gpt2" => byte_level_bpe(md, &tokens)?,
+            "llama" => sentencepiece::from_gguf(md, &tokens, &types)?,
+            other => {
+                return Err(ModelError::Unsupported(format!(
+                    "GGUF tokenizer model '{other}' (rebuilt from metadata: byte-level BPE, \
+                     'gpt2', and SentencePiece, 'llama'; put a tokenizer.json next to the model \
+                     or pass --tokenizer)"
+                )));
             }
-            Some("llama-bpe" | "llama3" | "qwen2" | "smaug-bpe" | "dbrx") => {
-                let split = Split::new(
-                    SplitPattern::Regex(LLAMA3_SPLIT.into()),
-                    SplitDelimiterBehavior::Isolated,
-                    false,
-                )
-                .map_err(tok_err)?;
-                Sequence::new(vec![
-                    split.into(),
-                    ByteLevel::new(false, true, false).into(),
-                ])
-                .into()
-            }
-            _ => byte_level.into(),
         };
-        inner.with_pre_tokenizer(Some(pre));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
         // Control (3) and user-defined (4) tokens must never be split by BPE.
         let specials: Vec<AddedToken> = tokens
             .iter()
@@ -208,4 +171,60 @@ impl Tokenizer {
     pub fn token_text(&self, id: Option<u32>) -> String {
         id.and_then(|i| self.id_to_token(i)).unwrap_or_default()
     }
+}
+
+/// The byte-level BPE of `tokenizer.ggml.model = "gpt2"`: the merges as they are, and the
+/// pre-tokenizer `tokenizer.ggml.pre` names.
+fn byte_level_bpe(
+    md: &HashMap<String, Value>,
+    tokens: &[&String],
+) -> Result<tokenizers::Tokenizer, ModelError> {
+    let merges = md
+        .get("tokenizer.ggml.merges")
+        .ok_or_else(|| ModelError::MissingMetadata("tokenizer.ggml.merges".into()))?
+        .to_vec()
+        .map_err(tok_err)?;
+    let mut merge_pairs = Vec::with_capacity(merges.len());
+    for m in merges {
+        let m = m.to_string().map_err(tok_err)?;
+        let (a, b) = m
+            .split_once(' ')
+            .ok_or_else(|| ModelError::Tokenizer(format!("malformed merge '{m}'")))?;
+        merge_pairs.push((a.to_string(), b.to_string()));
+    }
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| ((*t).clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merge_pairs)
+        .build()
+        .map_err(tok_err)?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let byte_level = ByteLevel::new(false, true, true);
+    let pre: PreTokenizerWrapper = match md
+        .get("tokenizer.ggml.pre")
+        .and_then(|v| v.to_string().ok())
+        .map(String::as_str)
+    {
+        Some("smollm") => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+        Some("llama-bpe" | "llama3" | "qwen2" | "smaug-bpe" | "dbrx") => {
+            let split = Split::new(
+                SplitPattern::Regex(LLAMA3_SPLIT.into()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(tok_err)?;
+            Sequence::new(vec![
+                split.into(),
+                ByteLevel::new(false, true, false).into(),
+            ])
+            .into()
+        }
+        _ => byte_level.into(),
+    };
+    inner.with_pre_tokenizer(Some(pre));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(inner)
 }

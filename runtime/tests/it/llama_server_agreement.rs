@@ -98,6 +98,20 @@ fn greedy_answers_of_a_qwen3_checkpoint_agree_with_llama_server() {
     eprintln!("Qwen3: {exact} of 10 answers identical to llama.cpp's");
 }
 
+/// The F16 model with a SentencePiece vocabulary made from its BPE (`scripts/gguf-variants.py
+/// spm`): our tokenizer, rebuilt from the GGUF's `llama` metadata, must read every prompt as
+/// llama.cpp does (`agree` checks the ids), and the answers follow.
+#[test]
+fn greedy_answers_with_a_sentencepiece_vocabulary_agree_with_llama_server() {
+    let exact = agree(
+        "llama_server_greedy_spm.json",
+        &ferrite_testkit::model::gguf_variant("spm", false).join("model.gguf"),
+        (WeightMode::Auto, WeightMode::Dense),
+        None,
+    );
+    eprintln!("SentencePiece: {exact} of 10 answers identical to llama.cpp's");
+}
+
 /// Phi-3 (fused Q/K/V and gate/up, an untied output, LongRoPE's short factors;
 /// `scripts/gguf-variants.py phi3`), against llama-server on the same file.
 #[test]
@@ -155,6 +169,13 @@ fn agree(
         "--weights {request:?} on {}",
         model_path.display()
     );
+    // Fixtures recorded since the sample texts were added carry them: each must read as
+    // llama.cpp reads it.
+    for t in fx["texts"].as_array().into_iter().flatten() {
+        let text = t["text"].as_str().expect("text");
+        let ours = loaded.tokenizer.encode(text, false).expect("encode");
+        assert_eq!(ours, ids(&t["ids"]), "tokens of {text:?}");
+    }
     let prompts = fx["prompts"].as_array().expect("prompts");
     assert_eq!(prompts.len(), 10);
     let mut seqs: Vec<GreedySeq> = prompts
