@@ -38,6 +38,11 @@ Variants:
             (seeded) with logits of standard deviation 1.5 on the calibration prompts, so which experts run, and their weights, change
             the output. `ffn_gate_inp` [4, hidden] F32, `ffn_{gate,up,down}_exps` F16.
 
+  mixtral   Mixtral's layout: a `llama` file (Q/K rows permuted as llama.cpp stores them, no
+            q/k norms) whose FFNs are qwen3moe's experts and router (`llama.expert_count` 4,
+            `expert_used_count` 2). Its Hugging Face form uses Mixtral's names
+            (`block_sparse_moe.gate`, `block_sparse_moe.experts.E.w1/w3/w2`) and Q/K rows in
+            Hugging Face order.
   phi3      Phi-3: Q, K (in Hugging Face order) and V fused as `attn_qkv`, gate and up fused as
             `ffn_up` [2 x 1536], gate first; an untied `output` (a copy of the embedding);
             LongRoPE factors `rope_factors_short` (1 to 1.2 over the frequencies, which the
@@ -475,8 +480,43 @@ def variant_spm(src):
     return model
 
 
+def variant_mixtral(src):
+    """Mixtral's GGUF layout: a `llama` file with experts (qwen3moe's, without q/k norms)."""
+    if src.arch != "llama":
+        sys.exit("gguf-variants: the mixtral variant is made from a llama model")
+    hp = hparams(src)
+    t = dict(src.tensors)
+    cal = calibrate(src, hp, t)
+    rng = np.random.default_rng(38)
+    model = variant_f16(src)
+    F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
+    tensors = []
+    for name, a, kind in model.tensors:
+        layer = name.split(".")[1] if name.startswith("blk.") else None
+        if layer is None or name.split(".")[2] not in ("ffn_gate", "ffn_up", "ffn_down"):
+            tensors.append((name, a, kind))
+        elif name.split(".")[2] == "ffn_down":
+            router, gates, ups, downs = experts_of(int(layer), t, cal, rng)
+            p = f"blk.{layer}."
+            tensors += [(p + "ffn_gate_inp.weight", router, F32),
+                        (p + "ffn_gate_exps.weight", gates, F16),
+                        (p + "ffn_up_exps.weight", ups, F16),
+                        (p + "ffn_down_exps.weight", downs, F16)]
+    model.tensors = tensors
+    for key, value in (("expert_count", MOE_EXPERTS), ("expert_used_count", MOE_USED)):
+        set_kv(model.kvs, f"llama.{key}", value, GGUFValueType.UINT32)
+    model.hf_config = qwen3_config(hp, "MixtralForCausalLM") | {
+        "num_local_experts": MOE_EXPERTS,
+        "num_experts_per_tok": MOE_USED,
+        "sliding_window": None,
+    }
+    del model.hf_config["head_dim"], model.hf_config["attention_bias"]
+    return model
+
+
 VARIANTS = {
     "f16": variant_f16,
+    "mixtral": variant_mixtral,
     "phi3": variant_phi3,
     "qwen3": variant_qwen3,
     "qwen3moe": variant_qwen3moe,
@@ -503,13 +543,20 @@ HF_LAYER_NAMES = {
 HF_ARCH_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 HF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                    "ffn_down_exps": "down_proj"}
+MIXTRAL_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 HF_FIXED = {"token_embd.weight": "model.embed_tokens.weight",
             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
 def hf_tensors(model):
-    """The model's tensors under Hugging Face names, at the precision the GGUF holds them."""
+    """The model's tensors under Hugging Face names, at the precision the GGUF holds them. A
+    `llama` file (Mixtral) has its Q/K rows back in Hugging Face order and Mixtral's names."""
     names = HF_LAYER_NAMES | HF_ARCH_NAMES.get(model.arch, {})
+    mixtral = model.arch == "llama"
+    if mixtral:
+        names = names | {"ffn_gate_inp": "block_sparse_moe.gate"}
+        heads = {"attn_q": int(kv_value(model, "llama.attention.head_count")),
+                 "attn_k": int(kv_value(model, "llama.attention.head_count_kv"))}
     for name, a, kind in model.tensors:
         dtype = NUMPY_TYPES[kind]
         if name.startswith("rope_factors_"):
@@ -520,8 +567,14 @@ def hf_tensors(model):
         _, layer, module, suffix = name.split(".")
         if module in HF_EXPERT_NAMES:
             for e in range(a.shape[0]):
-                yield (f"model.layers.{layer}.mlp.experts.{e}.{HF_EXPERT_NAMES[module]}.{suffix}",
-                       a[e].astype(dtype))
+                if mixtral:
+                    hf = f"block_sparse_moe.experts.{e}.{MIXTRAL_EXPERT_NAMES[module]}"
+                else:
+                    hf = f"mlp.experts.{e}.{HF_EXPERT_NAMES[module]}"
+                yield f"model.layers.{layer}.{hf}.{suffix}", a[e].astype(dtype)
+        elif mixtral and module in heads:
+            yield (f"model.layers.{layer}.{names[module]}.{suffix}",
+                   unpermute(a, heads[module]).astype(dtype))
         else:
             yield f"model.layers.{layer}.{names[module]}.{suffix}", a.astype(dtype)
 
@@ -546,6 +599,10 @@ def write_safetensors(tensors, path):
         for b in blobs:
             f.write(b)
     os.replace(tmp, path)
+
+
+def kv_value(model, key):
+    return next(kv.value for kv in model.kvs if kv.key == key)
 
 
 def write_hf(model, out_dir):

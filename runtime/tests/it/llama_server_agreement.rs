@@ -112,6 +112,24 @@ fn greedy_answers_with_a_sentencepiece_vocabulary_agree_with_llama_server() {
     eprintln!("SentencePiece: {exact} of 10 answers identical to llama.cpp's");
 }
 
+/// Mixtral's layout (a `llama` GGUF with experts, interleaved RoPE; `scripts/gguf-variants.py
+/// mixtral`), packed to 8 bits as `auto` would not (it is F16) but as a user's quantized Mixtral
+/// is run, and at F16.
+#[test]
+fn greedy_answers_of_a_mixtral_checkpoint_agree_with_llama_server() {
+    let path = ferrite_testkit::model::gguf_variant("mixtral", true).join("model.gguf");
+    for modes in [
+        (WeightMode::Auto, WeightMode::Dense),
+        (WeightMode::Packed, WeightMode::Packed),
+    ] {
+        let exact = agree("llama_server_greedy_mixtral.json", &path, modes, None);
+        eprintln!(
+            "Mixtral {:?}: {exact} of 10 answers identical to llama.cpp's",
+            modes.1
+        );
+    }
+}
+
 /// Phi-3 (fused Q/K/V and gate/up, an untied output, LongRoPE's short factors;
 /// `scripts/gguf-variants.py phi3`), against llama-server on the same file.
 #[test]
