@@ -59,6 +59,8 @@ pub async fn chat_completions(
         serving.vocab_size,
     )?;
     g.adapter = model.adapter;
+    // Refuse an overloaded server's request before compiling its grammar, not after.
+    generate::admit(&state, serving, seqs)?;
     g.guide = match tools.as_ref().and_then(ToolUse::grammar) {
         Some(spec) => {
             if structured::requested(&req.structured)?.is_some() {
@@ -71,7 +73,6 @@ pub async fn chat_completions(
         }
         None => structured::guide(&state, &req.structured).await?,
     };
-    generate::admit(&state, serving, seqs)?;
     let receivers = generate::submit(serving, &g, arrival)?;
     let head = Head::new("chatcmpl", &model.name);
     match validate::stream_mode(&req.sampling) {

@@ -46,8 +46,9 @@ pub async fn completions(
         .collect::<Result<Vec<_>, _>>()?;
     let mut g = Generation::new(&req.sampling, want, n, prompts, max_tokens, vocab)?;
     g.adapter = model.adapter;
-    g.guide = structured::guide(&state, &req.structured).await?;
+    // Refuse an overloaded server's request before compiling its grammar, not after.
     generate::admit(&state, serving, seqs)?;
+    g.guide = structured::guide(&state, &req.structured).await?;
     let echoes = echoes(&serving.tokenizer, &g, req.echo.unwrap_or(false));
     let receivers = generate::submit(serving, &g, arrival)?;
     let head = Head::new("cmpl", &model.name);

@@ -101,6 +101,23 @@ fn fan_out_stop_strings_and_malformed_bodies_are_refused_early() {
         &json!({"messages": [{"role": "user", "content": "Hi"}], "n": 17}),
     );
     assert_eq!(refused(st, &body, 400), "n");
+    // The queue is checked before a grammar is compiled: this request's schema would fail to
+    // compile (a 400 naming `response_format`), but the queue refuses it first.
+    let bad_schema = json!({"type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}});
+    let (st, body) = post(
+        &s,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "n": 17,
+                "response_format": bad_schema}),
+    );
+    assert_eq!(refused(st, &body, 400), "n");
+    let (st, body) = post(
+        &s,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "response_format": bad_schema}),
+    );
+    assert_eq!(refused(st, &body, 400), "response_format");
 
     // Stop strings: count and length; stop token ids: count.
     let stops: Vec<String> = (0..17).map(|i| format!("s{i}")).collect();
