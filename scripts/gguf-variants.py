@@ -29,6 +29,12 @@ Variants:
             The norm cannot be undone exactly (it equalises every token's key), and the model
             answers less well than the source, but in varied and confident text; the mean RMS
             instead of the largest left attention so flat that answers were loops.
+  qwen2moe  Qwen2-MoE: Qwen2's attention (rotate-half, Q/K/V biases, here zero), qwen3moe's
+            experts and router with the chosen weights NOT renormalised (about 0.6-0.8 of the
+            dense FFN between them), and a shared expert every token runs: the dense FFN with
+            its output scaled by 0.6, under a sigmoid gate of random weights (logits of std
+            0.5 on the calibration prompts; not zero, for llama.cpp's sigmoid is silu(x)/x); an untied
+            output (the embedding's copy: llama.cpp requires one). No Hugging Face form.
   qwen3moe  Qwen3-MoE: qwen3's attention, and every FFN a mixture of 4 experts, top 2,
             renormalised. Every expert is the dense FFN with each unit's output scaled by
             1 ± 0.2 (seeded signs, per expert), so the chosen experts' weights sum to about the
@@ -514,8 +520,65 @@ def variant_mixtral(src):
     return model
 
 
+QWEN2MOE_SHARED_SCALE = 0.6
+
+
+def shared_gate(i, cal, rng):
+    """A random direction scaled for gate logits of standard deviation 0.5 on the calibration
+    inputs (sigmoid about 0.4 to 0.6). Not zero: llama.cpp computes the sigmoid as silu(x)/x."""
+    w = rng.standard_normal(cal.ffn_inputs[i][0].shape[1])
+    w *= 0.5 / (np.concatenate(cal.ffn_inputs[i]) @ w).std()
+    return w.astype(np.float32)
+
+
+def variant_qwen2moe(src):
+    """Qwen2-MoE: Qwen2's attention (Q/K in Hugging Face order, zero biases), qwen3moe's
+    experts with weights not renormalised, and a shared expert under a sigmoid gate."""
+    if src.arch != "llama":
+        sys.exit("gguf-variants: the qwen2moe variant is made from a llama model")
+    hp = hparams(src)
+    t = dict(src.tensors)
+    cal = calibrate(src, hp, t)
+    rng = np.random.default_rng(38)
+    F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
+    model = Model("qwen2moe", renamed_kvs(src, "qwen2moe"))
+    model.tensors.append(("token_embd.weight", t["token_embd.weight"], F16))
+    zeros = lambda n: np.zeros(n, np.float32)
+    for i in range(hp["layers"]):
+        p = f"blk.{i}."
+        q = unpermute(t[p + "attn_q.weight"], hp["heads"])
+        k = unpermute(t[p + "attn_k.weight"], hp["kv_heads"])
+        router, gates, ups, downs = experts_of(i, t, cal, rng)
+        model.tensors += [
+            (p + "attn_norm.weight", t[p + "attn_norm.weight"], F32),
+            (p + "attn_q.weight", q, F16), (p + "attn_q.bias", zeros(len(q)), F32),
+            (p + "attn_k.weight", k, F16), (p + "attn_k.bias", zeros(len(k)), F32),
+            (p + "attn_v.weight", t[p + "attn_v.weight"], F16),
+            (p + "attn_v.bias", zeros(len(t[p + "attn_v.weight"])), F32),
+            (p + "attn_output.weight", t[p + "attn_output.weight"], F16),
+            (p + "ffn_norm.weight", t[p + "ffn_norm.weight"], F32),
+            (p + "ffn_gate_inp.weight", router, F32),
+            (p + "ffn_gate_exps.weight", gates, F16),
+            (p + "ffn_up_exps.weight", ups, F16),
+            (p + "ffn_down_exps.weight", downs, F16),
+            (p + "ffn_gate_inp_shexp.weight", shared_gate(i, cal, rng), F32),
+            (p + "ffn_gate_shexp.weight", t[p + "ffn_gate.weight"], F16),
+            (p + "ffn_up_shexp.weight", t[p + "ffn_up.weight"], F16),
+            (p + "ffn_down_shexp.weight", t[p + "ffn_down.weight"] * QWEN2MOE_SHARED_SCALE, F16),
+        ]
+    # llama.cpp's qwen2moe needs an output matrix: the embedding's copy (as phi3's).
+    model.tensors += [("output_norm.weight", t["output_norm.weight"], F32),
+                      ("output.weight", t["token_embd.weight"], F16)]
+    for key in ("expert_feed_forward_length", "expert_shared_feed_forward_length"):
+        set_kv(model.kvs, f"qwen2moe.{key}", hp["ffn"], GGUFValueType.UINT32)
+    for key, value in (("expert_count", MOE_EXPERTS), ("expert_used_count", MOE_USED)):
+        set_kv(model.kvs, f"qwen2moe.{key}", value, GGUFValueType.UINT32)
+    return model
+
+
 VARIANTS = {
     "f16": variant_f16,
+    "qwen2moe": variant_qwen2moe,
     "mixtral": variant_mixtral,
     "phi3": variant_phi3,
     "qwen3": variant_qwen3,

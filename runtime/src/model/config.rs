@@ -12,6 +12,8 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Qwen3Moe,
+    /// Qwen2-MoE (and Qwen1.5-MoE): Qwen2's attention, experts plus a gated shared expert.
+    Qwen2Moe,
     /// Phi-3 and Phi-3.5: Q/K/V and gate/up stored fused, LongRoPE scaling.
     Phi3,
 }
@@ -31,6 +33,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
+            Arch::Qwen2Moe => "qwen2moe",
             Arch::Phi3 => "phi3",
         }
     }
@@ -45,8 +48,12 @@ pub struct Moe {
     /// Each expert's intermediate size.
     pub expert_ffn: usize,
     /// Renormalise the chosen experts' weights to sum to 1 (Mixtral, and Qwen3-MoE's
-    /// `norm_topk_prob`); otherwise they keep their share of the softmax over all experts.
+    /// `norm_topk_prob`); otherwise they keep their share of the softmax over all experts
+    /// (Qwen2-MoE).
     pub norm_top_k: bool,
+    /// The intermediate size of a shared expert every token runs, its output scaled by a
+    /// sigmoid gate of the token (Qwen2-MoE); `None` without one.
+    pub shared_ffn: Option<usize>,
 }
 
 /// How RoPE pairs up dimensions. GGUF Llama checkpoints have Q/K rows permuted for the
@@ -153,7 +160,7 @@ impl ModelConfig {
             return bad(format!("rope_theta ({}) must be positive", self.rope_theta));
         }
         if let Some(m) = &self.moe {
-            if m.num_experts == 0 || m.expert_ffn == 0 {
+            if m.num_experts == 0 || m.expert_ffn == 0 || m.shared_ffn == Some(0) {
                 return bad("a mixture of experts needs experts of positive size".into());
             }
             if m.experts_per_token == 0 || m.experts_per_token > m.num_experts {

@@ -124,6 +124,7 @@ impl GgufFile {
             "qwen2" => (Arch::Qwen2, RopeStyle::Half, true),
             "qwen3" => (Arch::Qwen3, RopeStyle::Half, false),
             "qwen3moe" => (Arch::Qwen3Moe, RopeStyle::Half, false),
+            "qwen2moe" => (Arch::Qwen2Moe, RopeStyle::Half, true),
             "phi3" => (Arch::Phi3, RopeStyle::Half, false),
             other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
         };
@@ -182,8 +183,9 @@ impl GgufFile {
     }
 
     /// The mixture of experts of a file with more than one expert: Mixtral (filed as `llama`)
-    /// and Qwen3-MoE, which both renormalise the chosen experts' weights. Other families with
-    /// experts are refused by name rather than run as dense models.
+    /// and Qwen3-MoE, which both renormalise the chosen experts' weights, and Qwen2-MoE, which
+    /// does not and adds a gated shared expert. Other families with experts are refused by name
+    /// rather than run as dense models, as are shared experts elsewhere.
     fn moe(
         &self,
         arch_name: &str,
@@ -193,18 +195,20 @@ impl GgufFile {
         let k = |s: &str| format!("{arch_name}.{s}");
         let experts = self.opt_usize(&k("expert_count"))?.unwrap_or(0);
         if experts <= 1 {
-            if arch == Arch::Qwen3Moe {
+            if matches!(arch, Arch::Qwen3Moe | Arch::Qwen2Moe) {
                 return Err(ModelError::MissingMetadata(k("expert_count")));
             }
             return Ok(None);
         }
-        if !matches!(arch, Arch::Llama | Arch::Qwen3Moe) {
+        if !matches!(arch, Arch::Llama | Arch::Qwen3Moe | Arch::Qwen2Moe) {
             return Err(ModelError::UnsupportedArchitecture(format!(
                 "{arch_name} (mixture of experts)"
             )));
         }
-        if self.has_tensor("blk.0.ffn_gate_inp_shexp.weight")
-            || self.has_tensor("blk.0.ffn_up_shexp.weight")
+        let shared = arch == Arch::Qwen2Moe;
+        if !shared
+            && (self.has_tensor("blk.0.ffn_gate_inp_shexp.weight")
+                || self.has_tensor("blk.0.ffn_up_shexp.weight"))
         {
             return Err(ModelError::Unsupported(format!(
                 "{arch_name}: shared experts"
@@ -216,7 +220,12 @@ impl GgufFile {
             expert_ffn: self
                 .opt_usize(&k("expert_feed_forward_length"))?
                 .unwrap_or(ffn),
-            norm_top_k: true,
+            norm_top_k: !shared,
+            shared_ffn: if shared {
+                Some(self.usize(&k("expert_shared_feed_forward_length"))?)
+            } else {
+                None
+            },
         }))
     }
 

@@ -84,7 +84,15 @@ pub fn forward(x: &Experts, moe: &Moe, h: &Tensor) -> Result<Tensor, ModelError>
             }
         }
     }
-    Ok(Tensor::from_vec(out, (rows, hidden), &Device::Cpu)?.to_device(device)?)
+    let out = Tensor::from_vec(out, (rows, hidden), &Device::Cpu)?.to_device(device)?;
+    match (&x.shared, moe.shared_ffn) {
+        (Some(s), Some(width)) => {
+            let act = swiglu(&s.gate_up.forward(h)?, width)?;
+            let scale = candle_nn::ops::sigmoid(&h.matmul(&s.gate.t()?)?)?;
+            Ok((out + s.down.forward(&act)?.broadcast_mul(&scale)?)?)
+        }
+        _ => Ok(out),
+    }
 }
 
 #[cfg(test)]

@@ -227,6 +227,7 @@ impl HfConfig {
             expert_ffn: self.moe_intermediate_size.unwrap_or(self.intermediate_size),
             // Mixtral always renormalises; Qwen3-MoE says so in its config.
             norm_top_k: arch != Arch::Qwen3Moe || self.norm_topk_prob.unwrap_or(false),
+            shared_ffn: None,
         }))
     }
 }

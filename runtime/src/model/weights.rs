@@ -364,6 +364,16 @@ pub struct Experts {
     /// Per expert, gate and up stacked: output `[tokens, 2 * expert_ffn]`.
     pub gate_up: Vec<Linear>,
     pub down: Vec<Linear>,
+    pub shared: Option<SharedExpert>,
+}
+
+/// Qwen2-MoE's shared expert: a SwiGLU FFN every token runs, scaled by `sigmoid(gate · h)`.
+#[derive(Debug, Clone)]
+pub struct SharedExpert {
+    /// `[1, hidden]` f32.
+    pub gate: Tensor,
+    pub gate_up: Linear,
+    pub down: Linear,
 }
 
 /// The token-embedding table.
@@ -558,10 +568,24 @@ impl Loader<'_> {
             .zip(ups)
             .map(|(g, u)| Linear::fuse(vec![g, u]))
             .collect::<candle_core::Result<Vec<_>>>()?;
+        let shared = match moe.shared_ffn {
+            Some(sf) => {
+                let gate = self.vector(&p("ffn_gate_inp_shexp.weight"), h)?;
+                let g = self.linear(&p("ffn_gate_shexp"), sf, h, false)?;
+                let u = self.linear(&p("ffn_up_shexp"), sf, h, false)?;
+                Some(SharedExpert {
+                    gate: gate.reshape((1, h))?,
+                    gate_up: Linear::fuse(vec![g, u])?,
+                    down: self.linear(&p("ffn_down_shexp"), h, sf, false)?,
+                })
+            }
+            None => None,
+        };
         Ok(Ffn::Experts(Experts {
             router: router.dense(self.device)?,
             gate_up,
             down: self.experts(&p("ffn_down_exps"), n, h, f)?,
+            shared,
         }))
     }
 }

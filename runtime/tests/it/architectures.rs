@@ -116,6 +116,7 @@ fn a_qwen3_moe_folder_answers_as_its_gguf_does() {
         experts_per_token: 2,
         expert_ffn: 1536,
         norm_top_k: true,
+        shared_ffn: None,
     };
     folder_matches_gguf("qwen3moe", (Arch::Qwen3Moe, Arch::Qwen3Moe), Some(moe));
 }
@@ -132,6 +133,7 @@ fn a_mixtral_folder_answers_as_its_gguf_does() {
         experts_per_token: 2,
         expert_ffn: 1536,
         norm_top_k: true,
+        shared_ffn: None,
     };
     folder_matches_gguf("mixtral", (Arch::Llama, Arch::Mistral), Some(moe));
 }

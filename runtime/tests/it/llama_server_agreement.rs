@@ -130,6 +130,19 @@ fn greedy_answers_of_a_mixtral_checkpoint_agree_with_llama_server() {
     }
 }
 
+/// Qwen2-MoE (Q/K/V biases, experts not renormalised, a shared expert under a sigmoid gate;
+/// `scripts/gguf-variants.py qwen2moe`), against llama-server on the same file.
+#[test]
+fn greedy_answers_of_a_qwen2_moe_checkpoint_agree_with_llama_server() {
+    let exact = agree(
+        "llama_server_greedy_qwen2moe.json",
+        &ferrite_testkit::model::gguf_variant("qwen2moe", false).join("model.gguf"),
+        (WeightMode::Auto, WeightMode::Dense),
+        None,
+    );
+    eprintln!("Qwen2-MoE: {exact} of 10 answers identical to llama.cpp's");
+}
+
 /// Phi-3 (fused Q/K/V and gate/up, an untied output, LongRoPE's short factors;
 /// `scripts/gguf-variants.py phi3`), against llama-server on the same file.
 #[test]

@@ -100,11 +100,16 @@ fn bad_checkpoints_get_clear_errors() {
     );
 
     // A family we do not run, and one we do with a tensor it needs missing: Qwen3's q/k norms.
+    let p = dir.join("gemma3.gguf");
+    write_tiny_gguf(&p, "gemma3", GgmlDType::F32, None, None);
+    let e = expect_err(&p);
+    assert!(e.contains("unsupported model architecture 'gemma3'"), "{e}");
+    // A mixture-of-experts family without its expert count.
     let p = dir.join("qwen2moe.gguf");
     write_tiny_gguf(&p, "qwen2moe", GgmlDType::F32, None, None);
     let e = expect_err(&p);
     assert!(
-        e.contains("unsupported model architecture 'qwen2moe'"),
+        e.contains("missing metadata key 'qwen2moe.expert_count'"),
         "{e}"
     );
     let p = dir.join("qwen3.gguf");

@@ -143,6 +143,7 @@ fn config_arch_names(arch: Arch) -> &'static [&'static str] {
         Arch::Qwen2 => &["qwen2"],
         Arch::Qwen3 => &["qwen3"],
         Arch::Qwen3Moe => &["qwen3moe"],
+        Arch::Qwen2Moe => &["qwen2moe"],
         Arch::Phi3 => &["phi3"],
     }
 }
@@ -528,9 +529,10 @@ fn build(
         _ => RowOrder::Hf,
     };
     let file_order = match (raw.order, cfg.arch) {
-        (RowOrder::LlamaCpp, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3) => {
-            RowOrder::Hf
-        }
+        (
+            RowOrder::LlamaCpp,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Phi3,
+        ) => RowOrder::Hf,
         (o, _) => o,
     };
     let mut placed: Vec<[Vec<Placed>; 4]> =
