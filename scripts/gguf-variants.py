@@ -188,6 +188,13 @@ def unpermute(w, heads):
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama_source(src, variant):
+    """The source's hyper-parameters and tensors by name; the layouts are made from a Llama."""
+    if src.arch != "llama":
+        sys.exit(f"gguf-variants: the {variant} variant is made from a llama model")
+    return hparams(src), dict(src.tensors)
+
+
 def hparams(src):
     v = lambda k: int(src.kv(f"{src.arch}.{k}").value)
     return {
@@ -302,10 +309,7 @@ def qwen3_config(hp, arch_name):
 
 def qwen3_model(src, arch, ffn):
     """A Qwen3-family model whose layer FFNs come from ffn(i, tensors, calibration)."""
-    if src.arch != "llama":
-        sys.exit("gguf-variants: the Qwen3 variants are made from a llama model")
-    hp = hparams(src)
-    t = dict(src.tensors)
+    hp, t = llama_source(src, "Qwen3")
     cal = calibrate(src, hp, t)
     model = Model(arch, renamed_kvs(src, arch))
     F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
@@ -376,10 +380,7 @@ def variant_qwen3moe(src):
 
 def variant_phi3(src):
     """Phi-3's layout: fused attn_qkv and gate-up ffn_up, an untied output, LongRoPE factors."""
-    if src.arch != "llama":
-        sys.exit("gguf-variants: the phi3 variant is made from a llama model")
-    hp = hparams(src)
-    t = dict(src.tensors)
+    hp, t = llama_source(src, "phi3")
     F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
     model = Model("phi3", renamed_kvs(src, "phi3"))
     half = hp["hidden"] // hp["heads"] // 2
@@ -488,10 +489,7 @@ def variant_spm(src):
 
 def variant_mixtral(src):
     """Mixtral's GGUF layout: a `llama` file with experts (qwen3moe's, without q/k norms)."""
-    if src.arch != "llama":
-        sys.exit("gguf-variants: the mixtral variant is made from a llama model")
-    hp = hparams(src)
-    t = dict(src.tensors)
+    hp, t = llama_source(src, "mixtral")
     cal = calibrate(src, hp, t)
     rng = np.random.default_rng(38)
     model = variant_f16(src)
@@ -534,10 +532,7 @@ def shared_gate(i, cal, rng):
 def variant_qwen2moe(src):
     """Qwen2-MoE: Qwen2's attention (Q/K in Hugging Face order, zero biases), qwen3moe's
     experts with weights not renormalised, and a shared expert under a sigmoid gate."""
-    if src.arch != "llama":
-        sys.exit("gguf-variants: the qwen2moe variant is made from a llama model")
-    hp = hparams(src)
-    t = dict(src.tensors)
+    hp, t = llama_source(src, "qwen2moe")
     cal = calibrate(src, hp, t)
     rng = np.random.default_rng(38)
     F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32

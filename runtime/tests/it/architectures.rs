@@ -20,6 +20,16 @@ const QUESTIONS: [&str; 4] = [
     "Explain what a CPU does in one sentence.",
 ];
 
+/// The experts of the generator's MoE variants: 4 of the dense FFN's size, 2 per token,
+/// renormalised.
+const VARIANT_MOE: Moe = Moe {
+    num_experts: 4,
+    experts_per_token: 2,
+    expert_ffn: 1536,
+    norm_top_k: true,
+    shared_ffn: None,
+};
+
 /// The variant's GGUF and its Hugging Face folder, with a `tokenizer.json` written there from
 /// the GGUF's tokenizer (the generator has no tokenizer library to write one).
 fn variant(name: &str) -> (PathBuf, PathBuf) {
@@ -111,14 +121,11 @@ fn a_qwen3_folder_answers_as_its_gguf_does() {
 
 #[test]
 fn a_qwen3_moe_folder_answers_as_its_gguf_does() {
-    let moe = Moe {
-        num_experts: 4,
-        experts_per_token: 2,
-        expert_ffn: 1536,
-        norm_top_k: true,
-        shared_ffn: None,
-    };
-    folder_matches_gguf("qwen3moe", (Arch::Qwen3Moe, Arch::Qwen3Moe), Some(moe));
+    folder_matches_gguf(
+        "qwen3moe",
+        (Arch::Qwen3Moe, Arch::Qwen3Moe),
+        Some(VARIANT_MOE),
+    );
 }
 
 #[test]
@@ -128,12 +135,5 @@ fn a_phi3_folder_answers_as_its_gguf_does() {
 
 #[test]
 fn a_mixtral_folder_answers_as_its_gguf_does() {
-    let moe = Moe {
-        num_experts: 4,
-        experts_per_token: 2,
-        expert_ffn: 1536,
-        norm_top_k: true,
-        shared_ffn: None,
-    };
-    folder_matches_gguf("mixtral", (Arch::Llama, Arch::Mistral), Some(moe));
+    folder_matches_gguf("mixtral", (Arch::Llama, Arch::Mistral), Some(VARIANT_MOE));
 }
