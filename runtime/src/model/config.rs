@@ -19,6 +19,40 @@ pub enum Arch {
 }
 
 impl Arch {
+    const ALL: [Arch; 7] = [
+        Arch::Llama,
+        Arch::Mistral,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Qwen3Moe,
+        Arch::Qwen2Moe,
+        Arch::Phi3,
+    ];
+
+    /// The family of a GGUF's `general.architecture`.
+    pub fn from_gguf_name(name: &str) -> Option<Arch> {
+        Self::ALL.into_iter().find(|a| a.gguf_name() == name)
+    }
+
+    /// How llama.cpp's converter leaves Q and K rows: permuted for the interleaved RoPE in
+    /// Llama and Mistral files, in Hugging Face (rotate-half) order in every other family's.
+    pub fn gguf_rope_style(self) -> RopeStyle {
+        match self {
+            Arch::Llama | Arch::Mistral => RopeStyle::Interleaved,
+            _ => RopeStyle::Half,
+        }
+    }
+
+    /// Q, K and V have biases (Qwen2, Qwen2-MoE).
+    pub fn attention_bias(self) -> bool {
+        matches!(self, Arch::Qwen2 | Arch::Qwen2Moe)
+    }
+
+    /// RMS norms over each head of q and of k (Qwen3, Qwen3-MoE).
+    pub fn qk_norm(self) -> bool {
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe)
+    }
+
     /// Checkpoints store Q/K/V as one `attn_qkv` and gate/up as one `ffn_up` of twice the
     /// intermediate size, gate first (Phi-3).
     pub fn fused_projections(self) -> bool {

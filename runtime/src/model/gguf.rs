@@ -10,7 +10,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::quantized::gguf_file::{self, Content, Value};
 
 use super::ModelError;
-use super::config::{Arch, ModelConfig, RopeScaling, RopeStyle};
+use super::config::{Arch, ModelConfig, RopeScaling};
 use super::weights::{Checkpoint, RawWeight, WeightSource};
 
 /// An open GGUF file: parsed header plus a reader for tensor data.
@@ -118,16 +118,8 @@ impl GgufFile {
             .string("general.architecture")
             .ok_or_else(|| ModelError::MissingMetadata("general.architecture".into()))?
             .to_string();
-        let (arch, rope_style, attention_bias) = match arch_name.as_str() {
-            "llama" => (Arch::Llama, RopeStyle::Interleaved, false),
-            "mistral" => (Arch::Mistral, RopeStyle::Interleaved, false),
-            "qwen2" => (Arch::Qwen2, RopeStyle::Half, true),
-            "qwen3" => (Arch::Qwen3, RopeStyle::Half, false),
-            "qwen3moe" => (Arch::Qwen3Moe, RopeStyle::Half, false),
-            "qwen2moe" => (Arch::Qwen2Moe, RopeStyle::Half, true),
-            "phi3" => (Arch::Phi3, RopeStyle::Half, false),
-            other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
-        };
+        let arch = Arch::from_gguf_name(&arch_name)
+            .ok_or_else(|| ModelError::UnsupportedArchitecture(arch_name.clone()))?;
         let k = |s: &str| format!("{arch_name}.{s}");
         let hidden_size = self.usize(&k("embedding_length"))?;
         let num_heads = self.usize(&k("attention.head_count"))?;
@@ -170,11 +162,11 @@ impl GgufFile {
                 .unwrap_or(1e-5) as f64,
             rope_theta: self.opt_f32(&k("rope.freq_base"))?.unwrap_or(10_000.0),
             rope_scaling,
-            rope_style,
+            rope_style: arch.gguf_rope_style(),
             max_position_embeddings: self.opt_usize(&k("context_length"))?.unwrap_or(4096),
             sliding_window: self.opt_usize(&k("attention.sliding_window"))?,
-            attention_bias: attention_bias && self.has_tensor("blk.0.attn_q.bias"),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            attention_bias: arch.attention_bias() && self.has_tensor("blk.0.attn_q.bias"),
+            qk_norm: arch.qk_norm(),
             moe,
             tie_word_embeddings: !self.has_tensor("output.weight"),
         };

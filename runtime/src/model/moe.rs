@@ -1,6 +1,7 @@
-//! Mixture-of-experts FFNs (Mixtral, Qwen3-MoE): the router picks each token's experts, and
-//! every expert runs once per step over all the rows routed to it (one GEMM per expert with
-//! work, never one per token), so a batch's tokens share each expert's weight reads.
+//! Mixture-of-experts FFNs (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared expert): the
+//! router picks each token's experts, and every expert runs once per step over all the rows
+//! routed to it (one GEMM per expert with work, never one per token), so a batch's tokens share
+//! each expert's weight reads.
 
 use candle_core::{Device, Tensor};
 

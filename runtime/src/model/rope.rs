@@ -23,20 +23,14 @@ pub fn inv_freqs(cfg: &ModelConfig, max_len: usize) -> Vec<f32> {
     match &cfg.rope_scaling {
         RopeScaling::None => base,
         RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
-        RopeScaling::FreqFactors(factors) => base.iter().zip(factors).map(|(f, s)| f / s).collect(),
+        RopeScaling::FreqFactors(factors) => divide(&base, factors),
         RopeScaling::LongRope {
             short,
             long,
             original_max_position,
             ..
-        } => {
-            let factors = if max_len > *original_max_position {
-                long
-            } else {
-                short
-            };
-            base.iter().zip(factors).map(|(f, s)| f / s).collect()
-        }
+        } if max_len > *original_max_position => divide(&base, long),
+        RopeScaling::LongRope { short, .. } => divide(&base, short),
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -62,6 +56,11 @@ pub fn inv_freqs(cfg: &ModelConfig, max_len: usize) -> Vec<f32> {
                 .collect()
         }
     }
+}
+
+/// Each frequency divided by its factor.
+fn divide(freqs: &[f32], factors: &[f32]) -> Vec<f32> {
+    freqs.iter().zip(factors).map(|(f, s)| f / s).collect()
 }
 
 impl Rope {

@@ -161,8 +161,8 @@ impl HfConfig {
             rope_style: RopeStyle::Half,
             max_position_embeddings: self.max_position_embeddings.unwrap_or(4096),
             sliding_window,
-            attention_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            attention_bias: self.attention_bias.unwrap_or(arch.attention_bias()),
+            qk_norm: arch.qk_norm(),
             moe,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false) || !has_lm_head,
         };

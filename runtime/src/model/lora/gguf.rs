@@ -8,7 +8,7 @@ use std::path::Path;
 use candle_core::Device;
 use candle_core::quantized::gguf_file::{Content, Value};
 
-use super::{LoraError, RawAdapter, RawPair, RowOrder, Target, config_arch_names, matrix};
+use super::{LoraError, RawAdapter, RawPair, RowOrder, Target, fits_base_arch, matrix};
 use crate::model::ModelConfig;
 
 pub(super) fn read(path: &Path, cfg: &ModelConfig) -> Result<RawAdapter, LoraError> {
@@ -33,7 +33,7 @@ pub(super) fn read(path: &Path, cfg: &ModelConfig) -> Result<RawAdapter, LoraErr
         ));
     }
     let arch = text("general.architecture").unwrap_or_default();
-    if !config_arch_names(cfg.arch).contains(&arch.as_str()) {
+    if !fits_base_arch(&arch, cfg.arch) {
         return Err(invalid(format!(
             "an adapter for architecture \"{arch}\", the base model is {:?}",
             cfg.arch

@@ -135,16 +135,12 @@ impl Proj {
     }
 }
 
-/// `general.architecture` values of GGUF files made for a base of `arch` (llama.cpp files
-/// Mistral models as "llama").
-fn config_arch_names(arch: Arch) -> &'static [&'static str] {
+/// Whether a GGUF file of `general.architecture` `file_arch` is made for a base of `arch`
+/// (llama.cpp files Mistral models as "llama").
+fn fits_base_arch(file_arch: &str, arch: Arch) -> bool {
     match arch {
-        Arch::Llama | Arch::Mistral => &["llama", "mistral"],
-        Arch::Qwen2 => &["qwen2"],
-        Arch::Qwen3 => &["qwen3"],
-        Arch::Qwen3Moe => &["qwen3moe"],
-        Arch::Qwen2Moe => &["qwen2moe"],
-        Arch::Phi3 => &["phi3"],
+        Arch::Llama | Arch::Mistral => matches!(file_arch, "llama" | "mistral"),
+        other => other.gguf_name() == file_arch,
     }
 }
 
@@ -523,16 +519,13 @@ fn build(
         return Err(invalid("the adapter holds no LoRA weights".into()));
     }
     // The base's own Q/K order: a GGUF Llama is permuted (interleaved RoPE), a Hugging Face one
-    // is not; Qwen2's GGUF files are not permuted either.
+    // is not; the GGUF files of rotate-half families (Qwen, Phi-3) are not permuted either.
     let base_order = match (cfg.rope_style, cfg.arch) {
         (RopeStyle::Interleaved, _) => RowOrder::LlamaCpp,
         _ => RowOrder::Hf,
     };
     let file_order = match (raw.order, cfg.arch) {
-        (
-            RowOrder::LlamaCpp,
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Phi3,
-        ) => RowOrder::Hf,
+        (RowOrder::LlamaCpp, a) if a.gguf_rope_style() == RopeStyle::Half => RowOrder::Hf,
         (o, _) => o,
     };
     let mut placed: Vec<[Vec<Placed>; 4]> =

@@ -7,7 +7,7 @@
 //! `tokenizer.ggml.add_space_prefix` (default true) every stretch of text gets one in front,
 //! as llama.cpp gives one to the text after each special token.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use candle_core::quantized::gguf_file::Value;
 use tokenizers::decoders::byte_fallback::ByteFallback;
@@ -32,11 +32,11 @@ fn mergeable(ty: i64) -> bool {
 /// The merges that reproduce llama.cpp's order: every split of a normal or user-defined piece
 /// into two pieces of the vocabulary, the highest-scoring merged piece first (ties by id).
 pub fn merges(tokens: &[&String], types: &[i64], scores: &[f32]) -> Vec<(String, String)> {
-    let ids: HashMap<&str, usize> = tokens
+    let pieces: HashSet<&str> = tokens
         .iter()
         .enumerate()
         .filter(|(i, _)| mergeable(types.get(*i).copied().unwrap_or(1)))
-        .map(|(i, t)| (t.as_str(), i))
+        .map(|(_, t)| t.as_str())
         .collect();
     let mut ranked: Vec<(f32, usize, &str, &str)> = Vec::new();
     for (id, piece) in tokens.iter().enumerate() {
@@ -45,7 +45,7 @@ pub fn merges(tokens: &[&String], types: &[i64], scores: &[f32]) -> Vec<(String,
         }
         for (at, _) in piece.char_indices().skip(1) {
             let (a, b) = piece.split_at(at);
-            if ids.contains_key(a) && ids.contains_key(b) {
+            if pieces.contains(a) && pieces.contains(b) {
                 let score = scores.get(id).copied().unwrap_or(0.0);
                 ranked.push((score, id, a, b));
             }
