@@ -2,22 +2,26 @@
 # Decode and prefill speed per architecture (issue 38), straight through the model
 # (bench-runtime; no HTTP): the checkpoints scripts/gguf-variants.py builds from the default
 # model's weights — llama (its F16 form, the baseline), qwen3 (q/k norms), qwen3moe (4 experts of
-# the full FFN size, 2 per token: twice the FFN work per token), phi3 (fused projections) — all
-# repacked to the same 8-bit weights (--weights packed), so only the architecture differs.
+# the full FFN size, 2 per token: twice the FFN work per token), phi3 (fused projections),
+# phi4mini (phi3 with three quarters of each head rotated), gemma3 (q/k norms, norms after each
+# block, GeGLU, five of six layers attending within 16 tokens) — all repacked to the same 8-bit
+# weights (--weights packed), so only the architecture differs.
 # Decode at batch 1 and 32 (64-token contexts, 32 steps) and a 512-token prefill, best of 2;
 # REPEAT rounds (default 2), each running every architecture, in reverse order on odd rounds.
 # Prints tok/s and each architecture ÷ llama of the same round.
 #
-#   bench/architectures.sh        (models are written to /tmp/ferrite-bench-arch, ~1.3 GB)
+#   bench/architectures.sh   (models are written to /tmp/ferrite-bench-arch/<generator hash>,
+#                             ~2 GB; the folders of other versions of the generator are removed)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 model="${FERRITE_MODEL:-$(scripts/fetch-model.sh)}"
 cargo build --release -q -p ferrite-bench --bin bench-runtime
 target=${CARGO_TARGET_DIR:-$root/target}
-dir=/tmp/ferrite-bench-arch
+dir=/tmp/ferrite-bench-arch/$(sha256sum scripts/gguf-variants.py | cut -c1-12)
+find /tmp/ferrite-bench-arch -mindepth 1 -maxdepth 1 ! -path "$dir" -exec rm -rf {} + 2>/dev/null || true
 mkdir -p "$dir"
-archs=(f16 qwen3 qwen3moe phi3)
+archs=(f16 qwen3 qwen3moe phi3 phi4mini gemma3)
 for a in "${archs[@]}"; do
   [ -f "$dir/$a.gguf" ] || scripts/gguf-variants.py "$a" "$dir/$a.gguf" --model "$model" >/dev/null
 done

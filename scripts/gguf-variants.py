@@ -53,6 +53,13 @@ Variants:
             `ffn_up` [2 x 1536], gate first; an untied `output` (a copy of the embedding);
             LongRoPE factors `rope_factors_short` (1 to 1.2 over the frequencies, which the
             model's 8192-token context uses) and `rope_factors_long` (1 to 4), attn_factor 1.
+  phi4mini  Phi-4-mini's partial rotary embeddings: phi3 with `phi3.rope.dimension_count` 48 of
+            the 64 dimensions of a head (`partial_rotary_factor` 0.75), LongRoPE factors for
+            those 24 frequencies. Q/K rows are moved so that the rotated dimensions hold the
+            source's 24 fastest pairs, at the RoPE base (theta ** 0.75) that keeps their
+            frequencies; its 8 slowest pairs are left unrotated.
+  gemma3    Gemma 3 (see GEMMA3_WINDOW's comment): q/k norms, norms after attention and the
+            FFN, GeGLU, the embedding stored divided by sqrt(hidden), sliding layers.
 
   spm       the f16 model with a SentencePiece vocabulary (`tokenizer.ggml.model` "llama") made
             from its byte-level BPE: each piece's bytes as text, spaces as U+2581, lone bytes
@@ -229,10 +236,13 @@ def rope_half(x, theta):
 @dataclass
 class Calibration:
     """Per layer: the largest RMS of a head of q and of k (before any norm) over the calibration
-    tokens, and the FFN's normed inputs."""
+    tokens, the FFN's normed inputs, and the mean RMS of the attention's and the FFN's outputs
+    (what the residual stream receives from each)."""
     q_rms: list
     k_rms: list
     ffn_inputs: list
+    attn_out_rms: list
+    ffn_out_rms: list
 
 
 def calibrate(src, hp, t):
@@ -242,7 +252,10 @@ def calibrate(src, hp, t):
         prompts = [p["ids"] for p in json.load(f)["prompts"][:5]]
     heads, kv_heads, eps = hp["heads"], hp["kv_heads"], hp["eps"]
     d = hp["hidden"] // heads
-    cal = Calibration([0.0] * hp["layers"], [0.0] * hp["layers"], [[] for _ in range(hp["layers"])])
+    layers = hp["layers"]
+    cal = Calibration([0.0] * layers, [0.0] * layers, [[] for _ in range(layers)],
+                      [[] for _ in range(layers)], [[] for _ in range(layers)])
+    rms = lambda a: np.sqrt((a * a).mean(-1))
     for ids in prompts:
         n = len(ids)
         x = t["token_embd.weight"][ids].astype(np.float64)
@@ -260,11 +273,17 @@ def calibrate(src, hp, t):
             score = np.einsum("thd,shd->hts", q, k) / np.sqrt(d) + mask
             score = np.exp(score - score.max(-1, keepdims=True))
             score /= score.sum(-1, keepdims=True)
-            x = x + np.einsum("hts,shd->thd", score, v).reshape(n, -1) @ t[p + "attn_output.weight"].T
+            o = np.einsum("hts,shd->thd", score, v).reshape(n, -1) @ t[p + "attn_output.weight"].T
+            cal.attn_out_rms[i].append(rms(o)[1:])
+            x = x + o
             h = rms_norm(x, t[p + "ffn_norm.weight"], eps)
             cal.ffn_inputs[i].append(h)
             gate, up = h @ t[p + "ffn_gate.weight"].T, h @ t[p + "ffn_up.weight"].T
-            x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + "ffn_down.weight"].T
+            f = (gate / (1 + np.exp(-gate)) * up) @ t[p + "ffn_down.weight"].T
+            cal.ffn_out_rms[i].append(rms(f)[1:])
+            x = x + f
+    cal.attn_out_rms = [float(np.median(np.concatenate(r))) for r in cal.attn_out_rms]
+    cal.ffn_out_rms = [float(np.median(np.concatenate(r))) for r in cal.ffn_out_rms]
     return cal
 
 
@@ -378,13 +397,16 @@ def variant_qwen3moe(src):
     return model
 
 
-def variant_phi3(src):
-    """Phi-3's layout: fused attn_qkv and gate-up ffn_up, an untied output, LongRoPE factors."""
+def variant_phi3(src, rotary_share=1.0):
+    """Phi-3's layout: fused attn_qkv and gate-up ffn_up, an untied output, LongRoPE factors;
+    with rotary_share < 1, only that share of each head is rotated (Phi-4-mini)."""
     hp, t = llama_source(src, "phi3")
     F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
     model = Model("phi3", renamed_kvs(src, "phi3"))
-    half = hp["hidden"] // hp["heads"] // 2
+    rotary = int(hp["hidden"] // hp["heads"] * rotary_share)
+    half = rotary // 2
     ramp = np.linspace(0.0, 1.0, half, dtype=np.float32)
+    set_kv(model.kvs, "phi3.rope.dimension_count", rotary, GGUFValueType.UINT32)
     set_kv(model.kvs, "phi3.rope.scaling.original_context_length", hp["context"],
            GGUFValueType.UINT32)
     set_kv(model.kvs, "phi3.rope.scaling.attn_factor", 1.0, GGUFValueType.FLOAT32)
@@ -394,10 +416,19 @@ def variant_phi3(src):
         ("rope_factors_long.weight", long, F32),
         ("rope_factors_short.weight", short, F32),
     ]
+    # The partial model rotates pairs (j, j + half) of its first `rotary` dimensions; the
+    # source's highest `half` frequencies go there (rows moved within each head), at a RoPE base
+    # that gives them their frequencies; the lowest, which turn by under 0.01 rad over the test
+    # contexts, stay unrotated at the end.
+    d = hp["hidden"] // hp["heads"]
+    order = np.r_[0:half, d // 2:d // 2 + half, half:d // 2, d // 2 + half:d]
+    theta = hp["theta"] ** (rotary / d)
+    set_kv(model.kvs, "phi3.rope.freq_base", theta, GGUFValueType.FLOAT32)
+    rows = lambda w, heads: w.reshape(heads, d, -1)[:, order].reshape(w.shape)
     for i in range(hp["layers"]):
         p = f"blk.{i}."
-        qkv = np.concatenate([unpermute(t[p + "attn_q.weight"], hp["heads"]),
-                              unpermute(t[p + "attn_k.weight"], hp["kv_heads"]),
+        qkv = np.concatenate([rows(unpermute(t[p + "attn_q.weight"], hp["heads"]), hp["heads"]),
+                              rows(unpermute(t[p + "attn_k.weight"], hp["kv_heads"]), hp["kv_heads"]),
                               t[p + "attn_v.weight"]])
         gate_up = np.concatenate([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]])
         model.tensors += [
@@ -413,16 +444,69 @@ def variant_phi3(src):
         ("output.weight", t["token_embd.weight"], F16),
     ]
     model.hf_config = qwen3_config(hp, "Phi3ForCausalLM") | {
+        "rope_theta": theta,
         "tie_word_embeddings": False,
         "original_max_position_embeddings": hp["context"],
         "rope_scaling": {"type": "longrope", "short_factor": short.tolist(),
                          "long_factor": long.tolist()},
     }
+    if rotary_share < 1.0:
+        model.hf_config["partial_rotary_factor"] = rotary_share
     del model.hf_config["attention_bias"]
     return model
 
 
+def variant_phi4mini(src):
+    """Phi-4-mini's partial rotary embeddings: phi3 with three quarters of each head rotated."""
+    return variant_phi3(src, rotary_share=0.75)
+
+
 PHI3_SHORT_RAMP = 0.2
+
+# Gemma 3's layout from the Llama: the embedding is multiplied by sqrt(hidden) on the way in
+# (so it is stored divided by that, and the tied output's norm multiplied back); GeGLU stands
+# in for SwiGLU by gelu(x/1.702)·1.702 ≈ silu(x); the sandwich norms after attention and after
+# the FFN are weighted by the mean RMS of the outputs they norm (calibrated); q/k norms as
+# qwen3's. Every sixth layer attends globally (RoPE base = the source's); the others within
+# GEMMA3_WINDOW tokens, with RoPE base 10000 (llama.cpp fixes it). GGUF norm weights are the
+# multipliers (llama.cpp's converter adds Gemma's 1); the Hugging Face form stores them less 1.
+GEMMA3_WINDOW = 16
+GELU_SILU = 1.702
+
+
+def variant_gemma3(src):
+    hp, t = llama_source(src, "gemma3")
+    cal = calibrate(src, hp, t)
+    F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
+    model = Model("gemma3", renamed_kvs(src, "gemma3"))
+    set_kv(model.kvs, "gemma3.attention.sliding_window", GEMMA3_WINDOW, GGUFValueType.UINT32)
+    scale = np.sqrt(hp["hidden"])
+    model.tensors.append(("token_embd.weight", t["token_embd.weight"] / scale, F16))
+    full = lambda v: np.full(hp["hidden"], v, np.float32)
+    for i in range(hp["layers"]):
+        p = f"blk.{i}."
+        attention = qwen3_attention(hp, i, t, cal)
+        ffn_norm = attention.pop()
+        model.tensors += attention + [
+            (p + "post_attention_norm.weight", full(cal.attn_out_rms[i]), F32),
+            ffn_norm,
+            (p + "ffn_gate.weight", t[p + "ffn_gate.weight"] / GELU_SILU, F16),
+            (p + "ffn_up.weight", t[p + "ffn_up.weight"] * GELU_SILU, F16),
+            (p + "ffn_down.weight", t[p + "ffn_down.weight"], F16),
+            (p + "post_ffw_norm.weight", full(cal.ffn_out_rms[i]), F32),
+        ]
+    model.tensors.append(("output_norm.weight", t["output_norm.weight"] * scale, F32))
+    model.hf_config = qwen3_config(hp, "Gemma3ForCausalLM") | {
+        "model_type": "gemma3_text",
+        "query_pre_attn_scalar": hp["hidden"] // hp["heads"],
+        "sliding_window": GEMMA3_WINDOW,
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+    return model
 
 
 def byte_decoder():
@@ -573,9 +657,11 @@ def variant_qwen2moe(src):
 
 VARIANTS = {
     "f16": variant_f16,
+    "gemma3": variant_gemma3,
     "qwen2moe": variant_qwen2moe,
     "mixtral": variant_mixtral,
     "phi3": variant_phi3,
+    "phi4mini": variant_phi4mini,
     "qwen3": variant_qwen3,
     "qwen3moe": variant_qwen3moe,
     "spm": variant_spm,
@@ -598,7 +684,14 @@ HF_LAYER_NAMES = {
     "attn_qkv": "self_attn.qkv_proj",
 }
 # Per architecture, Hugging Face names that differ from HF_LAYER_NAMES'.
-HF_ARCH_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+HF_ARCH_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# Gemma's norms multiply by 1 + weight: its Hugging Face files store the GGUF weight less 1.
+HF_NORM_OFFSET = {"gemma3": 1.0}
 HF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                    "ffn_down_exps": "down_proj"}
 MIXTRAL_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
@@ -610,6 +703,7 @@ def hf_tensors(model):
     """The model's tensors under Hugging Face names, at the precision the GGUF holds them. A
     `llama` file (Mixtral) has its Q/K rows back in Hugging Face order and Mixtral's names."""
     names = HF_LAYER_NAMES | HF_ARCH_NAMES.get(model.arch, {})
+    offset = HF_NORM_OFFSET.get(model.arch, 0.0)
     mixtral = model.arch == "llama"
     if mixtral:
         names = names | {"ffn_gate_inp": "block_sparse_moe.gate"}
@@ -617,6 +711,8 @@ def hf_tensors(model):
                  "attn_k": int(kv_value(model, "llama.attention.head_count_kv"))}
     for name, a, kind in model.tensors:
         dtype = NUMPY_TYPES[kind]
+        if name.endswith("norm.weight"):
+            a = a - offset
         if name.startswith("rope_factors_"):
             continue  # in config.json's rope_scaling
         if name in HF_FIXED:

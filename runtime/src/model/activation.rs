@@ -1,34 +1,54 @@
-//! The MLP's gated activation as one tensor op on f32: [`crate::kernels::swiglu`] on the CPU,
-//! `kernels/fused.cu`'s `swiglu_f32` on a GPU; candle's ops for other types.
+//! The MLP's gated activation as one tensor op on f32: [`crate::kernels::swiglu`] on the CPU
+//! (SwiGLU and GeGLU), `kernels/fused.cu`'s `swiglu_f32` on a GPU; candle's ops for other types
+//! and for GeGLU on a GPU.
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use crate::kernels::swiglu;
+use super::config::Activation;
+use crate::kernels::swiglu::{self, Gate};
 
 /// `silu(gate) · up` of a fused `[tokens, 2·ffn]` gate/up projection, gate columns first.
 pub fn swiglu(gate_up: &Tensor, ffn: usize) -> Result<Tensor> {
-    let fused = gate_up.device().is_cpu() || cfg!(feature = "cuda") && gate_up.device().is_cuda();
-    if fused && gate_up.dtype() == candle_core::DType::F32 {
-        return gate_up.contiguous()?.apply_op1_no_bwd(&SwiGlu(ffn));
-    }
-    candle_nn::ops::silu(&gate_up.narrow(1, 0, ffn)?)? * gate_up.narrow(1, ffn, ffn)?
+    gated(gate_up, ffn, Activation::Silu)
 }
 
-struct SwiGlu(usize);
+/// `act(gate) · up` of a fused `[tokens, 2·ffn]` gate/up projection, gate columns first.
+pub fn gated(gate_up: &Tensor, ffn: usize, act: Activation) -> Result<Tensor> {
+    let f32 = gate_up.dtype() == candle_core::DType::F32;
+    let cuda = cfg!(feature = "cuda") && gate_up.device().is_cuda() && act == Activation::Silu;
+    if f32 && (gate_up.device().is_cpu() || cuda) {
+        return gate_up.contiguous()?.apply_op1_no_bwd(&Gated { ffn, act });
+    }
+    let (gate, up) = (gate_up.narrow(1, 0, ffn)?, gate_up.narrow(1, ffn, ffn)?);
+    match act {
+        Activation::Silu => candle_nn::ops::silu(&gate)? * up,
+        // candle's `gelu` is the tanh approximation.
+        Activation::GeluTanh => gate.gelu()? * up,
+    }
+}
 
-impl CustomOp1 for SwiGlu {
+struct Gated {
+    ffn: usize,
+    act: Activation,
+}
+
+impl CustomOp1 for Gated {
     fn name(&self) -> &'static str {
-        "swiglu"
+        "gated-ffn"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let ffn = self.0;
+        let ffn = self.ffn;
         let (tokens, width) = l.shape().dims2()?;
         if width != 2 * ffn {
-            candle_core::bail!("swiglu: input has {width} columns, not 2 x {ffn}");
+            candle_core::bail!("gated ffn: input has {width} columns, not 2 x {ffn}");
         }
-        let x = super::cpu_view::contiguous::<f32>(s, l, "swiglu: the input")?;
-        let out = swiglu::swiglu(x, ffn);
+        let x = super::cpu_view::contiguous::<f32>(s, l, "gated ffn: the input")?;
+        let gate = match self.act {
+            Activation::Silu => Gate::Silu,
+            Activation::GeluTanh => Gate::GeluTanh,
+        };
+        let out = swiglu::gated(gate, x, ffn);
         Ok((CpuStorage::F32(out), Shape::from((tokens, ffn))))
     }
 
@@ -43,7 +63,10 @@ impl CustomOp1 for SwiGlu {
         use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 
         use super::cache_write::cuda::{MODULE, PTX};
-        let ffn = self.0;
+        let ffn = self.ffn;
+        if self.act != Activation::Silu {
+            candle_core::bail!("gated ffn: only SwiGLU has a CUDA kernel");
+        }
         let (tokens, width) = l.shape().dims2()?;
         if width != 2 * ffn {
             candle_core::bail!("swiglu: input has {width} columns, not 2 x {ffn}");
@@ -79,6 +102,23 @@ impl CustomOp1 for SwiGlu {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// GeGLU against candle's tanh-approximated GELU.
+    #[test]
+    fn geglu_matches_candle_gelu_times_up() -> Result<()> {
+        let ffn = 24;
+        let v = ferrite_testkit::random::values(4 * 2 * ffn, 5, 6.0);
+        let gate_up = Tensor::from_vec(v, (4, 2 * ffn), &Device::Cpu)?;
+        let got = gated(&gate_up, ffn, Activation::GeluTanh)?;
+        let want = (gate_up.narrow(1, 0, ffn)?.gelu()? * gate_up.narrow(1, ffn, ffn)?)?;
+        let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(
+            diff <= 1e-5 * scale,
+            "max difference {diff} against {scale}"
+        );
+        Ok(())
+    }
 
     #[test]
     fn matches_candle_silu_times_up() -> Result<()> {

@@ -66,6 +66,19 @@ impl AttnMeta {
         Ok(())
     }
 
+    /// The same batch attended with another sliding window (Gemma 3's global layers among its
+    /// sliding ones), sharing the device copy of the tables where there is one.
+    pub fn with_window(&self, window: Option<usize>) -> AttnMeta {
+        let meta = AttnMeta {
+            sliding_window: window,
+            ..self.clone()
+        };
+        if let Some(t) = self.device_tables.packed.get() {
+            meta.device_tables.preset(t.clone());
+        }
+        meta
+    }
+
     /// First position a token at `pos` may attend to.
     #[inline]
     pub(crate) fn window_start(&self, pos: usize) -> usize {

@@ -51,8 +51,9 @@ pub enum CacheWriter {
 impl CacheWriter {
     /// `positions` and `slots`: `[tokens]` u32 on the model's device.
     pub fn new(positions: &Tensor, slots: &Tensor, rope: &Rope, kv_dim: usize) -> Result<Self> {
+        // The fused kernel rotates whole heads; partial rotary embeddings take candle's ops.
         #[cfg(feature = "cuda")]
-        if slots.device().is_cuda() {
+        if slots.device().is_cuda() && !rope.is_partial() {
             return Ok(Self::Fused {
                 rope: rope.clone(),
                 positions: positions.clone(),
@@ -161,7 +162,7 @@ pub(crate) mod cpu {
         ) -> Result<Tensor> {
             let (n, width) = qkv.dims2()?;
             let (q_dim, kv_dim) = (heads.q_dim(), heads.kv_dim());
-            if width != q_dim + 2 * kv_dim || heads.head_dim != 2 * self.half {
+            if width != q_dim + 2 * kv_dim || heads.head_dim < 2 * self.half {
                 candle_core::bail!("rope/cache write: qkv rows of {width} do not hold {heads:?}");
             }
             if n != self.slots.len() {
@@ -187,10 +188,14 @@ pub(crate) mod cpu {
             qkv.apply_op1_no_bwd(&Queries { step: self, heads })
         }
 
-        /// Rotates `x` (one head) by token `t`'s position, handing each output to `out`.
+        /// Rotates `x` (one head) by token `t`'s position, handing each output to `out`; past the
+        /// tables' `2 · half` dimensions (partial rotary embeddings) values pass as they are.
         #[inline(always)]
         fn rotate(&self, t: usize, x: &[f32], mut out: impl FnMut(usize, f32)) {
             let h = self.half;
+            for (i, &v) in x.iter().enumerate().skip(2 * h) {
+                out(i, v);
+            }
             let (cos, sin) = (&self.cos[t * h..][..h], &self.sin[t * h..][..h]);
             for i in 0..h {
                 let (a, b) = match self.style {
@@ -320,7 +325,8 @@ pub(crate) mod cpu {
         proptest! {
             #![proptest_config(ProptestConfig::with_cases(32))]
             /// The CPU passes give bitwise candle's ops' queries and pools: both RoPE pairings,
-            /// grouped heads, every cache type, slots in any order.
+            /// whole or partial rotation (half of each head), grouped heads, every cache type,
+            /// slots in any order.
             #[test]
             fn cpu_write_matches_candles_ops(
                 tokens in 1usize..12,
@@ -328,15 +334,19 @@ pub(crate) mod cpu {
                 group in 1usize..4,
                 head_dim in prop::sample::select(vec![2usize, 8, 64]),
                 interleaved in any::<bool>(),
+                partial in any::<bool>(),
                 dtype in prop::sample::select(vec![DType::F32, DType::F16, DType::BF16]),
                 seed in any::<u64>(),
             ) {
                 let dev = Device::Cpu;
                 let heads = Heads { num_heads: kv_heads * group, num_kv_heads: kv_heads, head_dim };
-                let (max_len, half) = (64, head_dim / 2);
+                let partial = partial && head_dim >= 4;
+                let half = if partial { head_dim / 4 } else { head_dim / 2 };
+                let max_len = 64;
                 let style = if interleaved { RopeStyle::Interleaved } else { RopeStyle::Half };
                 let table = |s| Tensor::from_vec(values(max_len * half, s, 1.0), (max_len, half), &dev);
-                let rope = Rope::from_tables(table(seed)?, table(seed ^ 1)?, style);
+                let rope = Rope::from_tables(table(seed)?, table(seed ^ 1)?, style).for_heads(head_dim);
+                prop_assert_eq!(rope.is_partial(), partial);
                 let width = heads.q_dim() + 2 * heads.kv_dim();
                 let qkv = Tensor::from_vec(values(tokens * width, seed ^ 2, 3.0), (tokens, width), &dev)?;
                 let positions: Vec<u32> = (0..tokens).map(|t| ((t * 7 + seed as usize) % max_len) as u32).collect();

@@ -2,9 +2,11 @@
 
 use super::ModelError;
 
-/// Model families we run. All share the Llama block (RMSNorm, GQA attention with RoPE, SwiGLU);
-/// they differ in attention biases, RoPE layout, sliding windows, per-head q/k norms (Qwen3)
-/// and whether the FFN is a mixture of experts ([`Moe`]; Mixtral is a Llama with one).
+/// Model families we run. All share the Llama block (RMSNorm, GQA attention with RoPE, a gated
+/// FFN); they differ in attention biases, RoPE layout, sliding windows, per-head q/k norms
+/// (Qwen3, Gemma 3), whether the FFN is a mixture of experts ([`Moe`]; Mixtral is a Llama with
+/// one), and Gemma 3's extras (norms after each block, GeGLU, a scaled embedding, local and
+/// global layers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
@@ -16,10 +18,13 @@ pub enum Arch {
     Qwen2Moe,
     /// Phi-3 and Phi-3.5: Q/K/V and gate/up stored fused, LongRoPE scaling.
     Phi3,
+    /// Gemma 3 (text): q/k norms, norms after attention and after the FFN as well as before,
+    /// GeGLU, the embedding scaled by `sqrt(hidden)`, five sliding-window layers to one global.
+    Gemma3,
 }
 
 impl Arch {
-    const ALL: [Arch; 7] = [
+    const ALL: [Arch; 8] = [
         Arch::Llama,
         Arch::Mistral,
         Arch::Qwen2,
@@ -27,6 +32,7 @@ impl Arch {
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
         Arch::Phi3,
+        Arch::Gemma3,
     ];
 
     /// The family of a GGUF's `general.architecture`.
@@ -48,9 +54,9 @@ impl Arch {
         matches!(self, Arch::Qwen2 | Arch::Qwen2Moe)
     }
 
-    /// RMS norms over each head of q and of k (Qwen3, Qwen3-MoE).
+    /// RMS norms over each head of q and of k (Qwen3, Qwen3-MoE, Gemma 3).
     pub fn qk_norm(self) -> bool {
-        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe)
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3)
     }
 
     /// Checkpoints store Q/K/V as one `attn_qkv` and gate/up as one `ffn_up` of twice the
@@ -69,6 +75,68 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Qwen2Moe => "qwen2moe",
             Arch::Phi3 => "phi3",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+
+    /// Whether a sliding window in the checkpoint is applied. Not Phi-3's: llama.cpp, our
+    /// reference, runs Phi-3 over the whole context (its Phi window is disabled,
+    /// ggml-org/llama.cpp#13676), and so do we, from either form.
+    pub fn uses_sliding_window(self) -> bool {
+        self != Arch::Phi3
+    }
+
+    /// The FFN's gate activation: GeGLU in Gemma, SwiGLU elsewhere.
+    pub fn activation(self) -> Activation {
+        match self {
+            Arch::Gemma3 => Activation::GeluTanh,
+            _ => Activation::Silu,
+        }
+    }
+
+    /// What token embeddings are multiplied by on the way in: `sqrt(hidden)` in Gemma.
+    pub fn embedding_scale(self, hidden: usize) -> Option<f32> {
+        (self == Arch::Gemma3).then(|| (hidden as f32).sqrt())
+    }
+
+    /// What a Hugging Face checkpoint's norm weights are short of: Gemma's norms multiply by
+    /// `1 + weight` (llama.cpp's converter stores the sum in GGUF files).
+    pub fn hf_norm_offset(self) -> f32 {
+        if self == Arch::Gemma3 { 1.0 } else { 0.0 }
+    }
+
+    /// Norms of the attention's and the FFN's outputs as well as of their inputs (Gemma).
+    pub fn post_norms(self) -> bool {
+        self == Arch::Gemma3
+    }
+}
+
+/// The gate's activation of a gated FFN: `act(gate) · up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// SwiGLU (Llama and most families).
+    #[default]
+    Silu,
+    /// GeGLU with GELU's tanh approximation (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// Which layers attend within [`ModelConfig::sliding_window`], and how their RoPE differs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalLayers {
+    /// Per layer: it attends within the window (the others see the whole context).
+    pub sliding: Vec<bool>,
+    /// The sliding layers' RoPE base, unscaled (Gemma 3's `rope_local_base_freq`); `None`: the
+    /// same RoPE as the global layers.
+    pub rope_theta: Option<f32>,
+}
+
+impl LocalLayers {
+    /// Every `period`-th layer global, the rest sliding (Gemma 3: 6, layers 5, 11, ... global).
+    pub fn every(period: usize, layers: usize, rope_theta: Option<f32>) -> Self {
+        Self {
+            sliding: (0..layers).map(|i| (i + 1) % period.max(1) != 0).collect(),
+            rope_theta,
         }
     }
 }
@@ -134,6 +202,9 @@ pub struct ModelConfig {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Dimensions of each head RoPE rotates, the first ones: `head_dim`, or fewer with partial
+    /// rotary embeddings (Phi-4-mini: three quarters).
+    pub rotary_dim: usize,
     pub vocab_size: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f32,
@@ -141,12 +212,24 @@ pub struct ModelConfig {
     pub rope_style: RopeStyle,
     pub max_position_embeddings: usize,
     pub sliding_window: Option<usize>,
+    /// With a sliding window, the layers that use it (`None`: every layer, as Mistral).
+    pub local_layers: Option<LocalLayers>,
     pub attention_bias: bool,
     /// RMS norms over each head of q and of k, before RoPE (Qwen3).
     pub qk_norm: bool,
     /// The FFN is a mixture of experts (`intermediate_size` is then unused).
     pub moe: Option<Moe>,
     pub tie_word_embeddings: bool,
+    pub activation: Activation,
+    /// Token embeddings are multiplied by this on the way in (Gemma: `sqrt(hidden)`).
+    pub embedding_scale: Option<f32>,
+    /// RMS norms of the attention's and the FFN's outputs before each residual add (Gemma).
+    pub post_norms: bool,
+    /// The attention scores' scale; `None`: `1 / sqrt(head_dim)` (Gemma's
+    /// `query_pre_attn_scalar` sets another).
+    pub attention_scale: Option<f32>,
+    /// Logits become `cap · tanh(logits / cap)` (Gemma's `final_logit_softcapping`).
+    pub final_logit_softcap: Option<f32>,
 }
 
 impl From<&ModelConfig> for crate::kv::KvShape {
@@ -190,6 +273,15 @@ impl ModelConfig {
                 self.head_dim
             ));
         }
+        if self.rotary_dim == 0
+            || !self.rotary_dim.is_multiple_of(2)
+            || self.rotary_dim > self.head_dim
+        {
+            return bad(format!(
+                "rotary dimensions ({}) must be even and between 2 and head_dim ({})",
+                self.rotary_dim, self.head_dim
+            ));
+        }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return bad(format!("rope_theta ({}) must be positive", self.rope_theta));
         }
@@ -204,17 +296,45 @@ impl ModelConfig {
                 ));
             }
         }
+        if let Some(local) = &self.local_layers
+            && local.sliding.len() != self.num_layers
+        {
+            return bad(format!(
+                "{} layers are marked sliding or global, the model has {}",
+                local.sliding.len(),
+                self.num_layers
+            ));
+        }
+        if self.sliding_window == Some(0) {
+            return bad("sliding_window must be positive".into());
+        }
+        let positive_reals = [
+            ("embedding scale", self.embedding_scale),
+            ("attention scale", self.attention_scale),
+            ("final logit soft-cap", self.final_logit_softcap),
+            (
+                "local RoPE base",
+                self.local_layers.as_ref().and_then(|l| l.rope_theta),
+            ),
+        ];
+        for (name, v) in positive_reals {
+            if let Some(v) = v
+                && !(v.is_finite() && v > 0.0)
+            {
+                return bad(format!("{name} ({v}) must be positive"));
+            }
+        }
         let factor_lists: Vec<&Vec<f32>> = match &self.rope_scaling {
             RopeScaling::FreqFactors(f) => vec![f],
             RopeScaling::LongRope { short, long, .. } => vec![short, long],
             _ => Vec::new(),
         };
         for f in factor_lists {
-            if f.len() != self.head_dim / 2 {
+            if f.len() != self.rotary_dim / 2 {
                 return bad(format!(
-                    "rope frequency factors have {} entries, expected head_dim/2 = {}",
+                    "rope frequency factors have {} entries, expected rotary dimensions / 2 = {}",
                     f.len(),
-                    self.head_dim / 2
+                    self.rotary_dim / 2
                 ));
             }
             if f.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
@@ -230,5 +350,14 @@ impl ModelConfig {
 
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+
+    /// Layer `l` attends within [`Self::sliding_window`] (when there is one).
+    pub fn is_sliding(&self, l: usize) -> bool {
+        self.sliding_window.is_some()
+            && self
+                .local_layers
+                .as_ref()
+                .is_none_or(|local| local.sliding.get(l).copied().unwrap_or(false))
     }
 }

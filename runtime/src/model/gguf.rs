@@ -10,7 +10,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::quantized::gguf_file::{self, Content, Value};
 
 use super::ModelError;
-use super::config::{Arch, ModelConfig, RopeScaling};
+use super::config::{Arch, LocalLayers, ModelConfig, RopeScaling};
 use super::weights::{Checkpoint, RawWeight, WeightSource};
 
 /// An open GGUF file: parsed header plus a reader for tensor data.
@@ -137,25 +137,34 @@ impl GgufFile {
                 _ => return Err(ModelError::MissingMetadata(k("vocab_size"))),
             },
         };
-        if let Some(rotary) = self.opt_usize(&k("rope.dimension_count"))?
-            && rotary != head_dim
-        {
-            return Err(ModelError::Unsupported(format!(
-                "partial rotary embeddings ({arch_name}.rope.dimension_count {rotary} of \
-                 head_dim {head_dim}, as in Phi-4-mini)"
-            )));
-        }
-        let rope_scaling = self.rope_scaling(&arch_name, head_dim)?;
+        // Fewer rotated dimensions than the head has: partial rotary embeddings (Phi-4-mini).
+        let rotary_dim = self
+            .opt_usize(&k("rope.dimension_count"))?
+            .unwrap_or(head_dim);
+        let rope_scaling = self.rope_scaling(&arch_name, rotary_dim)?;
         let intermediate_size = self.usize(&k("feed_forward_length"))?;
         let moe = self.moe(&arch_name, arch, intermediate_size)?;
+        let num_layers = self.usize(&k("block_count"))?;
+        if self
+            .opt_f32(&k("attn_logit_softcapping"))?
+            .is_some_and(|c| c > 0.0)
+        {
+            return Err(ModelError::Unsupported(format!(
+                "{arch_name}: attention logit soft-capping"
+            )));
+        }
+        let sliding_window = self
+            .opt_usize(&k("attention.sliding_window"))?
+            .filter(|&w| w > 0 && arch.uses_sliding_window());
         let cfg = ModelConfig {
             arch,
             hidden_size,
             intermediate_size,
-            num_layers: self.usize(&k("block_count"))?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
+            rotary_dim,
             vocab_size,
             rms_norm_eps: self
                 .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
@@ -164,11 +173,21 @@ impl GgufFile {
             rope_scaling,
             rope_style: arch.gguf_rope_style(),
             max_position_embeddings: self.opt_usize(&k("context_length"))?.unwrap_or(4096),
-            sliding_window: self.opt_usize(&k("attention.sliding_window"))?,
+            sliding_window,
+            // llama.cpp's Gemma 3: every sixth layer global, the others at RoPE base 10000.
+            local_layers: (arch == Arch::Gemma3 && sliding_window.is_some())
+                .then(|| LocalLayers::every(6, num_layers, Some(10_000.0))),
             attention_bias: arch.attention_bias() && self.has_tensor("blk.0.attn_q.bias"),
             qk_norm: arch.qk_norm(),
             moe,
             tie_word_embeddings: !self.has_tensor("output.weight"),
+            activation: arch.activation(),
+            embedding_scale: arch.embedding_scale(hidden_size),
+            post_norms: arch.post_norms(),
+            attention_scale: gemma_attention_scale(arch, num_layers, hidden_size, num_heads),
+            final_logit_softcap: self
+                .opt_f32(&k("final_logit_softcapping"))?
+                .filter(|&c| c > 0.0),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -221,8 +240,8 @@ impl GgufFile {
         }))
     }
 
-    /// A 1-D F32 table of `head_dim / 2` rope factors.
-    fn rope_factors(&mut self, name: &str, head_dim: usize) -> Result<Vec<f32>, ModelError> {
+    /// A 1-D F32 table of `rotary_dim / 2` rope factors.
+    fn rope_factors(&mut self, name: &str, rotary_dim: usize) -> Result<Vec<f32>, ModelError> {
         let t = self
             .take(name)?
             .ok_or_else(|| ModelError::MissingTensor(name.into()))?;
@@ -231,20 +250,20 @@ impl GgufFile {
             RawWeight::Dense(t) => t,
         };
         let factors = factors.flatten_all()?.to_vec1::<f32>()?;
-        if factors.len() != head_dim / 2 {
+        if factors.len() != rotary_dim / 2 {
             return Err(ModelError::ShapeMismatch {
                 tensor: name.into(),
-                expected: vec![head_dim / 2],
+                expected: vec![rotary_dim / 2],
                 got: vec![factors.len()],
             });
         }
         Ok(factors)
     }
 
-    fn rope_scaling(&mut self, arch: &str, head_dim: usize) -> Result<RopeScaling, ModelError> {
+    fn rope_scaling(&mut self, arch: &str, rotary_dim: usize) -> Result<RopeScaling, ModelError> {
         if self.has_tensor("rope_factors_long.weight") {
-            let long = self.rope_factors("rope_factors_long.weight", head_dim)?;
-            let short = self.rope_factors("rope_factors_short.weight", head_dim)?;
+            let long = self.rope_factors("rope_factors_long.weight", rotary_dim)?;
+            let short = self.rope_factors("rope_factors_short.weight", rotary_dim)?;
             let k = |s: &str| format!("{arch}.{s}");
             let original_max_position =
                 match self.opt_usize(&k("rope.scaling.original_context_length"))? {
@@ -260,7 +279,7 @@ impl GgufFile {
             });
         }
         if self.has_tensor("rope_freqs.weight") {
-            let factors = self.rope_factors("rope_freqs.weight", head_dim)?;
+            let factors = self.rope_factors("rope_freqs.weight", rotary_dim)?;
             return Ok(RopeScaling::FreqFactors(factors));
         }
         let ty = self
@@ -294,6 +313,13 @@ impl WeightSource for GgufFile {
             })?;
         Ok(Some(RawWeight::Quantized(Box::new(q))))
     }
+}
+
+/// A GGUF does not carry Gemma's `query_pre_attn_scalar`: as llama.cpp does, Gemma 3 27B (62
+/// layers) scales queries by `1 / sqrt(hidden / heads)`, every other size by `1 / sqrt(head_dim)`.
+fn gemma_attention_scale(arch: Arch, layers: usize, hidden: usize, heads: usize) -> Option<f32> {
+    (arch == Arch::Gemma3 && layers == 62 && heads > 0)
+        .then(|| 1.0 / ((hidden / heads) as f32).sqrt())
 }
 
 fn value_usize(v: &Value) -> Option<usize> {

@@ -7,7 +7,7 @@ use super::attention::{AttentionBackend, AttnMeta, paged_attention};
 use super::cache_write::{CacheWriter, Heads};
 use super::config::ModelConfig;
 use super::lora::{LoraStep, Proj};
-use super::norm::residual_norm;
+use super::norm::{residual_norm, rms_norm};
 use super::rope::Rope;
 pub use super::step::SeqInput;
 use super::step::{PackedStep, StepTensors};
@@ -20,6 +20,8 @@ pub struct LlamaModel {
     cfg: ModelConfig,
     weights: LlamaWeights,
     rope: Rope,
+    /// The sliding layers' own RoPE, where it differs from the global layers' (Gemma 3).
+    local_rope: Option<Rope>,
     max_len: usize,
     device: Device,
     attention: AttentionBackend,
@@ -52,10 +54,22 @@ impl LlamaModel {
         device: &Device,
     ) -> Result<Self, ModelError> {
         let rope = Rope::new(&cfg, max_len, device)?;
+        let local_rope = match cfg.local_layers.as_ref().and_then(|l| l.rope_theta) {
+            Some(theta) => {
+                let local = ModelConfig {
+                    rope_theta: theta,
+                    rope_scaling: super::config::RopeScaling::None,
+                    ..cfg.clone()
+                };
+                Some(Rope::new(&local, max_len, device)?)
+            }
+            None => None,
+        };
         Ok(Self {
             cfg,
             weights,
             rope,
+            local_rope,
             max_len,
             device: device.clone(),
             attention: AttentionBackend::default(),
@@ -284,15 +298,35 @@ impl LlamaModel {
             head_dim: cfg.head_dim,
         };
         let writer = CacheWriter::new(&step.positions, &step.slots, &self.rope, cfg.kv_dim())?;
+        // Gemma 3's sliding layers rotate by their own RoPE; its global ones attend without the
+        // window.
+        let local_writer = match &self.local_rope {
+            Some(rope) => Some(CacheWriter::new(
+                &step.positions,
+                &step.slots,
+                rope,
+                cfg.kv_dim(),
+            )?),
+            None => None,
+        };
+        let global_meta = cfg.local_layers.is_some().then(|| meta.with_window(None));
         let eps = cfg.rms_norm_eps as f32;
 
         let layers = &self.weights.layers;
+        let mut embedded = self.weights.embed.lookup(&step.ids)?;
+        if let Some(scale) = cfg.embedding_scale {
+            embedded = (embedded * f64::from(scale))?;
+        }
         // Each residual add comes with the norm of the next block's input (the final norm
         // after the last layer), in one op.
         let first = layers.first().map_or(&self.weights.norm, |w| &w.attn_norm);
-        let (mut x, mut h) =
-            residual_norm(&self.weights.embed.lookup(&step.ids)?, None, first, eps)?;
+        let (mut x, mut h) = residual_norm(&embedded, None, first, eps)?;
         for (l, w) in layers.iter().enumerate() {
+            let (writer, meta) = if cfg.is_sliding(l) {
+                (local_writer.as_ref().unwrap_or(&writer), meta)
+            } else {
+                (&writer, global_meta.as_ref().unwrap_or(meta))
+            };
             let mut qkv = lora.apply(l, Proj::Qkv, &h, w.qkv.forward(&h)?)?;
             if let Some((q_norm, k_norm)) = &w.qk_norm {
                 qkv = super::norm::qk_norm(&qkv, heads, q_norm, k_norm, eps)?;
@@ -300,12 +334,16 @@ impl LlamaModel {
             let (kc, vc) = cache.layer(l);
             let q = writer.write(&qkv, heads, kc, vc)?;
             let attn = paged_attention(&q, kc, vc, meta, self.attention)?;
-            let o = lora.apply(l, Proj::O, &attn, w.o.forward(&attn)?)?;
+            let mut o = lora.apply(l, Proj::O, &attn, w.o.forward(&attn)?)?;
+            if let Some((after_attn, _)) = &w.post_norms {
+                o = rms_norm(&o, after_attn, eps)?;
+            }
             (x, h) = residual_norm(&x, Some(&o), &w.ffn_norm, eps)?;
-            let ffn = match &w.ffn {
+            let mut ffn = match &w.ffn {
                 Ffn::Dense { gate_up, down } => {
                     let gate_up = lora.apply(l, Proj::GateUp, &h, gate_up.forward(&h)?)?;
-                    let act = super::activation::swiglu(&gate_up, cfg.intermediate_size)?;
+                    let act =
+                        super::activation::gated(&gate_up, cfg.intermediate_size, cfg.activation)?;
                     lora.apply(l, Proj::Down, &act, down.forward(&act)?)?
                 }
                 Ffn::Experts(experts) => match &cfg.moe {
@@ -317,6 +355,9 @@ impl LlamaModel {
                     }
                 },
             };
+            if let Some((_, after_ffn)) = &w.post_norms {
+                ffn = rms_norm(&ffn, after_ffn, eps)?;
+            }
             let next = layers
                 .get(l + 1)
                 .map_or(&self.weights.norm, |n| &n.attn_norm);
@@ -327,7 +368,15 @@ impl LlamaModel {
 
     /// The output head: `[rows, vocab]` f32 logits of final-normed hidden states `h`.
     fn head(&self, h: &Tensor) -> Result<Tensor, ModelError> {
-        Ok(self.weights.lm_head.forward(h)?.to_dtype(DType::F32)?)
+        let logits = self.weights.lm_head.forward(h)?.to_dtype(DType::F32)?;
+        match self.cfg.final_logit_softcap {
+            // `cap · tanh(logits / cap)`.
+            Some(cap) => {
+                let cap = f64::from(cap);
+                Ok(((logits / cap)?.tanh()? * cap)?)
+            }
+            None => Ok(logits),
+        }
     }
 }
 

@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
-pub use config::{Arch, ModelConfig, Moe, RopeScaling, RopeStyle};
+pub use config::{Activation, Arch, LocalLayers, ModelConfig, Moe, RopeScaling, RopeStyle};
 pub use llama::{LlamaModel, SeqInput};
 pub use tokenizer::Tokenizer;
 pub use weights::{Checkpoint, LlamaWeights, RawWeight, WeightMode, WeightSource};
@@ -47,7 +47,7 @@ pub enum ModelError {
     #[error("{path}: {reason}")]
     Corrupt { path: PathBuf, reason: String },
     #[error(
-        "unsupported model architecture '{0}' (supported: llama, mistral, mixtral, phi3, qwen2, qwen2moe, qwen3, qwen3moe)"
+        "unsupported model architecture '{0}' (supported: gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2moe, qwen3, qwen3moe)"
     )]
     UnsupportedArchitecture(String),
     #[error("unsupported: {0}")]
@@ -187,6 +187,7 @@ fn load_hf_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel, ModelError
     let hf = safetensors::HfConfig::read(dir)?;
     let mut src = safetensors::SafetensorsDir::open(dir, &opts.device)?;
     let cfg = hf.to_model_config(src.has_lm_head())?;
+    src.set_norm_offset(cfg.arch.hf_norm_offset());
     let eos = hf
         .eos_token_id
         .as_ref()

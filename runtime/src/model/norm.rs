@@ -42,6 +42,11 @@ pub fn residual_norm(
     }
 }
 
+/// `rms_norm(x) · w` of `[rows, hidden]` states (Gemma's norms of a block's output).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+    Ok(residual_norm(x, None, w, eps)?.1)
+}
+
 /// Qwen3's per-head RMS norms of a fused `[tokens, q_dim + 2 * kv_dim]` projection: each head
 /// of q normed with `q_w`, each head of k with `k_w` (`[head_dim]` each), v as it is.
 pub fn qk_norm(

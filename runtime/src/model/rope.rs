@@ -11,12 +11,15 @@ pub struct Rope {
     cos: Tensor,
     sin: Tensor,
     style: RopeStyle,
+    /// The heads' size: past the tables' `2 · half` dimensions (partial rotary embeddings,
+    /// Phi-4-mini) the rest of each head passes through unrotated.
+    head_dim: usize,
 }
 
 /// Inverse frequencies after scaling, for a model served with contexts up to `max_len`; public
 /// for tests against closed-form values.
 pub fn inv_freqs(cfg: &ModelConfig, max_len: usize) -> Vec<f32> {
-    let d = cfg.head_dim;
+    let d = cfg.rotary_dim;
     let base: Vec<f32> = (0..d / 2)
         .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / d as f32))
         .collect();
@@ -66,7 +69,7 @@ fn divide(freqs: &[f32], factors: &[f32]) -> Vec<f32> {
 impl Rope {
     pub fn new(cfg: &ModelConfig, max_len: usize, device: &Device) -> Result<Self> {
         let inv = inv_freqs(cfg, max_len);
-        let inv = Tensor::from_vec(inv, (1, cfg.head_dim / 2), device)?;
+        let inv = Tensor::from_vec(inv, (1, cfg.rotary_dim / 2), device)?;
         let pos = Tensor::arange(0u32, max_len as u32, device)?
             .to_dtype(DType::F32)?
             .reshape((max_len, 1))?;
@@ -83,12 +86,29 @@ impl Rope {
             cos,
             sin,
             style: cfg.rope_style,
+            head_dim: cfg.head_dim,
         })
     }
 
     /// Tables made elsewhere (`[positions, head_dim / 2]` each; tests of the fused kernel).
     pub fn from_tables(cos: Tensor, sin: Tensor, style: RopeStyle) -> Self {
-        Self { cos, sin, style }
+        let head_dim = 2 * cos.dim(1).unwrap_or(0);
+        Self {
+            cos,
+            sin,
+            style,
+            head_dim,
+        }
+    }
+
+    /// The same tables for heads of `head_dim`, of which they rotate the first `2 · half`.
+    pub fn for_heads(self, head_dim: usize) -> Self {
+        Self { head_dim, ..self }
+    }
+
+    /// Only part of each head is rotated.
+    pub fn is_partial(&self) -> bool {
+        self.cos.dim(1).is_ok_and(|half| 2 * half != self.head_dim)
     }
 
     /// `[positions, head_dim / 2]`: the cosine of each position's angle for each pair.
@@ -137,9 +157,15 @@ impl RopeAt {
         &self.sin
     }
 
-    /// Rotates `x` of shape `[tokens, heads, head_dim]`, token `i` by the `i`-th position.
+    /// Rotates `x` of shape `[tokens, heads, head_dim]`, token `i` by the `i`-th position: the
+    /// first `2 · half` dimensions of each head, the rest as they are.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let (t, h, d) = x.dims3()?;
+        let rotary = 2 * self.cos.dim(2)?;
+        if rotary < d {
+            let rotated = self.apply(&x.narrow(2, 0, rotary)?)?;
+            return Tensor::cat(&[&rotated, &x.narrow(2, rotary, d - rotary)?], 2);
+        }
         let x = x.reshape((t, h, 1, d))?.contiguous()?;
         let y = match self.style {
             RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &self.cos, &self.sin)?,

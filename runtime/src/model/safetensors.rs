@@ -7,7 +7,7 @@ use candle_core::{Device, Tensor};
 use serde::Deserialize;
 
 use super::ModelError;
-use super::config::{Arch, ModelConfig, RopeScaling, RopeStyle};
+use super::config::{Activation, Arch, LocalLayers, ModelConfig, RopeScaling, RopeStyle};
 use super::weights::{RawWeight, WeightSource};
 
 #[derive(Debug, Deserialize)]
@@ -59,11 +59,25 @@ pub struct HfConfig {
     max_position_embeddings: Option<usize>,
     /// Phi-3 keeps LongRoPE's original context here, not in `rope_scaling`.
     original_max_position_embeddings: Option<usize>,
-    /// Below 1 (Phi-4-mini), only part of each head is rotated: refused by name.
+    /// Below 1 (Phi-4-mini), only this share of each head is rotated.
     partial_rotary_factor: Option<f32>,
     sliding_window: Option<usize>,
     #[serde(default)]
     use_sliding_window: Option<bool>,
+    /// Gemma 3: every n-th layer global (default 6), unless `layer_types` lists each layer's
+    /// `sliding_attention` or `full_attention`.
+    sliding_window_pattern: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    /// Gemma 3's RoPE base for its sliding layers (default 10000).
+    rope_local_base_freq: Option<f32>,
+    /// Gemma: attention scores scaled by `1 / sqrt(query_pre_attn_scalar)`.
+    query_pre_attn_scalar: Option<f32>,
+    final_logit_softcapping: Option<f32>,
+    /// Gemma 2's soft-capped attention scores: refused by name.
+    attn_logit_softcapping: Option<f32>,
+    /// `silu` in most families; Gemma calls it `hidden_activation`.
+    #[serde(alias = "hidden_activation")]
+    hidden_act: Option<String>,
     attention_bias: Option<bool>,
     tie_word_embeddings: Option<bool>,
     /// Qwen3-MoE's expert count; Mixtral calls it `num_local_experts`.
@@ -108,21 +122,32 @@ impl HfConfig {
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Arch::Qwen3Moe,
             "MixtralForCausalLM" | "mixtral" => Arch::Mistral,
             "Phi3ForCausalLM" | "phi3" => Arch::Phi3,
+            "Gemma3ForCausalLM" | "gemma3_text" => Arch::Gemma3,
+            "Gemma3ForConditionalGeneration" | "gemma3" => {
+                return Err(ModelError::Unsupported(format!(
+                    "{name}: Gemma 3's multimodal checkpoints (serve the text model as a GGUF, \
+                     or as a Gemma3ForCausalLM folder)"
+                )));
+            }
             other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
         };
-        let moe = self.moe(&name, arch)?;
-        if let Some(f) = self.partial_rotary_factor
-            && f < 1.0
-        {
+        if self.attn_logit_softcapping.is_some_and(|c| c > 0.0) {
             return Err(ModelError::Unsupported(format!(
-                "partial rotary embeddings (partial_rotary_factor {f}, as in Phi-4-mini)"
+                "{name}: attention logit soft-capping (attn_logit_softcapping)"
             )));
         }
+        self.check_activation(&name, arch)?;
+        let moe = self.moe(&name, arch)?;
         let head_dim = self.head_dim.unwrap_or_else(|| {
             self.hidden_size
                 .checked_div(self.num_attention_heads)
                 .unwrap_or(0)
         });
+        // As Transformers: the rotated share of each head, rounded down.
+        let rotary_dim = match self.partial_rotary_factor {
+            Some(f) if (0.0..1.0).contains(&f) => (head_dim as f32 * f) as usize,
+            _ => head_dim,
+        };
         let rope_scaling = match &self.rope_scaling {
             None => RopeScaling::None,
             Some(s) => match (s.rope_type.as_deref(), s.factor) {
@@ -144,7 +169,12 @@ impl HfConfig {
         };
         let sliding_window = match arch {
             Arch::Qwen2 if self.use_sliding_window != Some(true) => None,
-            _ => self.sliding_window,
+            _ if !arch.uses_sliding_window() => None,
+            _ => self.sliding_window.filter(|&w| w > 0),
+        };
+        let local_layers = match arch {
+            Arch::Gemma3 if sliding_window.is_some() => Some(self.gemma_local_layers()?),
+            _ => None,
         };
         let cfg = ModelConfig {
             arch,
@@ -154,6 +184,7 @@ impl HfConfig {
             num_heads: self.num_attention_heads,
             num_kv_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
             head_dim,
+            rotary_dim,
             vocab_size: self.vocab_size,
             rms_norm_eps: self.rms_norm_eps.unwrap_or(1e-6),
             rope_theta: self.rope_theta.unwrap_or(10_000.0),
@@ -161,10 +192,16 @@ impl HfConfig {
             rope_style: RopeStyle::Half,
             max_position_embeddings: self.max_position_embeddings.unwrap_or(4096),
             sliding_window,
+            local_layers,
             attention_bias: self.attention_bias.unwrap_or(arch.attention_bias()),
             qk_norm: arch.qk_norm(),
             moe,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false) || !has_lm_head,
+            activation: arch.activation(),
+            embedding_scale: arch.embedding_scale(self.hidden_size),
+            post_norms: arch.post_norms(),
+            attention_scale: self.query_pre_attn_scalar.map(|s| 1.0 / s.sqrt()),
+            final_logit_softcap: self.final_logit_softcapping.filter(|&c| c > 0.0),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -172,6 +209,52 @@ impl HfConfig {
 }
 
 impl HfConfig {
+    /// Refuses a config whose FFN activation is not the one its family's code runs.
+    fn check_activation(&self, name: &str, arch: Arch) -> Result<(), ModelError> {
+        let Some(act) = self.hidden_act.as_deref() else {
+            return Ok(());
+        };
+        let matches = match arch.activation() {
+            Activation::Silu => matches!(act, "silu" | "swish"),
+            Activation::GeluTanh => matches!(act, "gelu_pytorch_tanh" | "gelu_tanh"),
+        };
+        if matches {
+            Ok(())
+        } else {
+            Err(ModelError::Unsupported(format!(
+                "{name} with activation '{act}'"
+            )))
+        }
+    }
+
+    /// Gemma 3's sliding and global layers: `layer_types` where the config lists them, else
+    /// every `sliding_window_pattern`-th layer (default 6) global.
+    fn gemma_local_layers(&self) -> Result<LocalLayers, ModelError> {
+        let rope_theta = Some(self.rope_local_base_freq.unwrap_or(10_000.0));
+        let Some(types) = &self.layer_types else {
+            let period = self.sliding_window_pattern.unwrap_or(6);
+            return Ok(LocalLayers::every(
+                period,
+                self.num_hidden_layers,
+                rope_theta,
+            ));
+        };
+        let sliding = types
+            .iter()
+            .map(|t| match t.as_str() {
+                "sliding_attention" => Ok(true),
+                "full_attention" => Ok(false),
+                other => Err(ModelError::Unsupported(format!(
+                    "layer type '{other}' in layer_types"
+                ))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(LocalLayers {
+            sliding,
+            rope_theta,
+        })
+    }
+
     /// Phi-3's LongRoPE. The cos/sin scale is the config's `attention_factor`, else
     /// `sqrt(1 + ln(s) / ln(original))` for `s` = max positions / original (1 when `s` <= 1),
     /// as Transformers and llama.cpp's converter compute it.
@@ -236,6 +319,8 @@ impl HfConfig {
 #[derive(Debug)]
 pub struct SafetensorsDir {
     tensors: HashMap<String, Tensor>,
+    /// Added to every norm's weights ([`Arch::hf_norm_offset`]).
+    norm_offset: f32,
 }
 
 impl SafetensorsDir {
@@ -264,7 +349,15 @@ impl SafetensorsDir {
                 })?;
             tensors.extend(t);
         }
-        Ok(Self { tensors })
+        Ok(Self {
+            tensors,
+            norm_offset: 0.0,
+        })
+    }
+
+    /// Serves norm weights plus `offset` (Gemma's `1 + weight`).
+    pub fn set_norm_offset(&mut self, offset: f32) {
+        self.norm_offset = offset;
     }
 
     pub fn has_lm_head(&self) -> bool {
@@ -290,7 +383,11 @@ pub fn hf_names(canonical: &str) -> Vec<String> {
     };
     let hf: &[&str] = match module {
         "attn_norm" => &["input_layernorm"],
-        "ffn_norm" => &["post_attention_layernorm"],
+        // Gemma's norm before the FFN is `pre_feedforward_layernorm`; its
+        // `post_attention_layernorm` norms the attention's output.
+        "ffn_norm" => &["pre_feedforward_layernorm", "post_attention_layernorm"],
+        "post_attention_norm" => &["post_attention_layernorm"],
+        "post_ffw_norm" => &["post_feedforward_layernorm"],
         "attn_q" => &["self_attn.q_proj"],
         "attn_k" => &["self_attn.k_proj"],
         "attn_v" => &["self_attn.v_proj"],
@@ -365,10 +462,17 @@ impl WeightSource for SafetensorsDir {
         if let Some(t) = self.stacked_experts(name)? {
             return Ok(Some(RawWeight::Dense(t)));
         }
-        Ok(hf_names(name)
+        let Some(t) = hf_names(name)
             .into_iter()
             .find_map(|hf| self.tensors.remove(&hf))
-            .map(RawWeight::Dense))
+        else {
+            return Ok(None);
+        };
+        if self.norm_offset != 0.0 && name.ends_with("norm.weight") {
+            let t = (t.to_dtype(candle_core::DType::F32)? + f64::from(self.norm_offset))?;
+            return Ok(Some(RawWeight::Dense(t)));
+        }
+        Ok(Some(RawWeight::Dense(t)))
     }
 }
 
@@ -449,9 +553,79 @@ mod tests {
         assert_eq!(short_freqs[1] / long_freqs[1], 2.0);
     }
 
+    fn gemma(arch: &str, extra: &str) -> Result<ModelConfig, ModelError> {
+        let text = format!(
+            r#"{{"architectures":["{arch}"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":8,"num_attention_heads":4,"num_key_value_heads":1,"head_dim":32,
+            "vocab_size":16,"sliding_window":512,"query_pre_attn_scalar":16,
+            "hidden_activation":"gelu_pytorch_tanh"{extra}}}"#
+        );
+        let hf: HfConfig = serde_json::from_str(&text).expect("config.json");
+        hf.to_model_config(false)
+    }
+
     #[test]
-    fn partial_rotary_embeddings_are_refused_by_name() {
-        let e = config(r#","partial_rotary_factor":0.75"#).expect_err("Phi-4-mini");
-        assert!(e.to_string().contains("partial rotary"), "{e}");
+    fn gemma3_reads_its_local_layers_scale_and_activation() {
+        let cfg = gemma("Gemma3ForCausalLM", "").expect("gemma3");
+        assert_eq!(cfg.arch, Arch::Gemma3);
+        assert_eq!(cfg.activation, Activation::GeluTanh);
+        assert_eq!(cfg.embedding_scale, Some(8.0));
+        assert!(cfg.post_norms && cfg.qk_norm && cfg.tie_word_embeddings);
+        assert_eq!(cfg.attention_scale, Some(0.25));
+        assert_eq!(cfg.sliding_window, Some(512));
+        // Every sixth layer global by default, the sliding ones at RoPE base 10000.
+        let sliding: Vec<bool> = (0..8).map(|l| cfg.is_sliding(l)).collect();
+        assert_eq!(sliding, [true, true, true, true, true, false, true, true]);
+        assert_eq!(
+            cfg.local_layers.as_ref().and_then(|l| l.rope_theta),
+            Some(10_000.0)
+        );
+        // `layer_types` wins over the pattern; the local base is the config's.
+        let types = r#","layer_types":["sliding_attention","full_attention","sliding_attention",
+            "full_attention","sliding_attention","sliding_attention","sliding_attention",
+            "full_attention"],"rope_local_base_freq":5000.0,"final_logit_softcapping":30.0"#;
+        let cfg = gemma("Gemma3ForCausalLM", types).expect("layer_types");
+        let sliding: Vec<bool> = (0..8).map(|l| cfg.is_sliding(l)).collect();
+        assert_eq!(sliding, [true, false, true, false, true, true, true, false]);
+        assert_eq!(
+            cfg.local_layers.as_ref().and_then(|l| l.rope_theta),
+            Some(5000.0)
+        );
+        assert_eq!(cfg.final_logit_softcap, Some(30.0));
+        // A list of the wrong length is refused, not read short.
+        let short = r#","layer_types":["sliding_attention","full_attention"]"#;
+        let e = gemma("Gemma3ForCausalLM", short).expect_err("two layer types of eight");
+        assert!(e.to_string().contains("layers"), "{e}");
+    }
+
+    #[test]
+    fn what_gemma_support_lacks_is_refused_by_name() {
+        let e = gemma("Gemma3ForConditionalGeneration", "").expect_err("multimodal");
+        assert!(e.to_string().contains("multimodal"), "{e}");
+        let e = gemma("Gemma3ForCausalLM", r#","attn_logit_softcapping":50.0"#)
+            .expect_err("Gemma 2's attention soft-cap");
+        assert!(e.to_string().contains("soft-capping"), "{e}");
+        let e = gemma("Gemma2ForCausalLM", "").expect_err("Gemma 2");
+        assert!(e.to_string().contains("Gemma2ForCausalLM"), "{e}");
+        // A family run with another activation than its code's is refused, not run wrong.
+        let e = config(r#","hidden_act":"gelu""#).expect_err("Phi-3 with GELU");
+        assert!(e.to_string().contains("activation 'gelu'"), "{e}");
+        config(r#","hidden_act":"silu""#).expect("Phi-3 with SiLU");
+    }
+
+    #[test]
+    fn partial_rotary_embeddings_rotate_a_share_of_each_head() {
+        let cfg = config(r#","partial_rotary_factor":0.75"#).expect("Phi-4-mini");
+        assert_eq!((cfg.head_dim, cfg.rotary_dim), (16, 12));
+        // Frequencies over the rotated dimensions, as Transformers and llama.cpp compute them.
+        let freqs = super::super::rope::inv_freqs(&cfg, 64);
+        assert_eq!(freqs.len(), 6);
+        assert!(
+            (freqs[1] - 10_000f32.powf(-2.0 / 12.0)).abs() < 1e-7,
+            "{freqs:?}"
+        );
+        // An odd share is refused, not rounded into a misread.
+        let e = config(r#","partial_rotary_factor":0.25,"head_dim":12"#).expect_err("3 of 12");
+        assert!(e.to_string().contains("rotary"), "{e}");
     }
 }

@@ -100,7 +100,9 @@ impl PackedStep {
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
             block_size,
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+            scale: cfg
+                .attention_scale
+                .unwrap_or(1.0 / (cfg.head_dim as f32).sqrt()),
             sliding_window: cfg.sliding_window,
             token_seq: self.data[self.token_seq()].to_vec(),
             token_pos: self.data[self.positions()].to_vec(),

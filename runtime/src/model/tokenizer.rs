@@ -31,6 +31,21 @@ pub struct Tokenizer {
     add_bos: bool,
 }
 
+/// Tokens that end a turn in the chat formats people run, whatever the checkpoint names as its
+/// EOS: llama.cpp stops on each of them too (Gemma's GGUFs name `<eos>` and rely on
+/// `<end_of_turn>` being found this way; Llama 3's `<|eot_id|>`, ChatML's `<|im_end|>`).
+const END_OF_TURN: [&str; 9] = [
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+];
+
 fn tok_err(e: impl std::fmt::Display) -> ModelError {
     ModelError::Tokenizer(e.to_string())
 }
@@ -47,7 +62,20 @@ impl Tokenizer {
             eos,
             // A tokenizer.json carries its own post-processor for BOS.
             add_bos: false,
-        })
+        }
+        .with_end_of_turn_tokens())
+    }
+
+    /// Adds the vocabulary's [`END_OF_TURN`] tokens to the ids that end generation.
+    fn with_end_of_turn_tokens(mut self) -> Self {
+        for text in END_OF_TURN {
+            if let Some(id) = self.inner.token_to_id(text)
+                && !self.eos.contains(&id)
+            {
+                self.eos.push(id);
+            }
+        }
+        self
     }
 
     /// Rebuilds the tokenizer described by GGUF `tokenizer.ggml.*` metadata.
@@ -106,7 +134,8 @@ impl Tokenizer {
             bos,
             eos,
             add_bos,
-        })
+        }
+        .with_end_of_turn_tokens())
     }
 
     /// Encodes text. Special-token strings in `text` (e.g. `<|im_start|>`) become their ids,

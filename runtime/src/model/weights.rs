@@ -343,6 +343,8 @@ pub struct LayerWeights {
     pub o: Linear,
     pub ffn_norm: Tensor,
     pub ffn: Ffn,
+    /// The weights of the norms of the attention's and the FFN's outputs (Gemma).
+    pub post_norms: Option<(Tensor, Tensor)>,
 }
 
 /// A layer's feed-forward network.
@@ -681,6 +683,12 @@ impl LlamaWeights {
             } else {
                 None
             };
+            let post_norms = if cfg.post_norms {
+                let attn = l.vector(&p("post_attention_norm.weight"), h)?;
+                Some((attn, l.vector(&p("post_ffw_norm.weight"), h)?))
+            } else {
+                None
+            };
             layers.push(LayerWeights {
                 attn_norm: l.vector(&p("attn_norm.weight"), h)?,
                 qkv,
@@ -688,6 +696,7 @@ impl LlamaWeights {
                 o: l.linear(&p("attn_output"), h, cfg.q_dim(), false)?,
                 ffn_norm: l.vector(&p("ffn_norm.weight"), h)?,
                 ffn: l.ffn(cfg, i)?,
+                post_norms,
             });
         }
         let norm = l.vector("output_norm.weight", h)?;

@@ -1,7 +1,7 @@
 //! The architectures that `scripts/gguf-variants.py` builds from the default model's weights
-//! (Qwen3's q/k norms, Qwen3-MoE's and Mixtral's experts, Phi-3's fused projections and LongRoPE), in their
-//! two forms: the Hugging Face folder must
-//! give the tokens the GGUF gives. (Each GGUF against llama.cpp is in
+//! (Qwen3's q/k norms, Qwen3-MoE's and Mixtral's experts, Phi-3's fused projections and
+//! LongRoPE, Gemma 3's norms, GeGLU and local layers), in their two forms: the Hugging Face
+//! folder must give the tokens the GGUF gives. (Each GGUF against llama.cpp is in
 //! `llama_server_agreement.rs`.)
 
 use std::path::PathBuf;
@@ -83,7 +83,7 @@ fn answers(m: &LoadedModel, tokens: usize) -> Vec<GreedySeq> {
 /// `archs`: what the GGUF and the folder read as (Mixtral's GGUF is a `llama` file with
 /// interleaved RoPE, its folder a Mistral with rotate-half RoPE: the same model).
 fn folder_matches_gguf(name: &str, archs: (Arch, Arch), moe: Option<Moe>) {
-    let qk_norm = matches!(archs.0, Arch::Qwen3 | Arch::Qwen3Moe);
+    let qk_norm = matches!(archs.0, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3);
     let (gguf_path, hf_path) = variant(name);
     let (gguf, hf) = (load(&gguf_path), load(&hf_path));
     let (a, b) = (gguf.model.config(), hf.model.config());
@@ -92,10 +92,24 @@ fn folder_matches_gguf(name: &str, archs: (Arch, Arch), moe: Option<Moe>) {
     assert_eq!(a.rope_scaling, b.rope_scaling);
     assert_eq!(a.tie_word_embeddings, b.tie_word_embeddings);
     assert_eq!((a.moe, b.moe), (moe, moe));
+    assert_eq!(a.sliding_window, b.sliding_window);
+    assert_eq!(a.local_layers, b.local_layers);
+    assert_eq!(
+        (a.activation, a.embedding_scale, a.post_norms),
+        (b.activation, b.embedding_scale, b.post_norms)
+    );
+    let scale = |c: &model::ModelConfig| {
+        c.attention_scale
+            .unwrap_or(1.0 / (c.head_dim as f32).sqrt())
+    };
+    assert_eq!(scale(a), scale(b));
     if archs.0 == archs.1 {
         assert_eq!(a.rope_style, b.rope_style);
     }
-    assert_eq!((a.head_dim, a.num_kv_heads), (b.head_dim, b.num_kv_heads));
+    assert_eq!(
+        (a.head_dim, a.rotary_dim, a.num_kv_heads),
+        (b.head_dim, b.rotary_dim, b.num_kv_heads)
+    );
     assert_eq!(hf.eos_token_ids, gguf.eos_token_ids);
     let (ours, theirs) = (answers(&hf, 24), answers(&gguf, 24));
     for (q, (h, g)) in QUESTIONS.iter().zip(ours.iter().zip(&theirs)) {
@@ -133,7 +147,67 @@ fn a_phi3_folder_answers_as_its_gguf_does() {
     folder_matches_gguf("phi3", (Arch::Phi3, Arch::Phi3), None);
 }
 
+/// Phi-4-mini's partial rotary embeddings (`partial_rotary_factor` 0.75 in the folder,
+/// `phi3.rope.dimension_count` 48 of 64 in the GGUF).
+#[test]
+fn a_phi4_mini_folder_answers_as_its_gguf_does() {
+    folder_matches_gguf("phi4mini", (Arch::Phi3, Arch::Phi3), None);
+}
+
+/// Gemma 3: the folder's norms are stored less 1 (Gemma's `1 + weight`) and its sliding layers
+/// come from `sliding_window_pattern`; the GGUF's from llama.cpp's fixed pattern.
+#[test]
+fn a_gemma3_folder_answers_as_its_gguf_does() {
+    folder_matches_gguf("gemma3", (Arch::Gemma3, Arch::Gemma3), None);
+}
+
 #[test]
 fn a_mixtral_folder_answers_as_its_gguf_does() {
     folder_matches_gguf("mixtral", (Arch::Llama, Arch::Mistral), Some(VARIANT_MOE));
+}
+
+/// The first logits of a prompt.
+fn first_logits(m: &model::LlamaModel, prompt: &[u32]) -> Vec<f32> {
+    let mut seqs = [GreedySeq::new(prompt.to_vec(), 1)];
+    let cfg = KvCacheConfig::for_model(m.config(), 16, 16, 0).with_dtype(DType::F32);
+    let mut cache = KvCache::new(cfg, &Device::Cpu).expect("cache");
+    run_greedy(m, &mut cache, &mut seqs, 64).expect("run");
+    seqs[0].first_logits.take().expect("logits")
+}
+
+/// Gemma's final soft-cap, where a config sets one (`final_logit_softcapping`): each logit
+/// becomes `cap · tanh(logit / cap)`, so none passes the cap and the order stays.
+#[test]
+fn a_final_logit_soft_cap_bounds_every_logit() {
+    let (gguf, _) = variant("gemma3");
+    let plain = load(&gguf);
+    let mut file = model::gguf::GgufFile::open(&gguf, &Device::Cpu).expect("open");
+    let cfg = file.config().expect("config");
+    assert_eq!(cfg.final_logit_softcap, None);
+    let weights = model::LlamaWeights::load(&cfg, &mut file, WeightMode::Dense, &Device::Cpu)
+        .expect("weights");
+    let cap = 5.0f32;
+    let capped_cfg = model::ModelConfig {
+        final_logit_softcap: Some(cap),
+        ..cfg
+    };
+    let capped = model::LlamaModel::new(capped_cfg, weights, 256, &Device::Cpu).expect("model");
+    let prompt = plain.tokenizer.encode("The sea is", false).expect("encode");
+    let (a, b) = (
+        first_logits(&plain.model, &prompt),
+        first_logits(&capped, &prompt),
+    );
+    let max = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+    assert!(
+        max > 2.0 * cap,
+        "the test needs logits past the cap, max {max}"
+    );
+    for (x, y) in a.iter().zip(&b) {
+        let want = cap * (x / cap).tanh();
+        assert!(
+            (y - want).abs() <= 1e-5 * cap,
+            "{x} capped to {y}, not {want}"
+        );
+        assert!(y.abs() <= cap);
+    }
 }

@@ -156,6 +156,39 @@ fn greedy_answers_of_a_phi3_checkpoint_agree_with_llama_server() {
     eprintln!("Phi-3: {exact} of 10 answers identical to llama.cpp's");
 }
 
+/// Phi-4-mini's partial rotary embeddings: three quarters of each head rotated, the rest
+/// passed through (`scripts/gguf-variants.py phi4mini`), against llama-server on the same file.
+#[test]
+fn greedy_answers_of_a_phi4_mini_checkpoint_agree_with_llama_server() {
+    let path = ferrite_testkit::model::gguf_variant("phi4mini", true).join("model.gguf");
+    let cfg = model::gguf::GgufFile::open(&path, &Device::Cpu)
+        .and_then(|mut f| f.config())
+        .expect("config");
+    assert_eq!((cfg.head_dim, cfg.rotary_dim), (64, 48));
+    let exact = agree(
+        "llama_server_greedy_phi4mini.json",
+        &path,
+        (WeightMode::Auto, WeightMode::Dense),
+        None,
+    );
+    eprintln!("Phi-4-mini: {exact} of 10 answers identical to llama.cpp's");
+}
+
+/// Gemma 3 (q/k norms, norms after each block, GeGLU, a scaled embedding, five sliding layers
+/// of a 16-token window to one global with another RoPE base; `scripts/gguf-variants.py
+/// gemma3`), against llama-server on the same file. The prompts are 15 to 19 tokens long, so
+/// every answer runs past the window.
+#[test]
+fn greedy_answers_of_a_gemma3_checkpoint_agree_with_llama_server() {
+    let exact = agree(
+        "llama_server_greedy_gemma3.json",
+        &ferrite_testkit::model::gguf_variant("gemma3", true).join("model.gguf"),
+        (WeightMode::Auto, WeightMode::Dense),
+        None,
+    );
+    eprintln!("Gemma 3: {exact} of 10 answers identical to llama.cpp's");
+}
+
 /// Qwen3-MoE (4 experts, top 2; `scripts/gguf-variants.py qwen3moe`) in every weight mode: at
 /// F16 (`auto`), with the experts cut out of the stacked F16 blocks (`quantized`), and
 /// repacked to 8 bits (`packed`).

@@ -51,7 +51,8 @@ fn special_tokens_map_to_their_ids_and_can_be_skipped() {
     let m = model();
     assert_eq!(m.tokenizer.token_to_id("<|im_start|>"), Some(1));
     assert_eq!(m.tokenizer.token_to_id("<|im_end|>"), Some(2));
-    assert_eq!(m.eos_token_ids, vec![2]);
+    // The GGUF's EOS, then `<|endoftext|>`: an end-of-turn token llama.cpp stops on too.
+    assert_eq!(m.eos_token_ids, vec![2, 0]);
     let ids = m
         .tokenizer
         .encode("<|im_start|>user\nhi<|im_end|>", false)
