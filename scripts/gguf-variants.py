@@ -34,7 +34,9 @@ Variants:
             dense FFN between them), and a shared expert every token runs: the dense FFN with
             its output scaled by 0.6, under a sigmoid gate of random weights (logits of std
             0.5 on the calibration prompts; not zero, for llama.cpp's sigmoid is silu(x)/x); an untied
-            output (the embedding's copy: llama.cpp requires one). No Hugging Face form.
+            output (the embedding's copy: llama.cpp requires one). Its Hugging Face form names
+            the shared expert `mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`
+            ([1, hidden]).
   qwen3moe  Qwen3-MoE: qwen3's attention, and every FFN a mixture of 4 experts, top 2,
             renormalised. Every expert is the dense FFN with each unit's output scaled by
             1 ± 0.2 (seeded signs, per expert), so the chosen experts' weights sum to about the
@@ -652,6 +654,19 @@ def variant_qwen2moe(src):
         set_kv(model.kvs, f"qwen2moe.{key}", hp["ffn"], GGUFValueType.UINT32)
     for key, value in (("expert_count", MOE_EXPERTS), ("expert_used_count", MOE_USED)):
         set_kv(model.kvs, f"qwen2moe.{key}", value, GGUFValueType.UINT32)
+    model.hf_config = qwen3_config(hp, "Qwen2MoeForCausalLM") | {
+        "num_experts": MOE_EXPERTS,
+        "num_experts_per_tok": MOE_USED,
+        "moe_intermediate_size": hp["ffn"],
+        "shared_expert_intermediate_size": hp["ffn"],
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+    }
+    # Qwen2-MoE's config names neither: the head size follows, and Q/K/V have biases.
+    del model.hf_config["head_dim"], model.hf_config["attention_bias"]
     return model
 
 
@@ -682,6 +697,10 @@ HF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
     "attn_qkv": "self_attn.qkv_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Per architecture, Hugging Face names that differ from HF_LAYER_NAMES'.
 HF_ARCH_NAMES = {
@@ -729,6 +748,8 @@ def hf_tensors(model):
         elif mixtral and module in heads:
             yield (f"model.layers.{layer}.{names[module]}.{suffix}",
                    unpermute(a, heads[module]).astype(dtype))
+        elif module == "ffn_gate_inp_shexp":
+            yield f"model.layers.{layer}.{names[module]}.{suffix}", a.astype(dtype)[None, :]
         else:
             yield f"model.layers.{layer}.{names[module]}.{suffix}", a.astype(dtype)
 

@@ -86,6 +86,8 @@ pub struct HfConfig {
     num_experts_per_tok: Option<usize>,
     moe_intermediate_size: Option<usize>,
     norm_topk_prob: Option<bool>,
+    /// Qwen2-MoE's shared expert, run by every token under a sigmoid gate.
+    shared_expert_intermediate_size: Option<usize>,
     /// Qwen3-MoE: every n-th layer is sparse, and `mlp_only_layers` are dense.
     decoder_sparse_step: Option<usize>,
     #[serde(default)]
@@ -120,6 +122,7 @@ impl HfConfig {
             "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
             "Qwen3ForCausalLM" | "qwen3" => Arch::Qwen3,
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Arch::Qwen3Moe,
+            "Qwen2MoeForCausalLM" | "qwen2_moe" => Arch::Qwen2Moe,
             "MixtralForCausalLM" | "mixtral" => Arch::Mistral,
             "Phi3ForCausalLM" | "phi3" => Arch::Phi3,
             "Gemma3ForCausalLM" | "gemma3_text" => Arch::Gemma3,
@@ -168,7 +171,7 @@ impl HfConfig {
             },
         };
         let sliding_window = match arch {
-            Arch::Qwen2 if self.use_sliding_window != Some(true) => None,
+            Arch::Qwen2 | Arch::Qwen2Moe if self.use_sliding_window != Some(true) => None,
             _ if !arch.uses_sliding_window() => None,
             _ => self.sliding_window.filter(|&w| w > 0),
         };
@@ -283,11 +286,13 @@ impl HfConfig {
         })
     }
 
-    /// The mixture of experts of Mixtral and Qwen3-MoE configs (every layer sparse; mixed
-    /// dense and sparse layers are refused by name).
+    /// The mixture of experts of Mixtral, Qwen3-MoE and Qwen2-MoE configs (every layer sparse;
+    /// mixed dense and sparse layers are refused by name).
     fn moe(&self, name: &str, arch: Arch) -> Result<Option<super::config::Moe>, ModelError> {
         let experts = self.num_experts.unwrap_or(0);
-        let is_moe = arch == Arch::Qwen3Moe || name.starts_with("Mixtral") || name == "mixtral";
+        let is_moe = matches!(arch, Arch::Qwen3Moe | Arch::Qwen2Moe)
+            || name.starts_with("Mixtral")
+            || name == "mixtral";
         if !is_moe {
             if experts > 1 {
                 return Err(ModelError::UnsupportedArchitecture(format!(
@@ -304,13 +309,22 @@ impl HfConfig {
         let per_token = self
             .num_experts_per_tok
             .ok_or_else(|| ModelError::MissingMetadata("num_experts_per_tok".into()))?;
+        let shared_ffn = match arch {
+            Arch::Qwen2Moe => Some(self.shared_expert_intermediate_size.ok_or_else(|| {
+                ModelError::MissingMetadata("shared_expert_intermediate_size".into())
+            })?),
+            _ => None,
+        };
         Ok(Some(super::config::Moe {
             num_experts: experts,
             experts_per_token: per_token,
             expert_ffn: self.moe_intermediate_size.unwrap_or(self.intermediate_size),
-            // Mixtral always renormalises; Qwen3-MoE says so in its config.
-            norm_top_k: arch != Arch::Qwen3Moe || self.norm_topk_prob.unwrap_or(false),
-            shared_ffn: None,
+            // Mixtral always renormalises; the Qwen families say so in their configs.
+            norm_top_k: match arch {
+                Arch::Qwen3Moe | Arch::Qwen2Moe => self.norm_topk_prob.unwrap_or(false),
+                _ => true,
+            },
+            shared_ffn,
         }))
     }
 }
@@ -400,6 +414,11 @@ pub fn hf_names(canonical: &str) -> Vec<String> {
         "ffn_up" => &["mlp.up_proj", "mlp.gate_up_proj"],
         "ffn_down" => &["mlp.down_proj"],
         "ffn_gate_inp" => &["mlp.gate", "block_sparse_moe.gate"],
+        // Qwen2-MoE's shared expert and its gate.
+        "ffn_gate_inp_shexp" => &["mlp.shared_expert_gate"],
+        "ffn_gate_shexp" => &["mlp.shared_expert.gate_proj"],
+        "ffn_up_shexp" => &["mlp.shared_expert.up_proj"],
+        "ffn_down_shexp" => &["mlp.shared_expert.down_proj"],
         _ => &[],
     };
     hf.iter()
@@ -468,6 +487,10 @@ impl WeightSource for SafetensorsDir {
         else {
             return Ok(None);
         };
+        // Qwen2-MoE's shared-expert gate is a `[1, hidden]` matrix; GGUF stores the vector.
+        if name.ends_with("ffn_gate_inp_shexp.weight") {
+            return Ok(Some(RawWeight::Dense(t.flatten_all()?)));
+        }
         if self.norm_offset != 0.0 && name.ends_with("norm.weight") {
             let t = (t.to_dtype(candle_core::DType::F32)? + f64::from(self.norm_offset))?;
             return Ok(Some(RawWeight::Dense(t)));

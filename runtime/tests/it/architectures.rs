@@ -1,6 +1,7 @@
 //! The architectures that `scripts/gguf-variants.py` builds from the default model's weights
 //! (Qwen3's q/k norms, Qwen3-MoE's and Mixtral's experts, Phi-3's fused projections and
-//! LongRoPE, Gemma 3's norms, GeGLU and local layers), in their two forms: the Hugging Face
+//! LongRoPE, Gemma 3's norms, GeGLU and local layers, Qwen2-MoE's shared expert), in their
+//! two forms: the Hugging Face
 //! folder must give the tokens the GGUF gives. (Each GGUF against llama.cpp is in
 //! `llama_server_agreement.rs`.)
 
@@ -92,6 +93,7 @@ fn folder_matches_gguf(name: &str, archs: (Arch, Arch), moe: Option<Moe>) {
     assert_eq!(a.rope_scaling, b.rope_scaling);
     assert_eq!(a.tie_word_embeddings, b.tie_word_embeddings);
     assert_eq!((a.moe, b.moe), (moe, moe));
+    assert_eq!(a.attention_bias, b.attention_bias);
     assert_eq!(a.sliding_window, b.sliding_window);
     assert_eq!(a.local_layers, b.local_layers);
     assert_eq!(
@@ -140,6 +142,18 @@ fn a_qwen3_moe_folder_answers_as_its_gguf_does() {
         (Arch::Qwen3Moe, Arch::Qwen3Moe),
         Some(VARIANT_MOE),
     );
+}
+
+/// Qwen2-MoE: Q/K/V biases, experts not renormalised, the shared expert and its `[1, hidden]`
+/// gate (`mlp.shared_expert_gate`).
+#[test]
+fn a_qwen2_moe_folder_answers_as_its_gguf_does() {
+    let moe = Moe {
+        norm_top_k: false,
+        shared_ffn: Some(1536),
+        ..VARIANT_MOE
+    };
+    folder_matches_gguf("qwen2moe", (Arch::Qwen2Moe, Arch::Qwen2Moe), Some(moe));
 }
 
 #[test]
