@@ -176,17 +176,20 @@ fn greedy_answers_of_a_phi4_mini_checkpoint_agree_with_llama_server() {
 
 /// Gemma 3 (q/k norms, norms after each block, GeGLU, a scaled embedding, five sliding layers
 /// of a 16-token window to one global with another RoPE base; `scripts/gguf-variants.py
-/// gemma3`), against llama-server on the same file. The prompts are 15 to 19 tokens long, so
+/// gemma3`), against llama-server on the same file, in every weight mode: at F16 (`auto`),
+/// with candle's kernels on the F16 blocks (`quantized`), and repacked to 8 bits (`packed`). The prompts are 15 to 19 tokens long, so
 /// every answer runs past the window.
 #[test]
 fn greedy_answers_of_a_gemma3_checkpoint_agree_with_llama_server() {
-    let exact = agree(
-        "llama_server_greedy_gemma3.json",
-        &ferrite_testkit::model::gguf_variant("gemma3", true).join("model.gguf"),
+    let path = ferrite_testkit::model::gguf_variant("gemma3", true).join("model.gguf");
+    for modes in [
         (WeightMode::Auto, WeightMode::Dense),
-        None,
-    );
-    eprintln!("Gemma 3: {exact} of 10 answers identical to llama.cpp's");
+        (WeightMode::Quantized, WeightMode::Quantized),
+        (WeightMode::Packed, WeightMode::Packed),
+    ] {
+        let exact = agree("llama_server_greedy_gemma3.json", &path, modes, None);
+        eprintln!("Gemma 3 {:?}: {exact} of 10 answers identical to llama.cpp's", modes.1);
+    }
 }
 
 /// Qwen3-MoE (4 experts, top 2; `scripts/gguf-variants.py qwen3moe`) in every weight mode: at
