@@ -103,10 +103,12 @@ impl HfConfig {
             path: path.clone(),
             source: e,
         })?;
-        serde_json::from_str(&text).map_err(|e| ModelError::Corrupt {
-            path,
+        let corrupt = |e: serde_json::Error| ModelError::Corrupt {
+            path: path.clone(),
             reason: format!("invalid config.json: {e}"),
-        })
+        };
+        let config: serde_json::Value = serde_json::from_str(&text).map_err(corrupt)?;
+        serde_json::from_value(text_model_config(config)).map_err(corrupt)
     }
 
     pub fn to_model_config(&self, has_lm_head: bool) -> Result<ModelConfig, ModelError> {
@@ -126,12 +128,6 @@ impl HfConfig {
             "MixtralForCausalLM" | "mixtral" => Arch::Mistral,
             "Phi3ForCausalLM" | "phi3" => Arch::Phi3,
             "Gemma3ForCausalLM" | "gemma3_text" => Arch::Gemma3,
-            "Gemma3ForConditionalGeneration" | "gemma3" => {
-                return Err(ModelError::Unsupported(format!(
-                    "{name}: Gemma 3's multimodal checkpoints (serve the text model as a GGUF, \
-                     or as a Gemma3ForCausalLM folder)"
-                )));
-            }
             other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
         };
         if self.attn_logit_softcapping.is_some_and(|c| c > 0.0) {
@@ -329,6 +325,89 @@ impl HfConfig {
     }
 }
 
+/// Gemma 3's defaults for what its configs leave out (Transformers' `Gemma3TextConfig`): the
+/// multimodal checkpoints' `text_config` names only what differs from them.
+const GEMMA3_TEXT_DEFAULTS: &str = r#"{
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "attention_bias": false, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6
+}"#;
+
+/// The language model's config of a checkpoint: a multimodal Gemma 3
+/// (`Gemma3ForConditionalGeneration`) serves its `text_config` (images are not read), which
+/// keeps the special tokens of the whole; Gemma 3 text configs get their family's defaults.
+fn text_model_config(mut config: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    let arch = config
+        .pointer("/architectures/0")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    if arch == "Gemma3ForConditionalGeneration"
+        && let Some(Value::Object(mut text)) = config.get("text_config").cloned()
+    {
+        for key in ["bos_token_id", "eos_token_id"] {
+            if let Some(v) = config.get(key)
+                && !text.contains_key(key)
+            {
+                text.insert(key.into(), v.clone());
+            }
+        }
+        text.insert(
+            "architectures".into(),
+            serde_json::json!(["Gemma3ForCausalLM"]),
+        );
+        text.insert("model_type".into(), "gemma3_text".into());
+        config = Value::Object(text);
+    }
+    let gemma3_text = config.get("model_type").and_then(Value::as_str) == Some("gemma3_text");
+    if gemma3_text
+        && let (Value::Object(c), Ok(Value::Object(defaults))) = (
+            &mut config,
+            serde_json::from_str::<Value>(GEMMA3_TEXT_DEFAULTS),
+        )
+    {
+        for (k, v) in defaults {
+            c.entry(k).or_insert(v);
+        }
+    }
+    config
+}
+
+/// Where a multimodal checkpoint keeps its language model's tensors, and the name each takes
+/// here: `language_model.model.*` (Transformers before 4.52) or `model.language_model.*` for
+/// `model.*`, and `language_model.lm_head.*` for `lm_head.*`.
+const LANGUAGE_MODEL_PREFIXES: [(&str, &str); 3] = [
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+];
+
+/// Multimodal checkpoints' towers and projectors, which a text server never reads.
+const NOT_LANGUAGE_MODEL: [&str; 4] = [
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+];
+
+/// A tensor's name with a multimodal checkpoint's language-model prefix made plain; `None` for
+/// the towers' tensors.
+fn language_model_name(name: String) -> Option<String> {
+    if NOT_LANGUAGE_MODEL.iter().any(|p| name.starts_with(p)) {
+        return None;
+    }
+    for (from, to) in LANGUAGE_MODEL_PREFIXES {
+        if let Some(rest) = name.strip_prefix(from) {
+            return Some(format!("{to}{rest}"));
+        }
+    }
+    Some(name)
+}
+
 /// All tensors of a folder's safetensors files, served under canonical names.
 #[derive(Debug)]
 pub struct SafetensorsDir {
@@ -361,7 +440,10 @@ impl SafetensorsDir {
                     path: f.clone(),
                     reason: format!("not a readable safetensors file: {e}"),
                 })?;
-            tensors.extend(t);
+            tensors.extend(
+                t.into_iter()
+                    .filter_map(|(name, t)| Some((language_model_name(name)?, t))),
+            );
         }
         Ok(Self {
             tensors,
@@ -621,10 +703,66 @@ mod tests {
         assert!(e.to_string().contains("layers"), "{e}");
     }
 
+    /// A multimodal Gemma 3's config: its `text_config` (as gemma-3-4b-it's, which names only
+    /// what differs from the defaults), the special tokens of the whole.
+    #[test]
+    fn a_multimodal_gemma3_serves_its_text_config_with_the_familys_defaults() {
+        let text = r#"{"architectures":["Gemma3ForConditionalGeneration"],"eos_token_id":[1,106],
+            "text_config":{"hidden_size":2560,"intermediate_size":10240,"model_type":"gemma3_text",
+            "num_hidden_layers":34,"rope_scaling":{"factor":8.0,"rope_type":"linear"},
+            "sliding_window":1024},"vision_config":{"hidden_size":1152}}"#;
+        let value: serde_json::Value = serde_json::from_str(text).expect("json");
+        let hf: HfConfig = serde_json::from_value(text_model_config(value)).expect("config");
+        assert_eq!(
+            hf.eos_token_id.as_ref().map(OneOrMany::to_vec),
+            Some(vec![1, 106])
+        );
+        let cfg = hf.to_model_config(false).expect("gemma3 4b");
+        assert_eq!(cfg.arch, Arch::Gemma3);
+        assert_eq!(
+            (
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.vocab_size
+            ),
+            (8, 4, 256, 262_208)
+        );
+        assert_eq!((cfg.hidden_size, cfg.num_layers), (2560, 34));
+        assert_eq!(cfg.attention_scale, Some(1.0 / 16.0));
+        assert_eq!(cfg.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(cfg.sliding_window, Some(1024));
+        assert!(cfg.is_sliding(0) && !cfg.is_sliding(5));
+        // The language model's tensors under plain names, the vision tower's left out.
+        for (name, want) in [
+            (
+                "language_model.model.layers.0.mlp.up_proj.weight",
+                Some("model.layers.0.mlp.up_proj.weight"),
+            ),
+            (
+                "model.language_model.embed_tokens.weight",
+                Some("model.embed_tokens.weight"),
+            ),
+            ("language_model.lm_head.weight", Some("lm_head.weight")),
+            (
+                "vision_tower.vision_model.embeddings.patch_embedding.weight",
+                None,
+            ),
+            (
+                "model.multi_modal_projector.mm_input_projection_weight",
+                None,
+            ),
+            (
+                "model.layers.1.self_attn.q_proj.weight",
+                Some("model.layers.1.self_attn.q_proj.weight"),
+            ),
+        ] {
+            assert_eq!(language_model_name(name.into()).as_deref(), want, "{name}");
+        }
+    }
+
     #[test]
     fn what_gemma_support_lacks_is_refused_by_name() {
-        let e = gemma("Gemma3ForConditionalGeneration", "").expect_err("multimodal");
-        assert!(e.to_string().contains("multimodal"), "{e}");
         let e = gemma("Gemma3ForCausalLM", r#","attn_logit_softcapping":50.0"#)
             .expect_err("Gemma 2's attention soft-cap");
         assert!(e.to_string().contains("soft-capping"), "{e}");

@@ -225,3 +225,67 @@ fn a_final_logit_soft_cap_bounds_every_logit() {
         assert!(y.abs() <= cap);
     }
 }
+
+/// A multimodal Gemma 3 folder (`Gemma3ForConditionalGeneration`, as gemma-3-4b-it and larger
+/// ship): the text model's config under `text_config`, with what equals Gemma 3's defaults left
+/// out, its tensors under `language_model.model.*`, and a vision tower beside them. Made here
+/// from the gemma3 variant's folder; it must answer as the GGUF does.
+#[test]
+fn a_multimodal_gemma3_folder_serves_its_language_model() {
+    let (gguf_path, hf_path) = variant("gemma3");
+    let dir = ferrite_testkit::process::TempDir::new("gemma3-multimodal");
+    let tensors = candle_core::safetensors::load(hf_path.join("model.safetensors"), &Device::Cpu)
+        .expect("the folder's tensors");
+    let mut renamed: std::collections::HashMap<String, candle_core::Tensor> = tensors
+        .into_iter()
+        .map(|(name, t)| {
+            let name = match name.strip_prefix("model.") {
+                Some(rest) => format!("language_model.model.{rest}"),
+                None => name,
+            };
+            (name, t)
+        })
+        .collect();
+    renamed.insert(
+        "vision_tower.vision_model.post_layernorm.weight".into(),
+        candle_core::Tensor::ones(8, DType::F32, &Device::Cpu).expect("tower"),
+    );
+    candle_core::safetensors::save(&renamed, dir.path().join("model.safetensors")).expect("save");
+    let text: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(hf_path.join("config.json")).expect("config.json"),
+    )
+    .expect("json");
+    let mut text = text.as_object().expect("object").clone();
+    let (bos, eos) = (text.remove("bos_token_id"), text.remove("eos_token_id"));
+    // Left to Gemma 3's defaults, which they equal.
+    for key in [
+        "architectures",
+        "hidden_activation",
+        "rope_local_base_freq",
+        "sliding_window_pattern",
+        "attention_bias",
+        "final_logit_softcapping",
+        "attn_logit_softcapping",
+    ] {
+        text.remove(key);
+    }
+    let config = serde_json::json!({
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "text_config": text,
+        "vision_config": {"hidden_size": 8},
+    });
+    std::fs::write(dir.path().join("config.json"), config.to_string()).expect("write config");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(hf_path.join(f), dir.path().join(f)).expect("copy the tokenizer");
+    }
+    let (gguf, mm) = (load(&gguf_path), load(dir.path()));
+    assert_eq!(mm.model.config().arch, Arch::Gemma3);
+    assert_eq!(mm.model.config().local_layers, gguf.model.config().local_layers);
+    assert_eq!(mm.eos_token_ids, gguf.eos_token_ids);
+    let (ours, theirs) = (answers(&mm, 16), answers(&gguf, 16));
+    for (q, (a, b)) in QUESTIONS.iter().zip(ours.iter().zip(&theirs)) {
+        assert_eq!(a.generated, b.generated, "answer to {q:?}");
+    }
+}

@@ -188,7 +188,10 @@ fn greedy_answers_of_a_gemma3_checkpoint_agree_with_llama_server() {
         (WeightMode::Packed, WeightMode::Packed),
     ] {
         let exact = agree("llama_server_greedy_gemma3.json", &path, modes, None);
-        eprintln!("Gemma 3 {:?}: {exact} of 10 answers identical to llama.cpp's", modes.1);
+        eprintln!(
+            "Gemma 3 {:?}: {exact} of 10 answers identical to llama.cpp's",
+            modes.1
+        );
     }
 }
 
