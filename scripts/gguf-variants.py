@@ -62,6 +62,8 @@ Variants:
             frequencies; its 8 slowest pairs are left unrotated.
   gemma3    Gemma 3 (see GEMMA3_WINDOW's comment): q/k norms, norms after attention and the
             FFN, GeGLU, the embedding stored divided by sqrt(hidden), sliding layers.
+  gemma2    Gemma 2: gemma3 without q/k norms, every other layer sliding, one RoPE base,
+            soft-capped attention scores (GEMMA2_ATTN_CAP) and logits.
 
   spm       the f16 model with a SentencePiece vocabulary (`tokenizer.ggml.model` "llama") made
             from its byte-level BPE: each piece's bytes as text, spaces as U+2581, lone bytes
@@ -476,12 +478,12 @@ GEMMA3_WINDOW = 16
 GELU_SILU = 1.702
 
 
-def variant_gemma3(src):
-    hp, t = llama_source(src, "gemma3")
+def variant_gemma3(src, arch="gemma3"):
+    hp, t = llama_source(src, arch)
     cal = calibrate(src, hp, t)
     F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
-    model = Model("gemma3", renamed_kvs(src, "gemma3"))
-    set_kv(model.kvs, "gemma3.attention.sliding_window", GEMMA3_WINDOW, GGUFValueType.UINT32)
+    model = Model(arch, renamed_kvs(src, arch))
+    set_kv(model.kvs, f"{arch}.attention.sliding_window", GEMMA3_WINDOW, GGUFValueType.UINT32)
     scale = np.sqrt(hp["hidden"])
     model.tensors.append(("token_embd.weight", t["token_embd.weight"] / scale, F16))
     full = lambda v: np.full(hp["hidden"], v, np.float32)
@@ -489,6 +491,8 @@ def variant_gemma3(src):
         p = f"blk.{i}."
         attention = qwen3_attention(hp, i, t, cal)
         ffn_norm = attention.pop()
+        if arch == "gemma2":
+            attention = [a for a in attention if not a[0].endswith(("q_norm.weight", "k_norm.weight"))]
         model.tensors += attention + [
             (p + "post_attention_norm.weight", full(cal.attn_out_rms[i]), F32),
             ffn_norm,
@@ -508,7 +512,26 @@ def variant_gemma3(src):
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
     }
+    if arch == "gemma2":
+        for key, cap in (("attn_logit_softcapping", GEMMA2_ATTN_CAP),
+                         ("final_logit_softcapping", GEMMA2_FINAL_CAP)):
+            set_kv(model.kvs, f"gemma2.{key}", cap, GGUFValueType.FLOAT32)
+            model.hf_config[key] = cap
+        model.hf_config |= {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}
+        for key in ("sliding_window_pattern", "rope_local_base_freq"):
+            del model.hf_config[key]
     return model
+
+
+# Gemma 2's soft-caps in the test model: the attention's low enough to change most answers
+# against an uncapped model (20 changed 3 of 10; real Gemma 2 checkpoints use 50 and 30).
+GEMMA2_ATTN_CAP, GEMMA2_FINAL_CAP = 10.0, 30.0
+
+
+def variant_gemma2(src):
+    """Gemma 2: gemma3 without q/k norms, every other layer sliding (one RoPE base), the
+    attention scores soft-capped at GEMMA2_ATTN_CAP and the logits at GEMMA2_FINAL_CAP."""
+    return variant_gemma3(src, arch="gemma2")
 
 
 def byte_decoder():
@@ -672,6 +695,7 @@ def variant_qwen2moe(src):
 
 VARIANTS = {
     "f16": variant_f16,
+    "gemma2": variant_gemma2,
     "gemma3": variant_gemma3,
     "qwen2moe": variant_qwen2moe,
     "mixtral": variant_mixtral,
@@ -703,14 +727,13 @@ HF_LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Per architecture, Hugging Face names that differ from HF_LAYER_NAMES'.
-HF_ARCH_NAMES = {
-    "phi3": {"ffn_up": "mlp.gate_up_proj"},
-    "gemma3": {"ffn_norm": "pre_feedforward_layernorm",
+GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm",
                "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
-}
+               "post_ffw_norm": "post_feedforward_layernorm"}
+HF_ARCH_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma3": GEMMA_NAMES,
+                 "gemma2": GEMMA_NAMES}
 # Gemma's norms multiply by 1 + weight: its Hugging Face files store the GGUF weight less 1.
-HF_NORM_OFFSET = {"gemma3": 1.0}
+HF_NORM_OFFSET = {"gemma3": 1.0, "gemma2": 1.0}
 HF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                    "ffn_down_exps": "down_proj"}
 MIXTRAL_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}

@@ -45,7 +45,8 @@ __device__ void ferrite_paged_attention(
     const uint32_t *__restrict__ table_start, // [seqs]: where its block table starts in `tables`
     const uint32_t *__restrict__ tables,      // every sequence's block table, back to back
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-    int window /* 0: none; else a token sees its last `window` positions */) {
+    int window /* 0: none; else a token sees its last `window` positions */,
+    float softcap /* 0: none; else scores become softcap * tanh(score / softcap) */) {
   const int token = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int tid = threadIdx.x;
@@ -93,8 +94,10 @@ __device__ void ferrite_paged_attention(
         const float *qh = q_s + h * head_dim;
         float s = 0.0f;
         for (int d = 0; d < head_dim; ++d) s += qh[d] * ferrite_to_f32(k[d]);
-        p_s[h * chunk + tid] = s * scale;
-        red[h * chunk + tid] = s * scale;
+        float x = s * scale;
+        if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+        p_s[h * chunk + tid] = x;
+        red[h * chunk + tid] = x;
       }
     } else {
       for (int h = 0; h < group; ++h) {
@@ -158,10 +161,11 @@ __device__ void ferrite_paged_attention(
                                   const C *v_cache, const uint32_t *token_seq,                \
                                   const uint32_t *token_pos, const uint32_t *table_start,     \
                                   const uint32_t *tables, int num_heads, int num_kv_heads,    \
-                                  int head_dim, int block_size, float scale, int window) {    \
+                                  int head_dim, int block_size, float scale, int window,      \
+                                  float softcap) {                                            \
     ferrite_paged_attention<C>(out, q, k_cache, v_cache, token_seq, token_pos, table_start,   \
                                tables, num_heads, num_kv_heads, head_dim, block_size, scale,  \
-                               window);                                                        \
+                               window, softcap);                                               \
   }
 
 FERRITE_PAGED_ATTENTION(paged_attention_f32, float)

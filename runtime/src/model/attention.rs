@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 pub use super::attention_meta::AttnMeta;
 use super::cpu_view::contiguous;
-use crate::kernels::exp::exp_approx;
+use crate::kernels::exp::{EXP_MAX, exp_approx};
 use crate::kernels::simd::F32Path;
 
 /// Which attention implementation a model uses.
@@ -92,7 +92,11 @@ pub fn paged_attention_generic(
             .reshape((n, nh, hd))?
             .transpose(0, 1)?
             .contiguous()?;
-        let scores = (qs.matmul(&k.t()?)? * meta.scale as f64)?; // [nh, n, ctx]
+        let mut scores = (qs.matmul(&k.t()?)? * meta.scale as f64)?; // [nh, n, ctx]
+        if let Some(cap) = meta.softcap {
+            let cap = f64::from(cap);
+            scores = ((scores / cap)?.tanh()? * cap)?;
+        }
         let mask: Vec<f32> = (0..n)
             .flat_map(|i| {
                 let pos = first_pos + i;
@@ -490,8 +494,26 @@ mod x86 {
 /// The micro-tile written once over [`F32s`] and compiled per ISA by the entry points below.
 mod vector {
     use super::{Chunk, KC, Rows, exp_approx};
-    use crate::kernels::exp::exp;
+    use crate::kernels::exp::{EXP_MAX, exp};
     use crate::kernels::simd::*;
+
+    /// [`super::softcap`] on one vector, operation for operation.
+    ///
+    /// # Safety
+    /// The CPU has `S`'s features.
+    #[inline(always)]
+    unsafe fn softcap<S: F32s>(y: S::V, cap: f32) -> S::V {
+        // SAFETY: the caller checked `S`'s features.
+        unsafe {
+            let z = S::min(S::mul(y, S::splat(2.0 / cap)), S::splat(EXP_MAX));
+            let e = exp::<S>(z);
+            let t = S::sub(
+                S::splat(1.0),
+                S::div(S::splat(2.0), S::add(S::splat(1.0), e)),
+            );
+            S::mul(S::splat(cap), t)
+        }
+    }
 
     /// [`super::micro_tile_portable`] in vectors: each row's [`KC`] scores as `N` vectors of
     /// `S::LANES`, the portable path's operations lane for lane (fused multiply-adds in the same
@@ -531,7 +553,10 @@ mod vector {
                 };
                 (jmin, jmax) = (jmin.min(jlo), jmax.max(jhi));
                 let x: [S::V; N] = std::array::from_fn(|h| {
-                    let scaled = S::mul(sc[i][h], scale);
+                    let mut scaled = S::mul(sc[i][h], scale);
+                    if c.softcap > 0.0 {
+                        scaled = softcap::<S>(scaled, c.softcap);
+                    }
                     S::keep_range(scaled, f32::NEG_INFINITY, h * lanes, jlo, jhi)
                 });
                 let mx = s.m[i].max(fold::<S, N>(x, |a, b| S::max(a, b)));
@@ -729,6 +754,7 @@ fn tile_with<T: KvElem>(
                 vs,
                 hd,
                 scale: meta.scale,
+                softcap: meta.softcap.unwrap_or(0.0),
                 ranges,
             };
             let state = Rows {
@@ -747,6 +773,15 @@ fn tile_with<T: KvElem>(
     }
 }
 
+/// Gemma 2's soft-capped score `cap · tanh(y / cap)`, with `tanh(u) = 1 − 2 / (1 + e^{2u})`
+/// through [`exp_approx`] (the vector paths do the same operations): about 1e-6 of `cap` from
+/// the exact value, far below what moves a softmax weight.
+#[inline(always)]
+fn softcap(y: f32, cap: f32) -> f32 {
+    let e = exp_approx((y * (2.0 / cap)).min(EXP_MAX));
+    cap * (1.0 - 2.0 / (1.0 + e))
+}
+
 /// One micro-tile's view of a chunk: up to [`RT`] query rows against [`KC`] keys.
 struct Chunk<'a> {
     /// The rows' queries, `[rows][hd]`.
@@ -757,6 +792,8 @@ struct Chunk<'a> {
     vs: &'a [f32],
     hd: usize,
     scale: f32,
+    /// The scores' soft-cap ([`softcap`]); 0 for none.
+    softcap: f32,
     /// Per row: the keys `lo..=hi` (chunk indices) it attends to in this chunk.
     ranges: [Option<(usize, usize)>; RT],
 }
@@ -826,7 +863,12 @@ fn micro_tile_portable<const R: usize>(c: &Chunk, s: Rows) {
         let mut x = [0f32; KC];
         for j in 0..KC {
             x[j] = if (jlo..=jhi).contains(&j) {
-                si[j] * c.scale
+                let y = si[j] * c.scale;
+                if c.softcap > 0.0 {
+                    softcap(y, c.softcap)
+                } else {
+                    y
+                }
             } else {
                 f32::NEG_INFINITY
             };
@@ -927,8 +969,27 @@ mod tests {
         }
     }
 
+    #[test]
+    fn softcap_is_cap_tanh() {
+        for cap in [1.5f32, 30.0, 50.0] {
+            for i in -400..=400 {
+                let y = i as f32 * 0.37;
+                let want = f64::from(cap) * (f64::from(y) / f64::from(cap)).tanh();
+                let got = f64::from(softcap(y, cap));
+                assert!(
+                    (got - want).abs() <= 3e-6 * f64::from(cap),
+                    "cap {cap}, {y}: {got} vs {want}"
+                );
+            }
+        }
+        // Far out the cap holds; a masked score stays masked only if masked after the cap.
+        assert_eq!(softcap(1e30, 50.0), 50.0);
+        assert_eq!(softcap(-1e30, 50.0), -50.0);
+    }
+
     /// The vector micro-tiles agree with the portable one bit for bit, for every row count,
-    /// row ranges inside the chunk, inactive rows, and running states from earlier chunks.
+    /// row ranges inside the chunk, inactive rows, running states from earlier chunks, with
+    /// and without a soft-cap.
     /// Each path this CPU lacks is skipped (one line).
     #[test]
     fn vector_micro_tiles_match_portable() {
@@ -945,6 +1006,7 @@ mod tests {
             hd in prop::sample::select(vec![16usize, 64, 128]),
             ranges in prop::collection::vec(prop::option::of((0usize..KC, 0usize..KC)), RT),
             fresh in any::<bool>(),
+            capped in any::<bool>(),
             seed in any::<u64>(),
         )| {
             let q = values(rows * hd, seed, 2.0);
@@ -953,7 +1015,9 @@ mod tests {
             let ranges: [Option<(usize, usize)>; RT] = std::array::from_fn(|i| {
                 ranges[i].filter(|_| i < rows).map(|(a, b)| (a.min(b), a.max(b)))
             });
-            let chunk = Chunk { q: &q, kt: &kt, vs: &vs, hd, scale: 0.125, ranges };
+            // A soft-cap of 1.5 bends every score of these (up to ~|8|) strongly.
+            let softcap = if capped { 1.5 } else { 0.0 };
+            let chunk = Chunk { q: &q, kt: &kt, vs: &vs, hd, scale: 0.125, softcap, ranges };
             let m0: Vec<f32> = if fresh {
                 vec![f32::NEG_INFINITY; rows]
             } else {

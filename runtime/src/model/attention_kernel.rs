@@ -205,6 +205,8 @@ pub(crate) mod cuda {
         b.arg(&block_size);
         b.arg(&meta.scale);
         b.arg(&shape.window);
+        let softcap = meta.softcap.unwrap_or(0.0);
+        b.arg(&softcap);
         let cfg = LaunchConfig {
             grid_dim: (shape.grid.0, shape.grid.1, 1),
             block_dim: (shape.threads, 1, 1),
@@ -232,6 +234,7 @@ mod tests {
             block_size: 16,
             scale: 0.125,
             sliding_window: window,
+            softcap: None,
             token_seq: vec![0, 1, 1],
             token_pos: vec![5, 0, 1],
             block_tables: vec![vec![3], vec![7, 2]],

@@ -17,6 +17,8 @@ pub struct AttnMeta {
     pub scale: f32,
     /// Tokens further back than this are not attended (Mistral-style sliding window).
     pub sliding_window: Option<usize>,
+    /// Scaled scores become `cap · tanh(score / cap)` before the softmax (Gemma 2).
+    pub softcap: Option<f32>,
     /// Per token: index into `seqs`.
     pub token_seq: Vec<u32>,
     /// Per token: absolute position within its sequence.

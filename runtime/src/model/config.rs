@@ -21,10 +21,13 @@ pub enum Arch {
     /// Gemma 3 (text): q/k norms, norms after attention and after the FFN as well as before,
     /// GeGLU, the embedding scaled by `sqrt(hidden)`, five sliding-window layers to one global.
     Gemma3,
+    /// Gemma 2: Gemma 3's layer without q/k norms, every other layer sliding, soft-capped
+    /// attention scores and logits.
+    Gemma2,
 }
 
 impl Arch {
-    const ALL: [Arch; 8] = [
+    const ALL: [Arch; 9] = [
         Arch::Llama,
         Arch::Mistral,
         Arch::Qwen2,
@@ -33,6 +36,7 @@ impl Arch {
         Arch::Qwen2Moe,
         Arch::Phi3,
         Arch::Gemma3,
+        Arch::Gemma2,
     ];
 
     /// The family of a GGUF's `general.architecture`.
@@ -76,6 +80,7 @@ impl Arch {
             Arch::Qwen2Moe => "qwen2moe",
             Arch::Phi3 => "phi3",
             Arch::Gemma3 => "gemma3",
+            Arch::Gemma2 => "gemma2",
         }
     }
 
@@ -88,26 +93,50 @@ impl Arch {
 
     /// The FFN's gate activation: GeGLU in Gemma, SwiGLU elsewhere.
     pub fn activation(self) -> Activation {
-        match self {
-            Arch::Gemma3 => Activation::GeluTanh,
-            _ => Activation::Silu,
+        if self.is_gemma() {
+            Activation::GeluTanh
+        } else {
+            Activation::Silu
         }
     }
 
     /// What token embeddings are multiplied by on the way in: `sqrt(hidden)` in Gemma.
     pub fn embedding_scale(self, hidden: usize) -> Option<f32> {
-        (self == Arch::Gemma3).then(|| (hidden as f32).sqrt())
+        self.is_gemma().then(|| (hidden as f32).sqrt())
     }
 
     /// What a Hugging Face checkpoint's norm weights are short of: Gemma's norms multiply by
     /// `1 + weight` (llama.cpp's converter stores the sum in GGUF files).
     pub fn hf_norm_offset(self) -> f32 {
-        if self == Arch::Gemma3 { 1.0 } else { 0.0 }
+        if self.is_gemma() { 1.0 } else { 0.0 }
+    }
+
+    /// Gemma 2 and 3, which share their layer's shape.
+    fn is_gemma(self) -> bool {
+        matches!(self, Arch::Gemma2 | Arch::Gemma3)
+    }
+
+    /// Every `n`-th layer attends globally, the others within the window (Gemma 3: 6, Gemma 2:
+    /// 2); `None` where every layer slides alike.
+    pub fn global_layer_period(self) -> Option<usize> {
+        match self {
+            Arch::Gemma3 => Some(6),
+            Arch::Gemma2 => Some(2),
+            _ => None,
+        }
+    }
+
+    /// Gemma's query scale from the layer count, as llama.cpp sets it for GGUF files (which do
+    /// not carry `query_pre_attn_scalar`): the 27B sizes (Gemma 2: 46 layers, Gemma 3: 62)
+    /// scale by `1 / sqrt(hidden / heads)`, the others by `1 / sqrt(head_dim)` (`None`).
+    pub fn gguf_attention_scale(self, layers: usize, hidden: usize, heads: usize) -> Option<f32> {
+        let big = matches!((self, layers), (Arch::Gemma2, 46) | (Arch::Gemma3, 62));
+        (big && heads > 0).then(|| 1.0 / ((hidden / heads) as f32).sqrt())
     }
 
     /// Norms of the attention's and the FFN's outputs as well as of their inputs (Gemma).
     pub fn post_norms(self) -> bool {
-        self == Arch::Gemma3
+        self.is_gemma()
     }
 }
 
@@ -230,6 +259,9 @@ pub struct ModelConfig {
     pub attention_scale: Option<f32>,
     /// Logits become `cap · tanh(logits / cap)` (Gemma's `final_logit_softcapping`).
     pub final_logit_softcap: Option<f32>,
+    /// Scaled attention scores become `cap · tanh(score / cap)` (Gemma 2's
+    /// `attn_logit_softcapping`).
+    pub attn_logit_softcap: Option<f32>,
 }
 
 impl From<&ModelConfig> for crate::kv::KvShape {
@@ -312,6 +344,7 @@ impl ModelConfig {
             ("embedding scale", self.embedding_scale),
             ("attention scale", self.attention_scale),
             ("final logit soft-cap", self.final_logit_softcap),
+            ("attention soft-cap", self.attn_logit_softcap),
             (
                 "local RoPE base",
                 self.local_layers.as_ref().and_then(|l| l.rope_theta),

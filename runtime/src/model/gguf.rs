@@ -145,14 +145,15 @@ impl GgufFile {
         let intermediate_size = self.usize(&k("feed_forward_length"))?;
         let moe = self.moe(&arch_name, arch, intermediate_size)?;
         let num_layers = self.usize(&k("block_count"))?;
-        if self
-            .opt_f32(&k("attn_logit_softcapping"))?
-            .is_some_and(|c| c > 0.0)
-        {
-            return Err(ModelError::Unsupported(format!(
-                "{arch_name}: attention logit soft-capping"
-            )));
-        }
+        // llama.cpp's Gemma 2 caps at 50 and 30 where the file does not say.
+        let (attn_cap, final_cap) = if arch == Arch::Gemma2 {
+            (Some(50.0), Some(30.0))
+        } else {
+            (None, None)
+        };
+        let softcap = |v: Option<f32>, default: Option<f32>| v.or(default).filter(|&c| c > 0.0);
+        let attn_logit_softcap = softcap(self.opt_f32(&k("attn_logit_softcapping"))?, attn_cap);
+        let final_logit_softcap = softcap(self.opt_f32(&k("final_logit_softcapping"))?, final_cap);
         let sliding_window = self
             .opt_usize(&k("attention.sliding_window"))?
             .filter(|&w| w > 0 && arch.uses_sliding_window());
@@ -174,9 +175,15 @@ impl GgufFile {
             rope_style: arch.gguf_rope_style(),
             max_position_embeddings: self.opt_usize(&k("context_length"))?.unwrap_or(4096),
             sliding_window,
-            // llama.cpp's Gemma 3: every sixth layer global, the others at RoPE base 10000.
-            local_layers: (arch == Arch::Gemma3 && sliding_window.is_some())
-                .then(|| LocalLayers::every(6, num_layers, Some(10_000.0))),
+            // llama.cpp's Gemma 3: every sixth layer global, the others at RoPE base 10000;
+            // Gemma 2: every other layer, one RoPE.
+            local_layers: arch
+                .global_layer_period()
+                .filter(|_| sliding_window.is_some())
+                .map(|period| {
+                    let theta = (arch == Arch::Gemma3).then_some(10_000.0);
+                    LocalLayers::every(period, num_layers, theta)
+                }),
             attention_bias: arch.attention_bias() && self.has_tensor("blk.0.attn_q.bias"),
             qk_norm: arch.qk_norm(),
             moe,
@@ -184,10 +191,9 @@ impl GgufFile {
             activation: arch.activation(),
             embedding_scale: arch.embedding_scale(hidden_size),
             post_norms: arch.post_norms(),
-            attention_scale: gemma_attention_scale(arch, num_layers, hidden_size, num_heads),
-            final_logit_softcap: self
-                .opt_f32(&k("final_logit_softcapping"))?
-                .filter(|&c| c > 0.0),
+            attention_scale: arch.gguf_attention_scale(num_layers, hidden_size, num_heads),
+            final_logit_softcap,
+            attn_logit_softcap,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -313,13 +319,6 @@ impl WeightSource for GgufFile {
             })?;
         Ok(Some(RawWeight::Quantized(Box::new(q))))
     }
-}
-
-/// A GGUF does not carry Gemma's `query_pre_attn_scalar`: as llama.cpp does, Gemma 3 27B (62
-/// layers) scales queries by `1 / sqrt(hidden / heads)`, every other size by `1 / sqrt(head_dim)`.
-fn gemma_attention_scale(arch: Arch, layers: usize, hidden: usize, heads: usize) -> Option<f32> {
-    (arch == Arch::Gemma3 && layers == 62 && heads > 0)
-        .then(|| 1.0 / ((hidden / heads) as f32).sqrt())
 }
 
 fn value_usize(v: &Value) -> Option<usize> {

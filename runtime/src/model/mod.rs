@@ -47,7 +47,7 @@ pub enum ModelError {
     #[error("{path}: {reason}")]
     Corrupt { path: PathBuf, reason: String },
     #[error(
-        "unsupported model architecture '{0}' (supported: gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2moe, qwen3, qwen3moe)"
+        "unsupported model architecture '{0}' (supported: gemma2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2moe, qwen3, qwen3moe)"
     )]
     UnsupportedArchitecture(String),
     #[error("unsupported: {0}")]

@@ -73,7 +73,7 @@ pub struct HfConfig {
     /// Gemma: attention scores scaled by `1 / sqrt(query_pre_attn_scalar)`.
     query_pre_attn_scalar: Option<f32>,
     final_logit_softcapping: Option<f32>,
-    /// Gemma 2's soft-capped attention scores: refused by name.
+    /// Gemma 2's soft-capped attention scores.
     attn_logit_softcapping: Option<f32>,
     /// `silu` in most families; Gemma calls it `hidden_activation`.
     #[serde(alias = "hidden_activation")]
@@ -128,13 +128,9 @@ impl HfConfig {
             "MixtralForCausalLM" | "mixtral" => Arch::Mistral,
             "Phi3ForCausalLM" | "phi3" => Arch::Phi3,
             "Gemma3ForCausalLM" | "gemma3_text" => Arch::Gemma3,
+            "Gemma2ForCausalLM" | "gemma2" => Arch::Gemma2,
             other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
         };
-        if self.attn_logit_softcapping.is_some_and(|c| c > 0.0) {
-            return Err(ModelError::Unsupported(format!(
-                "{name}: attention logit soft-capping (attn_logit_softcapping)"
-            )));
-        }
         self.check_activation(&name, arch)?;
         let moe = self.moe(&name, arch)?;
         let head_dim = self.head_dim.unwrap_or_else(|| {
@@ -171,8 +167,10 @@ impl HfConfig {
             _ if !arch.uses_sliding_window() => None,
             _ => self.sliding_window.filter(|&w| w > 0),
         };
-        let local_layers = match arch {
-            Arch::Gemma3 if sliding_window.is_some() => Some(self.gemma_local_layers()?),
+        let local_layers = match arch.global_layer_period() {
+            Some(period) if sliding_window.is_some() => {
+                Some(self.gemma_local_layers(arch, period)?)
+            }
             _ => None,
         };
         let cfg = ModelConfig {
@@ -201,6 +199,7 @@ impl HfConfig {
             post_norms: arch.post_norms(),
             attention_scale: self.query_pre_attn_scalar.map(|s| 1.0 / s.sqrt()),
             final_logit_softcap: self.final_logit_softcapping.filter(|&c| c > 0.0),
+            attn_logit_softcap: self.attn_logit_softcapping.filter(|&c| c > 0.0),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -226,12 +225,14 @@ impl HfConfig {
         }
     }
 
-    /// Gemma 3's sliding and global layers: `layer_types` where the config lists them, else
-    /// every `sliding_window_pattern`-th layer (default 6) global.
-    fn gemma_local_layers(&self) -> Result<LocalLayers, ModelError> {
-        let rope_theta = Some(self.rope_local_base_freq.unwrap_or(10_000.0));
+    /// Gemma's sliding and global layers: `layer_types` where the config lists them, else
+    /// every `sliding_window_pattern`-th layer (default: the family's `period`) global. Gemma
+    /// 3's sliding layers have their own RoPE base (`rope_local_base_freq`, default 10000).
+    fn gemma_local_layers(&self, arch: Arch, period: usize) -> Result<LocalLayers, ModelError> {
+        let rope_theta =
+            (arch == Arch::Gemma3).then(|| self.rope_local_base_freq.unwrap_or(10_000.0));
         let Some(types) = &self.layer_types else {
-            let period = self.sliding_window_pattern.unwrap_or(6);
+            let period = self.sliding_window_pattern.unwrap_or(period);
             return Ok(LocalLayers::every(
                 period,
                 self.num_hidden_layers,
@@ -762,12 +763,27 @@ mod tests {
     }
 
     #[test]
+    fn gemma2_caps_its_scores_and_slides_every_other_layer() {
+        let caps = r#","attn_logit_softcapping":50.0,"final_logit_softcapping":30.0"#;
+        let cfg = gemma("Gemma2ForCausalLM", caps).expect("gemma2");
+        assert_eq!(cfg.arch, Arch::Gemma2);
+        assert_eq!(
+            (cfg.attn_logit_softcap, cfg.final_logit_softcap),
+            (Some(50.0), Some(30.0))
+        );
+        assert!(!cfg.qk_norm && cfg.post_norms);
+        assert_eq!(cfg.activation, Activation::GeluTanh);
+        let sliding: Vec<bool> = (0..8).map(|l| cfg.is_sliding(l)).collect();
+        assert_eq!(
+            sliding,
+            [true, false, true, false, true, false, true, false]
+        );
+        // One RoPE for every layer.
+        assert_eq!(cfg.local_layers.as_ref().and_then(|l| l.rope_theta), None);
+    }
+
+    #[test]
     fn what_gemma_support_lacks_is_refused_by_name() {
-        let e = gemma("Gemma3ForCausalLM", r#","attn_logit_softcapping":50.0"#)
-            .expect_err("Gemma 2's attention soft-cap");
-        assert!(e.to_string().contains("soft-capping"), "{e}");
-        let e = gemma("Gemma2ForCausalLM", "").expect_err("Gemma 2");
-        assert!(e.to_string().contains("Gemma2ForCausalLM"), "{e}");
         // A family run with another activation than its code's is refused, not run wrong.
         let e = config(r#","hidden_act":"gelu""#).expect_err("Phi-3 with GELU");
         assert!(e.to_string().contains("activation 'gelu'"), "{e}");

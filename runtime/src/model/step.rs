@@ -104,6 +104,7 @@ impl PackedStep {
                 .attention_scale
                 .unwrap_or(1.0 / (cfg.head_dim as f32).sqrt()),
             sliding_window: cfg.sliding_window,
+            softcap: cfg.attn_logit_softcap,
             token_seq: self.data[self.token_seq()].to_vec(),
             token_pos: self.data[self.positions()].to_vec(),
             block_tables,

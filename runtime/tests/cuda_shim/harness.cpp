@@ -2,7 +2,7 @@
 // named by argv[1] (written by runtime/tests/cuda_kernel_on_cpu.rs, little-endian):
 //   i32 x 12: tokens, seqs, num_heads, num_kv_heads, head_dim, block_size, window, cache type
 //             (0 f32, 1 f16, 2 bf16), slots, tables length, threads per block, shared bytes
-//   f32: scale
+//   f32: scale, softcap (0: none)
 //   q (f32), k cache, v cache (the cache type), token_seq, token_pos, table_start, tables (u32)
 // and writes the output rows (f32) to argv[2]. Every buffer, each block's shared memory
 // included, is its own exact-size allocation, so AddressSanitizer reports any access outside a
@@ -17,7 +17,7 @@
 #include "../../kernels/paged_attention.cu"
 
 template <typename C, typename K>
-static std::vector<float> launch(const int *h, float scale, FILE *f, K kernel) {
+static std::vector<float> launch(const int *h, float scale, float softcap, FILE *f, K kernel) {
   const int tokens = h[0], seqs = h[1], nh = h[2], kvh = h[3], hd = h[4], bs = h[5], window = h[6];
   const size_t slots = h[8], tables_len = h[9];
   const int threads = h[10], shared_bytes = h[11];
@@ -50,7 +50,7 @@ static std::vector<float> launch(const int *h, float scale, FILE *f, K kernel) {
           }
           barrier.arrive_and_wait();
           kernel(out.data(), q.data(), k.data(), v.data(), token_seq.data(), token_pos.data(),
-                 table_start.data(), tables.data(), nh, kvh, hd, bs, scale, window);
+                 table_start.data(), tables.data(), nh, kvh, hd, bs, scale, window, softcap);
           barrier.arrive_and_wait();
         }
       }
@@ -72,12 +72,13 @@ int main(int argc, char **argv) {
     return 2;
   }
   auto header = read<int32_t>(f, 12);
-  float scale = read<float>(f, 1)[0];
+  auto scalars = read<float>(f, 2);
+  const float scale = scalars[0], softcap = scalars[1];
   std::vector<float> out;
   switch (header[7]) {
-    case 0: out = launch<float>(header.data(), scale, f, paged_attention_f32); break;
-    case 1: out = launch<__half>(header.data(), scale, f, paged_attention_f16); break;
-    case 2: out = launch<__nv_bfloat16>(header.data(), scale, f, paged_attention_bf16); break;
+    case 0: out = launch<float>(header.data(), scale, softcap, f, paged_attention_f32); break;
+    case 1: out = launch<__half>(header.data(), scale, softcap, f, paged_attention_f16); break;
+    case 2: out = launch<__nv_bfloat16>(header.data(), scale, softcap, f, paged_attention_bf16); break;
     default: std::fprintf(stderr, "cache type %d\n", header[7]); return 2;
   }
   std::fclose(f);

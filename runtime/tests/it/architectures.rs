@@ -95,6 +95,10 @@ fn folder_matches_gguf(name: &str, archs: (Arch, Arch), moe: Option<Moe>) {
     assert_eq!((a.moe, b.moe), (moe, moe));
     assert_eq!(a.attention_bias, b.attention_bias);
     assert_eq!(a.sliding_window, b.sliding_window);
+    assert_eq!(
+        (a.attn_logit_softcap, a.final_logit_softcap),
+        (b.attn_logit_softcap, b.final_logit_softcap)
+    );
     assert_eq!(a.local_layers, b.local_layers);
     assert_eq!(
         (a.activation, a.embedding_scale, a.post_norms),
@@ -173,6 +177,12 @@ fn a_phi4_mini_folder_answers_as_its_gguf_does() {
 #[test]
 fn a_gemma3_folder_answers_as_its_gguf_does() {
     folder_matches_gguf("gemma3", (Arch::Gemma3, Arch::Gemma3), None);
+}
+
+/// Gemma 2: soft-capped attention and logits, every other layer sliding.
+#[test]
+fn a_gemma2_folder_answers_as_its_gguf_does() {
+    folder_matches_gguf("gemma2", (Arch::Gemma2, Arch::Gemma2), None);
 }
 
 #[test]
@@ -282,7 +292,10 @@ fn a_multimodal_gemma3_folder_serves_its_language_model() {
     }
     let (gguf, mm) = (load(&gguf_path), load(dir.path()));
     assert_eq!(mm.model.config().arch, Arch::Gemma3);
-    assert_eq!(mm.model.config().local_layers, gguf.model.config().local_layers);
+    assert_eq!(
+        mm.model.config().local_layers,
+        gguf.model.config().local_layers
+    );
     assert_eq!(mm.eos_token_ids, gguf.eos_token_ids);
     let (ours, theirs) = (answers(&mm, 16), answers(&gguf, 16));
     for (q, (a, b)) in QUESTIONS.iter().zip(ours.iter().zip(&theirs)) {

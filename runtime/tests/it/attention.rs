@@ -36,10 +36,13 @@ proptest! {
         block_size in prop::sample::select(vec![4usize, 16]),
         seqs in prop::collection::vec((0usize..70, 1usize..45), 1..4),
         window in prop::option::of(1usize..50),
+        softcap in prop::option::of(prop::sample::select(vec![1.5f32, 50.0])),
         cache in prop::sample::select(vec![DType::F32, DType::F16, DType::BF16]),
         seed in any::<u64>(),
     ) {
-        let shape = BatchShape { kv_heads, group, head_dim, block_size, seqs, window, cache, seed };
+        let shape = BatchShape {
+            kv_heads, group, head_dim, block_size, seqs, window, softcap, cache, seed,
+        };
         let b = shape.in_order();
         let (meta, kc, vc) = (&b.meta, &b.k_cache, &b.v_cache);
         let fused = run(meta, &b.q, kc, vc, AttentionBackend::Auto);

@@ -92,6 +92,7 @@ fn run_kernel(meta: &AttnMeta, q: &[f32], kc: &Tensor, vc: &Tensor) -> Vec<f32> 
     let mut buf = Vec::new();
     push(&mut buf, &header, |x| (x as i32).to_le_bytes().to_vec());
     buf.extend(meta.scale.to_le_bytes());
+    buf.extend(meta.softcap.unwrap_or(0.0).to_le_bytes());
     push(&mut buf, q, |x: f32| x.to_le_bytes().to_vec());
     for c in [kc, vc] {
         let flat = c.flatten_all().expect("flat");
@@ -163,10 +164,13 @@ proptest! {
         block_size in prop::sample::select(vec![4usize, 16]),
         seqs in prop::collection::vec((0usize..300, 1usize..12), 1..4),
         window in prop::option::of(1usize..200),
+        softcap in prop::option::of(prop::sample::select(vec![1.5f32, 50.0])),
         cache in prop::sample::select(vec![DType::F32, DType::F16, DType::BF16]),
         seed in any::<u64>(),
     ) {
-        let shape = BatchShape { kv_heads, group, head_dim, block_size, seqs, window, cache, seed };
+        let shape = BatchShape {
+            kv_heads, group, head_dim, block_size, seqs, window, softcap, cache, seed,
+        };
         let b = shape.in_order();
         let gpu = run_kernel(&b.meta, &b.q, &b.k_cache, &b.v_cache);
         let cpu = cpu_kernel(&b.meta, &b.q, &b.k_cache, &b.v_cache);
@@ -199,6 +203,7 @@ fn tables_outside_the_pool_are_refused() {
         block_size: 4,
         scale: 0.35,
         sliding_window: None,
+        softcap: None,
         token_seq: vec![0],
         token_pos: vec![3],
         block_tables: vec![vec![9]],

@@ -54,6 +54,7 @@ fn greedy_answers_agree_with_llama_server() {
         &common::default_model(),
         (WeightMode::Auto, WeightMode::Packed),
         None,
+        0,
     );
     eprintln!("{exact} of 10 answers identical to llama.cpp's");
 }
@@ -68,6 +69,7 @@ fn greedy_answers_with_a_lora_adapter_agree_with_llama_server() {
         &common::default_model(),
         (WeightMode::Auto, WeightMode::Packed),
         Some(&adapter),
+        0,
     );
     eprintln!("LoRA: {exact} of 10 answers identical to llama.cpp's");
 }
@@ -81,6 +83,7 @@ fn greedy_answers_of_an_f16_checkpoint_agree_with_llama_server() {
         &ferrite_testkit::model::gguf_variant("f16", false).join("model.gguf"),
         (WeightMode::Auto, WeightMode::Dense),
         None,
+        8,
     );
     eprintln!("F16: {exact} of 10 answers identical to llama.cpp's");
 }
@@ -94,6 +97,7 @@ fn greedy_answers_of_a_qwen3_checkpoint_agree_with_llama_server() {
         &ferrite_testkit::model::gguf_variant("qwen3", true).join("model.gguf"),
         (WeightMode::Auto, WeightMode::Dense),
         None,
+        6,
     );
     eprintln!("Qwen3: {exact} of 10 answers identical to llama.cpp's");
 }
@@ -108,6 +112,7 @@ fn greedy_answers_with_a_sentencepiece_vocabulary_agree_with_llama_server() {
         &ferrite_testkit::model::gguf_variant("spm", false).join("model.gguf"),
         (WeightMode::Auto, WeightMode::Dense),
         None,
+        8,
     );
     eprintln!("SentencePiece: {exact} of 10 answers identical to llama.cpp's");
 }
@@ -122,7 +127,14 @@ fn greedy_answers_of_a_mixtral_checkpoint_agree_with_llama_server() {
         (WeightMode::Auto, WeightMode::Dense),
         (WeightMode::Packed, WeightMode::Packed),
     ] {
-        let exact = agree("llama_server_greedy_mixtral.json", &path, modes, None);
+        let floor = if modes.1 == WeightMode::Packed { 0 } else { 8 };
+        let exact = agree(
+            "llama_server_greedy_mixtral.json",
+            &path,
+            modes,
+            None,
+            floor,
+        );
         eprintln!(
             "Mixtral {:?}: {exact} of 10 answers identical to llama.cpp's",
             modes.1
@@ -139,6 +151,7 @@ fn greedy_answers_of_a_qwen2_moe_checkpoint_agree_with_llama_server() {
         &ferrite_testkit::model::gguf_variant("qwen2moe", false).join("model.gguf"),
         (WeightMode::Auto, WeightMode::Dense),
         None,
+        7,
     );
     eprintln!("Qwen2-MoE: {exact} of 10 answers identical to llama.cpp's");
 }
@@ -152,6 +165,7 @@ fn greedy_answers_of_a_phi3_checkpoint_agree_with_llama_server() {
         &ferrite_testkit::model::gguf_variant("phi3", true).join("model.gguf"),
         (WeightMode::Auto, WeightMode::Dense),
         None,
+        7,
     );
     eprintln!("Phi-3: {exact} of 10 answers identical to llama.cpp's");
 }
@@ -170,6 +184,7 @@ fn greedy_answers_of_a_phi4_mini_checkpoint_agree_with_llama_server() {
         &path,
         (WeightMode::Auto, WeightMode::Dense),
         None,
+        8,
     );
     eprintln!("Phi-4-mini: {exact} of 10 answers identical to llama.cpp's");
 }
@@ -187,12 +202,28 @@ fn greedy_answers_of_a_gemma3_checkpoint_agree_with_llama_server() {
         (WeightMode::Quantized, WeightMode::Quantized),
         (WeightMode::Packed, WeightMode::Packed),
     ] {
-        let exact = agree("llama_server_greedy_gemma3.json", &path, modes, None);
+        let floor = if modes.1 == WeightMode::Packed { 0 } else { 8 };
+        let exact = agree("llama_server_greedy_gemma3.json", &path, modes, None, floor);
         eprintln!(
             "Gemma 3 {:?}: {exact} of 10 answers identical to llama.cpp's",
             modes.1
         );
     }
+}
+
+/// Gemma 2 (Gemma 3's layer without q/k norms, every other layer within a 16-token window,
+/// attention scores soft-capped at 10 and logits at 30; `scripts/gguf-variants.py gemma2`),
+/// against llama-server on the same file.
+#[test]
+fn greedy_answers_of_a_gemma2_checkpoint_agree_with_llama_server() {
+    let exact = agree(
+        "llama_server_greedy_gemma2.json",
+        &ferrite_testkit::model::gguf_variant("gemma2", true).join("model.gguf"),
+        (WeightMode::Auto, WeightMode::Dense),
+        None,
+        8,
+    );
+    eprintln!("Gemma 2: {exact} of 10 answers identical to llama.cpp's");
 }
 
 /// Qwen3-MoE (4 experts, top 2; `scripts/gguf-variants.py qwen3moe`) in every weight mode: at
@@ -211,6 +242,7 @@ fn greedy_answers_of_a_qwen3_moe_checkpoint_agree_with_llama_server() {
             &path,
             (request, resolved),
             None,
+            if resolved == WeightMode::Packed { 0 } else { 5 },
         );
         eprintln!("Qwen3-MoE {resolved:?}: {exact} of 10 answers identical to llama.cpp's");
     }
@@ -218,13 +250,21 @@ fn greedy_answers_of_a_qwen3_moe_checkpoint_agree_with_llama_server() {
 
 /// Runs the fixture's prompts greedily on `model` (with `adapter`, a LoRA adapter's path, on
 /// every sequence) loaded with weight mode `request`, checks that it resolved to `resolved`,
-/// and that every answer agrees with llama.cpp's for [`MIN_AGREED`] tokens or parts only at a
-/// near-tie. Returns how many are identical.
+/// that every answer agrees with llama.cpp's for [`MIN_AGREED`] tokens or parts only at a
+/// near-tie, and that at least `min_exact` of the ten are identical. Returns how many are.
+///
+/// The near-tie rule alone cannot fail on a test model whose answers are unsure (most of the
+/// architectures' are): with Gemma 2's soft-cap left out, every answer parted at a gap below
+/// [`TIE_GAP`] and 3 of 10 stayed identical. Computed at the checkpoint's F16 precision, as
+/// llama.cpp computes it, each of them gives 7 to 10 of 10 on this VM's AVX-512: `min_exact`
+/// holds them to it, with one or two answers of slack for other CPUs' rounding (packed
+/// modes, whose 8-bit activations round elsewhere than llama.cpp's, take 0).
 fn agree(
     fixture_name: &str,
     model_path: &Path,
     (request, resolved): (WeightMode, WeightMode),
     adapter: Option<&Path>,
+    min_exact: usize,
 ) -> usize {
     let fx = fixture(fixture_name);
     let opts = LoadOptions {
@@ -298,5 +338,10 @@ fn agree(
             p["answer"]
         );
     }
+    assert!(
+        exact >= min_exact,
+        "{fixture_name} ({resolved:?}): {exact} of 10 answers identical to llama.cpp's, \
+         fewer than {min_exact}"
+    );
     exact
 }

@@ -1,6 +1,6 @@
 //! Random mixed attention batches for the attention kernels' tests: prefill chunks after cached
 //! context, decodes, several sequences, block tables handed out back to front (so not in slot
-//! order), sliding windows, GQA groups, and a cache type.
+//! order), sliding windows, soft-capped scores, GQA groups, and a cache type.
 
 use candle_core::{DType, Device, Tensor};
 use ferrite_runtime::model::attention::AttnMeta;
@@ -15,6 +15,8 @@ pub struct BatchShape {
     pub block_size: usize,
     pub seqs: Vec<(usize, usize)>,
     pub window: Option<usize>,
+    /// Gemma 2's soft-cap of the scores.
+    pub softcap: Option<f32>,
     pub cache: DType,
     pub seed: u64,
 }
@@ -92,6 +94,7 @@ impl BatchShape {
                 block_size: self.block_size,
                 scale: 1.0 / (self.head_dim as f32).sqrt(),
                 sliding_window: self.window,
+                softcap: self.softcap,
                 token_seq,
                 token_pos,
                 block_tables,
