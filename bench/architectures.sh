@@ -4,7 +4,8 @@
 # model's weights — llama (its F16 form, the baseline), qwen3 (q/k norms), qwen3moe (4 experts of
 # the full FFN size, 2 per token: twice the FFN work per token), phi3 (fused projections),
 # phi4mini (phi3 with three quarters of each head rotated), gemma3 (q/k norms, norms after each
-# block, GeGLU, five of six layers attending within 16 tokens) — all repacked to the same 8-bit
+# block, GeGLU, five of six layers attending within 16 tokens), gemma2 (no q/k norms, every
+# other layer within 16 tokens, soft-capped attention scores) — all repacked to the same 8-bit
 # weights (--weights packed), so only the architecture differs.
 # Decode at batch 1 and 32 (64-token contexts, 32 steps) and a 512-token prefill, best of 2;
 # REPEAT rounds (default 2), each running every architecture, in reverse order on odd rounds.
@@ -21,7 +22,7 @@ target=${CARGO_TARGET_DIR:-$root/target}
 dir=/tmp/ferrite-bench-arch/$(sha256sum scripts/gguf-variants.py | cut -c1-12)
 find /tmp/ferrite-bench-arch -mindepth 1 -maxdepth 1 ! -path "$dir" -exec rm -rf {} + 2>/dev/null || true
 mkdir -p "$dir"
-archs=(f16 qwen3 qwen3moe phi3 phi4mini gemma3)
+archs=(f16 qwen3 qwen3moe phi3 phi4mini gemma3 gemma2)
 for a in "${archs[@]}"; do
   [ -f "$dir/$a.gguf" ] || scripts/gguf-variants.py "$a" "$dir/$a.gguf" --model "$model" >/dev/null
 done
