@@ -13,6 +13,7 @@ pub mod norm;
 pub mod pool;
 pub mod qgemm;
 pub(crate) mod simd;
+pub mod softcap;
 pub mod swiglu;
 
 /// The instruction set a kernel runs on, chosen once at run time.

@@ -14,8 +14,9 @@ use rayon::prelude::*;
 
 pub use super::attention_meta::AttnMeta;
 use super::cpu_view::contiguous;
-use crate::kernels::exp::{EXP_MAX, exp_approx};
+use crate::kernels::exp::exp_approx;
 use crate::kernels::simd::F32Path;
+use crate::kernels::softcap::softcap;
 
 /// Which attention implementation a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -494,26 +495,9 @@ mod x86 {
 /// The micro-tile written once over [`F32s`] and compiled per ISA by the entry points below.
 mod vector {
     use super::{Chunk, KC, Rows, exp_approx};
-    use crate::kernels::exp::{EXP_MAX, exp};
+    use crate::kernels::exp::exp;
     use crate::kernels::simd::*;
-
-    /// [`super::softcap`] on one vector, operation for operation.
-    ///
-    /// # Safety
-    /// The CPU has `S`'s features.
-    #[inline(always)]
-    unsafe fn softcap<S: F32s>(y: S::V, cap: f32) -> S::V {
-        // SAFETY: the caller checked `S`'s features.
-        unsafe {
-            let z = S::min(S::mul(y, S::splat(2.0 / cap)), S::splat(EXP_MAX));
-            let e = exp::<S>(z);
-            let t = S::sub(
-                S::splat(1.0),
-                S::div(S::splat(2.0), S::add(S::splat(1.0), e)),
-            );
-            S::mul(S::splat(cap), t)
-        }
-    }
+    use crate::kernels::softcap::softcap_vector;
 
     /// [`super::micro_tile_portable`] in vectors: each row's [`KC`] scores as `N` vectors of
     /// `S::LANES`, the portable path's operations lane for lane (fused multiply-adds in the same
@@ -555,7 +539,7 @@ mod vector {
                 let x: [S::V; N] = std::array::from_fn(|h| {
                     let mut scaled = S::mul(sc[i][h], scale);
                     if c.softcap > 0.0 {
-                        scaled = softcap::<S>(scaled, c.softcap);
+                        scaled = softcap_vector::<S>(scaled, c.softcap);
                     }
                     S::keep_range(scaled, f32::NEG_INFINITY, h * lanes, jlo, jhi)
                 });
@@ -773,15 +757,6 @@ fn tile_with<T: KvElem>(
     }
 }
 
-/// Gemma 2's soft-capped score `cap · tanh(y / cap)`, with `tanh(u) = 1 − 2 / (1 + e^{2u})`
-/// through [`exp_approx`] (the vector paths do the same operations): about 1e-6 of `cap` from
-/// the exact value, far below what moves a softmax weight.
-#[inline(always)]
-fn softcap(y: f32, cap: f32) -> f32 {
-    let e = exp_approx((y * (2.0 / cap)).min(EXP_MAX));
-    cap * (1.0 - 2.0 / (1.0 + e))
-}
-
 /// One micro-tile's view of a chunk: up to [`RT`] query rows against [`KC`] keys.
 struct Chunk<'a> {
     /// The rows' queries, `[rows][hd]`.
@@ -792,7 +767,7 @@ struct Chunk<'a> {
     vs: &'a [f32],
     hd: usize,
     scale: f32,
-    /// The scores' soft-cap ([`softcap`]); 0 for none.
+    /// The scores' soft-cap (`kernels::softcap`); 0 for none.
     softcap: f32,
     /// Per row: the keys `lo..=hi` (chunk indices) it attends to in this chunk.
     ranges: [Option<(usize, usize)>; RT],
@@ -967,24 +942,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn softcap_is_cap_tanh() {
-        for cap in [1.5f32, 30.0, 50.0] {
-            for i in -400..=400 {
-                let y = i as f32 * 0.37;
-                let want = f64::from(cap) * (f64::from(y) / f64::from(cap)).tanh();
-                let got = f64::from(softcap(y, cap));
-                assert!(
-                    (got - want).abs() <= 3e-6 * f64::from(cap),
-                    "cap {cap}, {y}: {got} vs {want}"
-                );
-            }
-        }
-        // Far out the cap holds; a masked score stays masked only if masked after the cap.
-        assert_eq!(softcap(1e30, 50.0), 50.0);
-        assert_eq!(softcap(-1e30, 50.0), -50.0);
     }
 
     /// The vector micro-tiles agree with the portable one bit for bit, for every row count,

@@ -370,7 +370,13 @@ impl LlamaModel {
     fn head(&self, h: &Tensor) -> Result<Tensor, ModelError> {
         let logits = self.weights.lm_head.forward(h)?.to_dtype(DType::F32)?;
         match self.cfg.final_logit_softcap {
-            // `cap · tanh(logits / cap)`.
+            // `cap · tanh(logits / cap)`, vectorized on the CPU.
+            Some(cap) if logits.device().is_cpu() => {
+                let dims = logits.dims().to_vec();
+                let mut v = logits.flatten_all()?.to_vec1::<f32>()?;
+                crate::kernels::softcap::softcap_in_place(&mut v, cap);
+                Ok(Tensor::from_vec(v, dims, &self.device)?)
+            }
             Some(cap) => {
                 let cap = f64::from(cap);
                 Ok(((logits / cap)?.tanh()? * cap)?)
