@@ -122,24 +122,16 @@ fn greedy_answers_with_a_sentencepiece_vocabulary_agree_with_llama_server() {
 /// is run, and at F16.
 #[test]
 fn greedy_answers_of_a_mixtral_checkpoint_agree_with_llama_server() {
-    let path = ferrite_testkit::model::gguf_variant("mixtral", true).join("model.gguf");
-    for modes in [
-        (WeightMode::Auto, WeightMode::Dense),
-        (WeightMode::Packed, WeightMode::Packed),
-    ] {
-        let floor = if modes.1 == WeightMode::Packed { 0 } else { 8 };
-        let exact = agree(
-            "llama_server_greedy_mixtral.json",
-            &path,
-            modes,
-            None,
-            floor,
-        );
-        eprintln!(
-            "Mixtral {:?}: {exact} of 10 answers identical to llama.cpp's",
-            modes.1
-        );
-    }
+    agree_in_modes(
+        "Mixtral",
+        "llama_server_greedy_mixtral.json",
+        &ferrite_testkit::model::gguf_variant("mixtral", true).join("model.gguf"),
+        &[
+            (WeightMode::Auto, WeightMode::Dense),
+            (WeightMode::Packed, WeightMode::Packed),
+        ],
+        8,
+    );
 }
 
 /// Qwen2-MoE (Q/K/V biases, experts not renormalised, a shared expert under a sigmoid gate;
@@ -191,24 +183,17 @@ fn greedy_answers_of_a_phi4_mini_checkpoint_agree_with_llama_server() {
 
 /// Gemma 3 (q/k norms, norms after each block, GeGLU, a scaled embedding, five sliding layers
 /// of a 16-token window to one global with another RoPE base; `scripts/gguf-variants.py
-/// gemma3`), against llama-server on the same file, in every weight mode: at F16 (`auto`),
-/// with candle's kernels on the F16 blocks (`quantized`), and repacked to 8 bits (`packed`). The prompts are 15 to 19 tokens long, so
-/// every answer runs past the window.
+/// gemma3`), against llama-server on the same file, in every weight mode. The prompts are 15
+/// to 19 tokens long, so every answer runs past the window.
 #[test]
 fn greedy_answers_of_a_gemma3_checkpoint_agree_with_llama_server() {
-    let path = ferrite_testkit::model::gguf_variant("gemma3", true).join("model.gguf");
-    for modes in [
-        (WeightMode::Auto, WeightMode::Dense),
-        (WeightMode::Quantized, WeightMode::Quantized),
-        (WeightMode::Packed, WeightMode::Packed),
-    ] {
-        let floor = if modes.1 == WeightMode::Packed { 0 } else { 8 };
-        let exact = agree("llama_server_greedy_gemma3.json", &path, modes, None, floor);
-        eprintln!(
-            "Gemma 3 {:?}: {exact} of 10 answers identical to llama.cpp's",
-            modes.1
-        );
-    }
+    agree_in_modes(
+        "Gemma 3",
+        "llama_server_greedy_gemma3.json",
+        &ferrite_testkit::model::gguf_variant("gemma3", true).join("model.gguf"),
+        &EVERY_MODE,
+        8,
+    );
 }
 
 /// Gemma 2 (Gemma 3's layer without q/k norms, every other layer within a 16-token window,
@@ -231,20 +216,40 @@ fn greedy_answers_of_a_gemma2_checkpoint_agree_with_llama_server() {
 /// repacked to 8 bits (`packed`).
 #[test]
 fn greedy_answers_of_a_qwen3_moe_checkpoint_agree_with_llama_server() {
-    let path = ferrite_testkit::model::gguf_variant("qwen3moe", true).join("model.gguf");
-    for (request, resolved) in [
-        (WeightMode::Auto, WeightMode::Dense),
-        (WeightMode::Quantized, WeightMode::Quantized),
-        (WeightMode::Packed, WeightMode::Packed),
-    ] {
-        let exact = agree(
-            "llama_server_greedy_qwen3moe.json",
-            &path,
-            (request, resolved),
-            None,
-            if resolved == WeightMode::Packed { 0 } else { 5 },
-        );
-        eprintln!("Qwen3-MoE {resolved:?}: {exact} of 10 answers identical to llama.cpp's");
+    agree_in_modes(
+        "Qwen3-MoE",
+        "llama_server_greedy_qwen3moe.json",
+        &ferrite_testkit::model::gguf_variant("qwen3moe", true).join("model.gguf"),
+        &EVERY_MODE,
+        5,
+    );
+}
+
+/// A float checkpoint's weight modes as (asked, resolved): at its F16 precision (`auto`), with
+/// candle's kernels on its F16 blocks (`quantized`), repacked to 8 bits (`packed`).
+const EVERY_MODE: [(WeightMode, WeightMode); 3] = [
+    (WeightMode::Auto, WeightMode::Dense),
+    (WeightMode::Quantized, WeightMode::Quantized),
+    (WeightMode::Packed, WeightMode::Packed),
+];
+
+/// [`agree`] in each of `modes`, holding the runs at F16 precision to `floor` identical answers
+/// (packed runs to none).
+fn agree_in_modes(
+    label: &str,
+    fixture_name: &str,
+    path: &Path,
+    modes: &[(WeightMode, WeightMode)],
+    floor: usize,
+) {
+    for &(request, resolved) in modes {
+        let min = if resolved == WeightMode::Packed {
+            0
+        } else {
+            floor
+        };
+        let exact = agree(fixture_name, path, (request, resolved), None, min);
+        eprintln!("{label} {resolved:?}: {exact} of 10 answers identical to llama.cpp's");
     }
 }
 
