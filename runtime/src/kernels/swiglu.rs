@@ -20,10 +20,13 @@ use super::simd::F32Path;
 /// Fewest rows a thread takes (a decode step's few rows run on the calling thread).
 const PAR_ROWS: usize = 8;
 
-/// Which activation gates the FFN.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which activation gates the FFN: `act(gate) · up` (a model's `ModelConfig::activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Gate {
+    /// SwiGLU (Llama and most families).
+    #[default]
     Silu,
+    /// GeGLU with GELU's tanh approximation (Gemma's `gelu_pytorch_tanh`).
     GeluTanh,
 }
 

@@ -5,7 +5,7 @@
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::config::Activation;
-use crate::kernels::swiglu::{self, Gate};
+use crate::kernels::swiglu;
 
 /// `silu(gate) · up` of a fused `[tokens, 2·ffn]` gate/up projection, gate columns first.
 pub fn swiglu(gate_up: &Tensor, ffn: usize) -> Result<Tensor> {
@@ -44,11 +44,7 @@ impl CustomOp1 for Gated {
             candle_core::bail!("gated ffn: input has {width} columns, not 2 x {ffn}");
         }
         let x = super::cpu_view::contiguous::<f32>(s, l, "gated ffn: the input")?;
-        let gate = match self.act {
-            Activation::Silu => Gate::Silu,
-            Activation::GeluTanh => Gate::GeluTanh,
-        };
-        let out = swiglu::gated(gate, x, ffn);
+        let out = swiglu::gated(self.act, x, ffn);
         Ok((CpuStorage::F32(out), Shape::from((tokens, ffn))))
     }
 

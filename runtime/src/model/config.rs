@@ -140,15 +140,8 @@ impl Arch {
     }
 }
 
-/// The gate's activation of a gated FFN: `act(gate) · up`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Activation {
-    /// SwiGLU (Llama and most families).
-    #[default]
-    Silu,
-    /// GeGLU with GELU's tanh approximation (Gemma's `gelu_pytorch_tanh`).
-    GeluTanh,
-}
+/// The gate's activation of a gated FFN: the kernel's own enum, so nothing maps between two.
+pub use crate::kernels::swiglu::Gate as Activation;
 
 /// Which layers attend within [`ModelConfig::sliding_window`], and how their RoPE differs.
 #[derive(Debug, Clone, PartialEq)]
@@ -383,6 +376,12 @@ impl ModelConfig {
 
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+
+    /// What attention scores are scaled by: [`Self::attention_scale`], else `1 / sqrt(head_dim)`.
+    pub fn score_scale(&self) -> f32 {
+        self.attention_scale
+            .unwrap_or(1.0 / (self.head_dim as f32).sqrt())
     }
 
     /// Layer `l` attends within [`Self::sliding_window`] (when there is one).

@@ -328,14 +328,16 @@ impl HfConfig {
 
 /// Gemma 3's defaults for what its configs leave out (Transformers' `Gemma3TextConfig`): the
 /// multimodal checkpoints' `text_config` names only what differs from them.
-const GEMMA3_TEXT_DEFAULTS: &str = r#"{
-    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
-    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "attention_bias": false, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-    "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6
-}"#;
+fn gemma3_text_defaults() -> serde_json::Value {
+    serde_json::json!({
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "attention_bias": false, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6
+    })
+}
 
 /// The language model's config of a checkpoint: a multimodal Gemma 3
 /// (`Gemma3ForConditionalGeneration`) serves its `text_config` (images are not read), which
@@ -366,10 +368,7 @@ fn text_model_config(mut config: serde_json::Value) -> serde_json::Value {
     }
     let gemma3_text = config.get("model_type").and_then(Value::as_str) == Some("gemma3_text");
     if gemma3_text
-        && let (Value::Object(c), Ok(Value::Object(defaults))) = (
-            &mut config,
-            serde_json::from_str::<Value>(GEMMA3_TEXT_DEFAULTS),
-        )
+        && let (Value::Object(c), Value::Object(defaults)) = (&mut config, gemma3_text_defaults())
     {
         for (k, v) in defaults {
             c.entry(k).or_insert(v);

@@ -100,9 +100,7 @@ impl PackedStep {
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
             block_size,
-            scale: cfg
-                .attention_scale
-                .unwrap_or(1.0 / (cfg.head_dim as f32).sqrt()),
+            scale: cfg.score_scale(),
             sliding_window: cfg.sliding_window,
             softcap: cfg.attn_logit_softcap,
             token_seq: self.data[self.token_seq()].to_vec(),

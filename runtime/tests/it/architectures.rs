@@ -104,11 +104,7 @@ fn folder_matches_gguf(name: &str, archs: (Arch, Arch), moe: Option<Moe>) {
         (a.activation, a.embedding_scale, a.post_norms),
         (b.activation, b.embedding_scale, b.post_norms)
     );
-    let scale = |c: &model::ModelConfig| {
-        c.attention_scale
-            .unwrap_or(1.0 / (c.head_dim as f32).sqrt())
-    };
-    assert_eq!(scale(a), scale(b));
+    assert_eq!(a.score_scale(), b.score_scale());
     if archs.0 == archs.1 {
         assert_eq!(a.rope_style, b.rope_style);
     }
