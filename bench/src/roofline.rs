@@ -6,13 +6,15 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+use ferrite_runtime::kernels::Isa;
+
 /// Ceilings of this machine, all threads together.
 #[derive(Debug, Clone, Copy)]
 pub struct Peaks {
     /// f32 floating-point operations per second (an FMA counts two).
     pub f32_flops: f64,
     /// int8 operations per second (a multiply-add of a byte pair counts two) from the
-    /// multiply instruction the int8 GEMM runs on this CPU: `vpdpbusd` (AVX-512 VNNI),
+    /// multiply instruction the int8 GEMM runs: `vpdpbusd` (AVX-512 VNNI or AVX-VNNI),
     /// `vpmaddubsw` (AVX2) or `sdot` (ARM64 dotprod); none elsewhere.
     pub int8_ops: Option<f64>,
     /// Which instructions [`Peaks::int8_ops`] measured.
@@ -83,16 +85,15 @@ const TRIES: usize = 3;
 /// Independent accumulators per kernel: enough to cover the FMA unit's latency × ports.
 const ACC: usize = 12;
 
+/// FMA at the vector width the f32 kernels run (which `FERRITE_CPU_ISA` may cap below the CPU's).
 fn fma_kernel(iters: u64) -> f64 {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F is present.
-        return unsafe { x86::fma512(iters) };
-    } else if std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-    {
-        // SAFETY: AVX2 and FMA are present.
-        return unsafe { x86::fma256(iters) };
+    match ferrite_runtime::kernels::f32_lanes() {
+        // SAFETY: the f32 kernels run 16 lanes only where AVX-512F is present.
+        16 => return unsafe { x86::fma512(iters) },
+        // SAFETY: and 8 where AVX2 and FMA are.
+        8 => return unsafe { x86::fma256(iters) },
+        _ => {}
     }
     let mut acc = [[1f32; 8]; ACC];
     let (a, b) = (black_box(0.999_f32), black_box(1e-7_f32));
@@ -107,31 +108,32 @@ fn fma_kernel(iters: u64) -> f64 {
     (iters * (ACC * 8 * 2) as u64) as f64
 }
 
-/// The int8 ceiling's kernel for this CPU, named by its instructions.
+/// The int8 ceiling's kernel: the multiply of the path the int8 GEMM runs ([`Isa::best`]),
+/// named by its instructions.
 fn int8_kernel() -> Option<(&'static str, Kernel)> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512vnni") {
-            return Some(("vpdpbusd (AVX-512 VNNI)", |iters| {
-                // SAFETY: AVX-512 VNNI (and so AVX-512F) is present.
-                unsafe { x86::dpbusd512(iters) }
-            }));
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            return Some(("vpmaddubsw (AVX2)", |iters| {
-                // SAFETY: AVX2 is present.
-                unsafe { x86::maddubs256(iters) }
-            }));
-        }
-    }
-    #[cfg(target_arch = "aarch64")]
-    if std::arch::is_aarch64_feature_detected!("dotprod") {
-        return Some(("sdot (NEON dotprod)", |iters| {
-            // SAFETY: the dot-product extension is present.
+    match Isa::best() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => Some(("vpdpbusd (AVX-512 VNNI)", |iters| {
+            // SAFETY: the GEMM runs this path only where AVX-512 VNNI is present.
+            unsafe { x86::dpbusd512(iters) }
+        })),
+        #[cfg(target_arch = "x86_64")]
+        Isa::AvxVnni => Some(("vpdpbusd (AVX-VNNI)", |iters| {
+            // SAFETY: likewise for AVX-VNNI.
+            unsafe { x86::dpbusd256(iters) }
+        })),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => Some(("vpmaddubsw (AVX2)", |iters| {
+            // SAFETY: likewise for AVX2.
+            unsafe { x86::maddubs256(iters) }
+        })),
+        #[cfg(target_arch = "aarch64")]
+        Isa::NeonDot => Some(("sdot (NEON dotprod)", |iters| {
+            // SAFETY: likewise for the dot-product extension.
             unsafe { arm::sdot(iters) }
-        }));
+        })),
+        _ => None,
     }
-    None
 }
 
 /// Sums a `bytes`-sized buffer, split across the threads, until [`SPAN`] has passed.
@@ -237,6 +239,22 @@ mod x86 {
         }
         black_box(acc);
         (iters * (ACC * 64 * 2) as u64) as f64
+    }
+
+    #[target_feature(enable = "avx2,avxvnni")]
+    pub(super) fn dpbusd256(iters: u64) -> f64 {
+        let mut acc = [_mm256_setzero_si256(); ACC];
+        let (a, b) = (
+            _mm256_set1_epi8(black_box(3)),
+            _mm256_set1_epi8(black_box(-5)),
+        );
+        for _ in 0..iters {
+            for r in acc.iter_mut() {
+                *r = _mm256_dpbusd_avx_epi32(*r, a, b);
+            }
+        }
+        black_box(acc);
+        (iters * (ACC * 32 * 2) as u64) as f64
     }
 }
 

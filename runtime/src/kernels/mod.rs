@@ -21,6 +21,10 @@ pub mod swiglu;
 pub enum Isa {
     /// AVX-512 with VNNI (`vpdpbusd`): 64 int8 products per instruction.
     Avx512Vnni,
+    /// AVX2 with FMA and AVX-VNNI (`vpdpbusd` on 256-bit vectors: 32 int8 products per
+    /// instruction): Intel's client cores since Alder Lake, and Xeons on E-cores, have it
+    /// without AVX-512.
+    AvxVnni,
     /// AVX2 with FMA (`vpmaddubsw` + `vpmaddwd`).
     Avx2,
     /// ARM64 NEON with the dot-product extension (`sdot`): 16 int8 products per instruction.
@@ -45,47 +49,120 @@ impl Isa {
     /// The best the CPU supports. AMX is never used: it faults under some hypervisors that
     /// still report it, and VNNI is enough for these sizes.
     pub fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw")
-                && std::arch::is_x86_feature_detected!("avx512vnni")
-            {
-                return Isa::Avx512Vnni;
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2;
-            }
-        }
-        #[cfg(target_arch = "aarch64")]
-        {
-            if std::arch::is_aarch64_feature_detected!("dotprod") {
-                return Isa::NeonDot;
-            }
-            return Isa::Neon;
-        }
-        #[allow(unreachable_code)]
-        Isa::Scalar
+        Isa::available().first().copied().unwrap_or(Isa::Scalar)
     }
 
-    /// [`Isa::detect`], once per process.
+    /// What the kernels run: [`Isa::detect`] or, where [`ISA_CAP_VAR`] names a lower path, the
+    /// best this CPU has at or below it; once per process.
     pub fn best() -> Isa {
         static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
-        *BEST.get_or_init(Isa::detect)
+        *BEST.get_or_init(|| {
+            let floor = Cap::from_env().map_or(0, |c| c.int8.rank());
+            at_or_below(Isa::available(), Isa::rank, floor).unwrap_or(Isa::Scalar)
+        })
     }
 
-    /// Every ISA this CPU can run, best first (tests compare them all).
+    /// Place in this architecture's order, best first (a cap keeps what ranks at or after it).
+    fn rank(self) -> u8 {
+        match self {
+            Isa::Avx512Vnni | Isa::NeonDot => 0,
+            Isa::AvxVnni | Isa::Neon => 1,
+            Isa::Avx2 => 2,
+            Isa::Scalar => 3,
+        }
+    }
+
+    /// Whether this CPU has what `self`'s kernels need.
+    pub fn present(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = || {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+        };
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => avx2() && std::arch::is_x86_feature_detected!("avxvnni"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => avx2(),
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonDot => std::arch::is_aarch64_feature_detected!("dotprod"),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => true,
+            Isa::Scalar => true,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// Every ISA this CPU can run, best first (tests compare them all). Not a prefix of one
+    /// order: a CPU may have AVX-512 VNNI without AVX-VNNI (Ice Lake, Cascade Lake).
     pub fn available() -> Vec<Isa> {
         let order: &[Isa] = if cfg!(target_arch = "aarch64") {
             &[Isa::NeonDot, Isa::Neon, Isa::Scalar]
         } else {
-            &[Isa::Avx512Vnni, Isa::Avx2, Isa::Scalar]
+            &[Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2, Isa::Scalar]
         };
-        let best = Isa::detect();
-        order.iter().copied().skip_while(|&i| i != best).collect()
+        order.iter().copied().filter(|i| i.present()).collect()
     }
+}
+
+/// The environment variable that caps the CPU kernels below what the CPU has (as oneDNN's
+/// `ONEDNN_MAX_CPU_ISA`): `avx512`, `avxvnni`, `avx2`, `neondot`, `neon` or `portable`. It lets
+/// one machine run and benchmark an older CPU's paths, and steps around a hypervisor that
+/// reports features it then faults on.
+pub const ISA_CAP_VAR: &str = "FERRITE_CPU_ISA";
+
+/// The highest paths [`ISA_CAP_VAR`] allows: the int8 GEMM's and the f32 kernels'.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Cap {
+    int8: Isa,
+    f32: simd::F32Path,
+}
+
+impl Cap {
+    /// The cap set in the environment, read once; a value this architecture has no path for is
+    /// logged and ignored (the kernels then take the best the CPU has).
+    fn from_env() -> Option<Cap> {
+        static CAP: std::sync::OnceLock<Option<Cap>> = std::sync::OnceLock::new();
+        *CAP.get_or_init(|| {
+            let value = std::env::var(ISA_CAP_VAR).ok()?;
+            let cap = Cap::parse(&value);
+            if cap.is_none() {
+                tracing::warn!(
+                    "{ISA_CAP_VAR}={value:?} names no CPU path of this architecture; ignored"
+                );
+            }
+            cap
+        })
+    }
+
+    fn parse(value: &str) -> Option<Cap> {
+        use simd::F32Path;
+        let x86 = cfg!(target_arch = "x86_64");
+        let arm = cfg!(target_arch = "aarch64");
+        let (int8, f32) = match value.trim().to_ascii_lowercase().as_str() {
+            "avx512" if x86 => (Isa::Avx512Vnni, F32Path::Avx512),
+            "avxvnni" if x86 => (Isa::AvxVnni, F32Path::Avx2),
+            "avx2" if x86 => (Isa::Avx2, F32Path::Avx2),
+            "neondot" if arm => (Isa::NeonDot, F32Path::Neon),
+            "neon" if arm => (Isa::Neon, F32Path::Neon),
+            "portable" => (Isa::Scalar, F32Path::Portable),
+            _ => return None,
+        };
+        Some(Cap { int8, f32 })
+    }
+}
+
+/// The first of `available` (best first) whose rank is `floor` or after: the best path a cap
+/// allows.
+fn at_or_below<T: Copy>(available: Vec<T>, rank: impl Fn(T) -> u8, floor: u8) -> Option<T> {
+    available.into_iter().find(|&p| rank(p) >= floor)
 }
 
 /// Whether a test of a vector path may run here: `present` is whether this CPU has `isa`. If
@@ -122,10 +199,25 @@ pub fn cpu_paths() -> String {
         simd::F32Path::Neon => "NEON",
         simd::F32Path::Portable => "portable",
     };
+    let capped = match Cap::from_env() {
+        Some(_) => format!(" (capped by {ISA_CAP_VAR})"),
+        None => String::new(),
+    };
     format!(
-        "int8 GEMM {:?}; attention tile, SwiGLU and activation quantizer {vector}",
+        "int8 GEMM {:?}; attention tile, SwiGLU and activation quantizer {vector}{capped}",
         Isa::best()
     )
+}
+
+/// Lanes of the f32 kernels' vectors on this machine (16, 8, 4, or 1 for the portable path),
+/// after any [`ISA_CAP_VAR`] cap: what a benchmark's FMA ceiling should be measured at.
+pub fn f32_lanes() -> usize {
+    match simd::F32Path::best() {
+        simd::F32Path::Avx512 => 16,
+        simd::F32Path::Avx2 => 8,
+        simd::F32Path::Neon => 4,
+        simd::F32Path::Portable => 1,
+    }
 }
 
 /// Whether this CPU has AVX-512F (always false off x86-64): what the AVX-512 attention tile
@@ -137,4 +229,39 @@ pub(crate) fn has_avx512f() -> bool {
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cap_names_this_architectures_paths_only() {
+        assert_eq!(Cap::parse("bogus"), None);
+        assert_eq!(
+            Cap::parse(" Portable "),
+            Some(Cap {
+                int8: Isa::Scalar,
+                f32: simd::F32Path::Portable
+            })
+        );
+        let (ours, theirs) = if cfg!(target_arch = "aarch64") {
+            (("neon", Isa::Neon), "avx2")
+        } else {
+            (("avx2", Isa::Avx2), "neon")
+        };
+        assert_eq!(Cap::parse(ours.0).map(|c| c.int8), Some(ours.1));
+        assert_eq!(Cap::parse(theirs), None);
+    }
+
+    #[test]
+    fn a_cap_keeps_the_best_path_at_or_below_it() {
+        let cpu = vec![Isa::Avx512Vnni, Isa::Avx2, Isa::Scalar];
+        let pick = |cap: Isa| at_or_below(cpu.clone(), Isa::rank, cap.rank());
+        assert_eq!(pick(Isa::Avx512Vnni), Some(Isa::Avx512Vnni));
+        // A CPU without AVX-VNNI capped there runs the next path down, never a higher one.
+        assert_eq!(pick(Isa::AvxVnni), Some(Isa::Avx2));
+        assert_eq!(pick(Isa::Avx2), Some(Isa::Avx2));
+        assert_eq!(pick(Isa::Scalar), Some(Isa::Scalar));
+    }
 }

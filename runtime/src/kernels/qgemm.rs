@@ -327,8 +327,8 @@ impl QWeights {
     fn matmul_into(&self, isa: Isa, x: &[f32], m: usize, y: &mut [MaybeUninit<f32>]) {
         assert_eq!(x.len(), m * self.k, "input is not {m} x {}", self.k);
         assert_eq!(y.len(), m * self.n, "output is not {m} x {}", self.n);
-        // Only VNNI's 8-bit kernel reads the offset (unsigned) copy of the activations.
-        let offset = isa == Isa::Avx512Vnni && self.bits == Bits::Eight;
+        // Only the VNNI 8-bit kernels read the offset (unsigned) copy of the activations.
+        let offset = matches!(isa, Isa::Avx512Vnni | Isa::AvxVnni) && self.bits == Bits::Eight;
         let a = QuantRows::quantize(x, m, self.k, self.kb, offset);
         let panels = self.n.div_ceil(NR);
         // Threads split the output columns: each element is still one thread's fixed-order sum.
@@ -426,6 +426,25 @@ impl QWeights {
                 match self.bits {
                     Bits::Eight => shapes!(vnni8),
                     Bits::Four => shapes!(vnni4),
+                }
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, for AVX2 + FMA + AVX-VNNI.
+            Isa::AvxVnni => unsafe {
+                // Fewer rows, more accumulators each (see `avxvnni_q4`).
+                macro_rules! vnni256 {
+                    ($f:ident) => {
+                        match rows {
+                            1 => x86::$f::<1, 4>(self, a, p, r0, out),
+                            2 => x86::$f::<2, 2>(self, a, p, r0, out),
+                            3 => x86::$f::<3, 1>(self, a, p, r0, out),
+                            _ => x86::$f::<MR, 1>(self, a, p, r0, out),
+                        }
+                    };
+                }
+                match self.bits {
+                    Bits::Eight => vnni256!(avxvnni_q8),
+                    Bits::Four => vnni256!(avxvnni_q4),
                 }
             },
             #[cfg(target_arch = "x86_64")]
@@ -849,18 +868,9 @@ mod x86 {
             let (ws, mins) = unsafe { epilogue_operands(w, p, b) };
             for (r, (o, d)) in out.iter_mut().zip(dot).enumerate() {
                 let i = (r0 + r) * w.kb + b;
-                let (da, t) = (_mm256_set1_ps(a.d[i]), _mm256_set1_ps(a.dsum[i]));
-                for h in 0..2 {
-                    // SAFETY: `o` holds at least NR = 16 floats.
-                    let at = unsafe { o.as_mut_ptr().add(8 * h) };
-                    let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(d[h], ones));
-                    // SAFETY: as above.
-                    let acc = unsafe { _mm256_loadu_ps(at) };
-                    let acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(da, ws[h]), acc);
-                    let acc = _mm256_fmadd_ps(mins[h], t, acc);
-                    // SAFETY: as above.
-                    unsafe { _mm256_storeu_ps(at, acc) };
-                }
+                let dot = d.map(|v| _mm256_madd_epi16(v, ones));
+                // SAFETY: `o` holds at least NR = 16 floats.
+                unsafe { accumulate_avx2(o, dot, a.d[i], ws, Some((mins, a.dsum[i]))) };
             }
         }
     }
@@ -912,11 +922,155 @@ mod x86 {
         unsafe { store_avx2(acc, out) };
     }
 
+    /// AVX-VNNI, 4-bit weights: [`vnni4`]'s `vpdpbusd` (unsigned nibbles times signed
+    /// activations, four products summed into each i32 lane) on 256-bit vectors, one panel as
+    /// two 8-column halves. Each row's products go to `A` accumulators in turn, added at the
+    /// block's end (exact integers, so any `A` gives the same sums): one row alone would
+    /// otherwise wait on `vpdpbusd`'s latency at every step, while four rows fill the
+    /// registers with one each. The float sums wait in `out` between blocks, as in
+    /// [`avx2_q4`].
+    #[target_feature(enable = "avx2,fma,avxvnni")]
+    pub(super) unsafe fn avxvnni_q4<const R: usize, const A: usize>(
+        w: &QWeights,
+        a: &QuantRows,
+        p: usize,
+        r0: usize,
+        out: &mut Tile,
+    ) {
+        let low = _mm256_set1_epi8(15);
+        let pbb = Bits::Four.panel_block_bytes();
+        for o in out.iter_mut().take(R) {
+            o[..NR].fill(0.0);
+        }
+        let rows: [usize; R] = std::array::from_fn(|r| (r0 + r) * a.stride);
+        for b in 0..w.kb {
+            let mut dot = [[[_mm256_setzero_si256(); 2]; A]; R];
+            for g in 0..4 {
+                // SAFETY: in bounds of the panel block (QK * NR / 2 bytes): group `g`'s 64
+                // bytes, each 32-byte half covering 8 columns.
+                let packed = unsafe {
+                    let ptr = w.data.as_ptr().add((p * w.kb + b) * pbb + g * NR * 4);
+                    [0, 1].map(|h| _mm256_loadu_si256(ptr.add(32 * h) as *const __m256i))
+                };
+                let lo = packed.map(|v| _mm256_and_si256(v, low));
+                let hi = packed.map(|v| _mm256_and_si256(_mm256_srli_epi16::<4>(v), low));
+                for (d, &row) in dot.iter_mut().zip(&rows) {
+                    let at = row + b * QK + 4 * g;
+                    // SAFETY: `at + 20` is inside the row's zero-padded blocks.
+                    let (al, ah) = unsafe { (four256(&a.q, at), four256(&a.q, at + 16)) };
+                    let (dl, dh) = ((2 * g) % A, (2 * g + 1) % A);
+                    for h in 0..2 {
+                        d[dl][h] = _mm256_dpbusd_avx_epi32(d[dl][h], lo[h], al);
+                        d[dh][h] = _mm256_dpbusd_avx_epi32(d[dh][h], hi[h], ah);
+                    }
+                }
+            }
+            // SAFETY: NR scales and minimums per panel block.
+            let (ws, mins) = unsafe { epilogue_operands(w, p, b) };
+            for (r, (o, d)) in out.iter_mut().zip(dot).enumerate() {
+                let i = (r0 + r) * w.kb + b;
+                // SAFETY: `o` holds at least NR = 16 floats.
+                unsafe { accumulate_avx2(o, sum_sets(d), a.d[i], ws, Some((mins, a.dsum[i]))) };
+            }
+        }
+    }
+
+    /// AVX-VNNI, 8-bit weights: [`vnni8`]'s offset activations (`vpdpbusd` wants one unsigned
+    /// operand) and `128 · Σw` correction, on 256-bit vectors, with [`avxvnni_q4`]'s `A`
+    /// accumulators per row.
+    #[target_feature(enable = "avx2,fma,avxvnni")]
+    pub(super) unsafe fn avxvnni_q8<const R: usize, const A: usize>(
+        w: &QWeights,
+        a: &QuantRows,
+        p: usize,
+        r0: usize,
+        out: &mut Tile,
+    ) {
+        let pbb = Bits::Eight.panel_block_bytes();
+        for o in out.iter_mut().take(R) {
+            o[..NR].fill(0.0);
+        }
+        let rows: [usize; R] = std::array::from_fn(|r| (r0 + r) * a.stride);
+        for b in 0..w.kb {
+            let mut dot = [[[_mm256_setzero_si256(); 2]; A]; R];
+            for k4 in 0..QK / 4 {
+                // SAFETY: in bounds of the panel block (QK * NR bytes): step `k4`'s 64 bytes.
+                let wv = unsafe {
+                    let ptr = w.data.as_ptr().add((p * w.kb + b) * pbb + k4 * NR * 4);
+                    [0, 1].map(|h| _mm256_loadu_si256(ptr.add(32 * h) as *const __m256i))
+                };
+                for (d, &row) in dot.iter_mut().zip(&rows) {
+                    // SAFETY: `row + b * QK + k4 * 4 + 4` is inside the row's padded blocks.
+                    let av = unsafe { four256(&a.u, row + b * QK + k4 * 4) };
+                    let d = &mut d[k4 % A];
+                    for h in 0..2 {
+                        d[h] = _mm256_dpbusd_avx_epi32(d[h], av, wv[h]);
+                    }
+                }
+            }
+            let at = (p * w.kb + b) * NR;
+            // SAFETY: NR scales and column sums per panel block.
+            let (ws, _) = unsafe { epilogue_operands(w, p, b) };
+            let correction = [0, 1].map(|h| {
+                // SAFETY: as above.
+                let sums = unsafe { _mm256_loadu_si256(w.extra.as_ptr().add(at + 8 * h).cast()) };
+                _mm256_slli_epi32::<7>(sums)
+            });
+            for (r, (o, d)) in out.iter_mut().zip(dot).enumerate() {
+                let d = sum_sets(d);
+                let exact = [0, 1].map(|h| _mm256_sub_epi32(d[h], correction[h]));
+                // SAFETY: `o` holds at least NR = 16 floats.
+                unsafe { accumulate_avx2(o, exact, a.d[(r0 + r) * w.kb + b], ws, None) };
+            }
+        }
+    }
+
+    /// A row's `A` accumulator sets added into one (exact: integers).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn sum_sets<const A: usize>(d: [[__m256i; 2]; A]) -> [__m256i; 2] {
+        let mut s = d[0];
+        for set in &d[1..] {
+            for h in 0..2 {
+                s[h] = _mm256_add_epi32(s[h], set[h]);
+            }
+        }
+        s
+    }
+
+    /// One block's float steps on a row's 16 sums held in `o`: `o += dot · (da · d)`, then for
+    /// 4 bits `o += m · (da · Σqa)`, each a fused multiply-add, as the reference does them.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn accumulate_avx2(
+        o: &mut [f32],
+        dot: [__m256i; 2],
+        da: f32,
+        ws: [__m256; 2],
+        mins: Option<([__m256; 2], f32)>,
+    ) {
+        debug_assert!(o.len() >= NR);
+        let da = _mm256_set1_ps(da);
+        for h in 0..2 {
+            // SAFETY: the caller's `o` holds at least NR = 16 floats.
+            let at = unsafe { o.as_mut_ptr().add(8 * h) };
+            // SAFETY: as above.
+            let acc = unsafe { _mm256_loadu_ps(at) };
+            let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h]), _mm256_mul_ps(da, ws[h]), acc);
+            let acc = match mins {
+                Some((m, t)) => _mm256_fmadd_ps(m[h], _mm256_set1_ps(t), acc),
+                None => acc,
+            };
+            // SAFETY: as above.
+            unsafe { _mm256_storeu_ps(at, acc) };
+        }
+    }
+
     /// Four consecutive activation bytes broadcast to every i32 lane of a 256-bit vector.
     #[target_feature(enable = "avx2")]
     #[inline]
-    unsafe fn four256(q: &[i8], at: usize) -> __m256i {
-        debug_assert!(at + 4 <= q.len());
+    unsafe fn four256<T>(q: &[T], at: usize) -> __m256i {
+        debug_assert!(at + 4 <= q.len() && size_of::<T>() == 1);
         // SAFETY: callers pass `at + 4 <= q.len()` (blocks are zero-padded to QK).
         _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(q.as_ptr().add(at) as *const i32) })
     }
@@ -1333,7 +1487,7 @@ mod tests {
         let all: &[Isa] = if cfg!(target_arch = "aarch64") {
             &[Isa::NeonDot, Isa::Neon]
         } else {
-            &[Isa::Avx512Vnni, Isa::Avx2]
+            &[Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
         };
         let have = Isa::available();
         for isa in all {

@@ -22,10 +22,23 @@ pub enum F32Path {
 }
 
 impl F32Path {
-    /// The widest path this CPU has, detected once per process.
+    /// The widest path this CPU has at or below [`super::ISA_CAP_VAR`]'s cap, once per process.
     pub fn best() -> F32Path {
         static BEST: std::sync::OnceLock<F32Path> = std::sync::OnceLock::new();
-        *BEST.get_or_init(|| F32Path::available()[0])
+        *BEST.get_or_init(|| {
+            let floor = super::Cap::from_env().map_or(0, |c| c.f32.rank());
+            super::at_or_below(F32Path::available(), F32Path::rank, floor)
+                .unwrap_or(F32Path::Portable)
+        })
+    }
+
+    /// Place in this architecture's order, widest first.
+    fn rank(self) -> u8 {
+        match self {
+            F32Path::Avx512 | F32Path::Neon => 0,
+            F32Path::Avx2 => 1,
+            F32Path::Portable => 2,
+        }
     }
 
     /// Every path this CPU can run, widest first (tests compare them all).
