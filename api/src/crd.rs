@@ -187,6 +187,13 @@ pub struct SecretKeyRef {
     pub key: Option<String>,
 }
 
+impl SecretKeyRef {
+    /// The key read from the Secret: the one named, or `api-key`.
+    pub fn key_or_default(&self) -> &str {
+        self.key.as_deref().unwrap_or("api-key")
+    }
+}
+
 /// Seconds ferrite-router holds a request while no replica is ready, by default.
 pub const DEFAULT_COLD_START_TIMEOUT_SECONDS: i32 = 600;
 
@@ -852,8 +859,9 @@ pub struct AdapterStatus {
     pub name: String,
     /// Ready replicas that have it loaded.
     pub ready_replicas: i32,
-    /// Why a ready replica does not (CamelCase: `LoadFailed`, `Loading`, `Unreachable`), when
-    /// one does not.
+    /// Why a ready replica does not (CamelCase: `LoadFailed`, `Loading`, `Unreachable`,
+    /// `NoReadyReplicas`, `Pending`; for a service with `spec.auth`, `ApiKeyRefused` and the
+    /// `ApiKeySecret…`/`ApiKeyMissing` reasons of reading its key), when one does not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// The runtime's own words for it.

@@ -256,6 +256,7 @@ async fn main() -> anyhow::Result<()> {
         ctx.caches.clone(),
         ctx.triggers.clone(),
         adapter_views,
+        ferrite_operator::adapters::keys::ApiKeys::new(client.clone()),
         Duration::from_secs(args.adapter_sync_seconds),
     ));
     tokio::spawn(adapters.clone().run(stopped(stop_rx.clone())));

@@ -11,6 +11,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{Value, json};
 
+use super::keys::ApiKey;
 use crate::build::adapters::{Resident, Wanted};
 
 /// Largest answer read from a pod: a model list of a thousand adapters is well under it.
@@ -43,6 +44,13 @@ pub struct PodApi {
     load_timeout: Duration,
 }
 
+impl CallError {
+    /// Whether the pod refused the API key (or that there was none).
+    pub fn unauthorized(&self) -> bool {
+        matches!(self, CallError::Status(401 | 403, _))
+    }
+}
+
 impl PodApi {
     pub fn new(timeout: Duration, load_timeout: Duration) -> Self {
         Self {
@@ -53,9 +61,17 @@ impl PodApi {
     }
 
     /// The adapters the replica at `base` serves, by name, with the path each came from.
-    pub async fn resident(&self, base: &str) -> Result<Resident, CallError> {
+    /// `key`: the service's API key, where it has one (for this call and the others).
+    pub async fn resident(&self, base: &str, key: Option<&ApiKey>) -> Result<Resident, CallError> {
         let body = self
-            .call(http::Method::GET, base, "/v1/models", None, self.timeout)
+            .call(
+                http::Method::GET,
+                base,
+                "/v1/models",
+                None,
+                key,
+                self.timeout,
+            )
             .await?;
         let list: Value =
             serde_json::from_slice(&body).map_err(|e| CallError::Malformed(e.to_string()))?;
@@ -75,26 +91,38 @@ impl PodApi {
             .collect())
     }
 
-    pub async fn load(&self, base: &str, w: &Wanted) -> Result<(), CallError> {
+    pub async fn load(
+        &self,
+        base: &str,
+        w: &Wanted,
+        key: Option<&ApiKey>,
+    ) -> Result<(), CallError> {
         let body = json!({"lora_name": w.name, "lora_path": w.path});
         self.call(
             http::Method::POST,
             base,
             "/v1/load_lora_adapter",
             Some(body),
+            key,
             self.load_timeout,
         )
         .await
         .map(drop)
     }
 
-    pub async fn unload(&self, base: &str, name: &str) -> Result<(), CallError> {
+    pub async fn unload(
+        &self,
+        base: &str,
+        name: &str,
+        key: Option<&ApiKey>,
+    ) -> Result<(), CallError> {
         let body = json!({"lora_name": name});
         self.call(
             http::Method::POST,
             base,
             "/v1/unload_lora_adapter",
             Some(body),
+            key,
             self.timeout,
         )
         .await
@@ -107,12 +135,16 @@ impl PodApi {
         base: &str,
         path: &str,
         body: Option<Value>,
+        key: Option<&ApiKey>,
         timeout: Duration,
     ) -> Result<Bytes, CallError> {
         let url = format!("{}{path}", base.trim_end_matches('/'));
         let mut request = http::Request::builder().method(method).uri(&url);
         if body.is_some() {
             request = request.header(http::header::CONTENT_TYPE, "application/json");
+        }
+        if let Some(key) = key {
+            request = request.header(http::header::AUTHORIZATION, key.header());
         }
         let body = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
         let request = request

@@ -14,6 +14,7 @@ use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 
 use super::client::PodApi;
+use super::keys::{ApiKey, ApiKeys};
 use crate::autoscale::store::Key;
 use crate::build::adapters::{self as plan, Outcome, Replica, Wanted};
 use crate::cache::{Caches, Triggers};
@@ -71,6 +72,7 @@ pub struct AdapterSync {
     triggers: Arc<Triggers>,
     views: AdapterViews,
     api: PodApi,
+    keys: Arc<ApiKeys>,
     interval: Duration,
     acting: AtomicBool,
     failures: Mutex<HashMap<FailureKey, Failure>>,
@@ -89,6 +91,7 @@ impl AdapterSync {
         caches: Caches,
         triggers: Arc<Triggers>,
         views: AdapterViews,
+        keys: Arc<ApiKeys>,
         interval: Duration,
     ) -> Self {
         Self {
@@ -96,6 +99,7 @@ impl AdapterSync {
             triggers,
             views,
             api: PodApi::new(Duration::from_secs(5), Duration::from_secs(600)),
+            keys,
             interval,
             acting: AtomicBool::new(false),
             failures: Mutex::default(),
@@ -135,6 +139,14 @@ impl AdapterSync {
             .collect();
         let keys: HashSet<Key> = services.iter().map(|i| key(i)).collect();
         self.views.retain(|k| keys.contains(k));
+        let secrets: HashSet<_> = services
+            .iter()
+            .filter_map(|i| {
+                let secret = &i.spec.auth.as_ref()?.api_key_secret_ref;
+                Some(super::keys::slot(&i.namespace()?, secret))
+            })
+            .collect();
+        self.keys.retain(|slot| secrets.contains(slot));
         let seen: Vec<Vec<String>> = futures::stream::iter(services)
             .map(|isvc| self.sync_service(isvc))
             .buffer_unordered(CONCURRENCY)
@@ -155,26 +167,30 @@ impl AdapterSync {
             return Vec::new();
         };
         let key = key(&isvc);
-        if isvc.spec.auth.is_some() {
-            let why = AdapterStatus {
-                reason: Some("AuthNotSupported".into()),
-                message: Some(
-                    "the operator does not yet call the adapter API of a service with \
-                     spec.auth; load adapters with --lora-modules in runtime.args"
-                        .into(),
-                ),
-                ..AdapterStatus::default()
-            };
-            let view = wanted
-                .iter()
-                .map(|w| AdapterStatus {
-                    name: w.name.clone(),
-                    ..why.clone()
-                })
-                .collect();
-            self.publish(&isvc, key, view);
-            return Vec::new();
-        }
+        // A service with an API key guards the adapter API with it too.
+        let secret = isvc.spec.auth.as_ref().map(|a| &a.api_key_secret_ref);
+        let api_key = match secret {
+            None => None,
+            Some(secret) => match self.keys.get(&key.namespace, secret).await {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    let why = AdapterStatus {
+                        reason: Some(e.reason().into()),
+                        message: Some(e.to_string()),
+                        ..AdapterStatus::default()
+                    };
+                    let view = wanted
+                        .iter()
+                        .map(|w| AdapterStatus {
+                            name: w.name.clone(),
+                            ..why.clone()
+                        })
+                        .collect();
+                    self.publish(&isvc, key, view);
+                    return Vec::new();
+                }
+            },
+        };
         let pods = self.caches.pods_of(&key.namespace, &key.name);
         let ready: Vec<PodTarget> = pod_targets(pods.iter().map(|p| &**p), isvc.port())
             .into_iter()
@@ -183,9 +199,15 @@ impl AdapterSync {
         let replicas = futures::future::join_all(
             ready
                 .iter()
-                .map(|pod| self.sync_replica(&key, pod, &wanted)),
+                .map(|pod| self.sync_replica(&key, pod, &wanted, api_key.as_ref())),
         )
         .await;
+        // A pod that refused the key: the Secret may have been rotated since it was read.
+        if let Some(secret) = secret
+            && replicas.iter().any(|r| matches!(r, Replica::Refused(_)))
+        {
+            self.keys.forget(&key.namespace, secret);
+        }
         self.publish(&isvc, key.clone(), plan::summarize(&wanted, &replicas));
         ready
             .iter()
@@ -201,15 +223,24 @@ impl AdapterSync {
     }
 
     /// One replica: unload what is not declared, load what is missing.
-    async fn sync_replica(&self, key: &Key, pod: &PodTarget, wanted: &[Wanted]) -> Replica {
+    async fn sync_replica(
+        &self,
+        key: &Key,
+        pod: &PodTarget,
+        wanted: &[Wanted],
+        api_key: Option<&ApiKey>,
+    ) -> Replica {
         let base = &pod.base_url;
-        let resident = match self.api.resident(base).await {
+        let resident = match self.api.resident(base, api_key).await {
             Ok(r) => r,
+            Err(e) if e.unauthorized() => {
+                return Replica::Refused(format!("pod {} refused the API key: {e}", pod.name));
+            }
             Err(e) => return Replica::Unreachable(format!("pod {}: {e}", pod.name)),
         };
         let todo = plan::plan(wanted, &resident);
         for name in &todo.unload {
-            match self.api.unload(base, name).await {
+            match self.api.unload(base, name, api_key).await {
                 Ok(()) => {
                     tracing::info!(service = %key, pod = pod.name, adapter = name, "adapter unloaded")
                 }
@@ -233,7 +264,7 @@ impl AdapterSync {
                 out.insert(w.name.clone(), Outcome::Failed(last));
                 continue;
             }
-            match self.api.load(base, &w).await {
+            match self.api.load(base, &w, api_key).await {
                 Ok(()) => {
                     tracing::info!(service = %key, pod = pod.name, adapter = w.name, path = w.path, "adapter loaded");
                     if let Ok(mut f) = self.failures.lock() {

@@ -128,7 +128,12 @@ pub enum Outcome {
 pub enum Replica {
     Reached(BTreeMap<String, Outcome>),
     Unreachable(String),
+    /// It answered 401/403: the service's API key is not the one it runs with.
+    Refused(String),
 }
+
+/// Reasons that say more than a wait or an unreachable pod, and so win the summary.
+const DECISIVE: [&str; 2] = ["LoadFailed", "ApiKeyRefused"];
 
 /// `status.adapters`: per wanted adapter, the ready replicas serving it, and the first
 /// reason another does not.
@@ -149,9 +154,9 @@ pub fn summarize(wanted: &[Wanted], replicas: &[Replica]) -> Vec<AdapterStatus> 
                         None => ("Loading", "not loaded yet".to_string()),
                     },
                     Replica::Unreachable(msg) => ("Unreachable", msg.clone()),
+                    Replica::Refused(msg) => ("ApiKeyRefused", msg.clone()),
                 };
-                // A failure says more than a wait or an unreachable pod.
-                if why.as_ref().is_none_or(|(r, _)| *r != "LoadFailed") {
+                if why.as_ref().is_none_or(|(r, _)| !DECISIVE.contains(r)) {
                     why = Some(miss);
                 }
             }
@@ -255,5 +260,12 @@ mod tests {
             )]))],
         );
         assert_eq!((all[0].ready_replicas, all[0].reason.clone()), (1, None));
+        // A pod refusing the key says more than one not reached.
+        let refused = Replica::Refused("pod p-1 refused the API key: HTTP 401".into());
+        let s = summarize(
+            &wanted[..1],
+            &[Replica::Unreachable("timeout".into()), refused],
+        );
+        assert_eq!(s[0].reason.as_deref(), Some("ApiKeyRefused"));
     }
 }

@@ -258,7 +258,7 @@ fn api_key_env(isvc: &InferenceService) -> Option<EnvVar> {
         value_from: Some(EnvVarSource {
             secret_key_ref: Some(SecretKeySelector {
                 name: secret.name.clone(),
-                key: secret.key.clone().unwrap_or_else(|| "api-key".into()),
+                key: secret.key_or_default().into(),
                 optional: Some(false),
             }),
             ..EnvVarSource::default()

@@ -20,20 +20,23 @@ const WAIT: Duration = Duration::from_secs(90);
 /// A ferrite-server at `host:port` as the operator's pod would run it: LoRA on, runtime
 /// updates allowed, and no adapter of its own.
 async fn lora_server(host: &'static str, port: u16) -> Server {
+    lora_server_with(host, port, &[]).await
+}
+
+/// [`lora_server`] with more flags.
+async fn lora_server_with(host: &'static str, port: u16, extra: &[&'static str]) -> Server {
+    let mut flags = vec![
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "16",
+        "--allow-runtime-lora-updating",
+        "true",
+    ];
+    flags.extend_from_slice(extra);
     tokio::task::spawn_blocking(move || {
-        let mut s = start_server_at(
-            host,
-            port,
-            &[
-                "--enable-lora",
-                "--max-loras",
-                "2",
-                "--max-cpu-loras",
-                "16",
-                "--allow-runtime-lora-updating",
-                "true",
-            ],
-        );
+        let mut s = start_server_at(host, port, &flags);
         s.wait_ready();
         s
     })
@@ -43,9 +46,18 @@ async fn lora_server(host: &'static str, port: u16) -> Server {
 
 /// The adapters a server lists in `/v1/models` (the entries with a parent), by name.
 async fn served(base: &str) -> BTreeSet<String> {
+    served_with(base, None).await
+}
+
+/// [`served`], sending `key` as the bearer token where given.
+async fn served_with(base: &str, key: Option<&'static str>) -> BTreeSet<String> {
     let url = format!("{base}/v1/models");
     let list: Value = tokio::task::spawn_blocking(move || {
-        ureq::get(&url)
+        let mut request = ureq::get(&url);
+        if let Some(key) = key {
+            request = request.set("Authorization", &format!("Bearer {key}"));
+        }
+        request
             .call()
             .expect("/v1/models")
             .into_json()
@@ -62,9 +74,18 @@ async fn served(base: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// `status.adapters` as (name, readyReplicas, reason).
+/// `status.adapters` of `tuned` as (name, readyReplicas, reason).
 async fn adapter_status(client: &kube::Client, ns: &str) -> Vec<(String, i64, String)> {
-    let Some(i) = get_isvc(client, ns, "tuned").await else {
+    adapter_status_of(client, ns, "tuned").await
+}
+
+/// `status.adapters` of `name` as (name, readyReplicas, reason).
+async fn adapter_status_of(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+) -> Vec<(String, i64, String)> {
+    let Some(i) = get_isvc(client, ns, name).await else {
         return Vec::new();
     };
     i["status"]["adapters"]
@@ -205,4 +226,84 @@ async fn declared_adapters_follow_the_list_on_running_pods_with_no_restart() {
         status >= 400,
         "a removed adapter is no longer served: {status} {body}"
     );
+}
+
+/// A service with an API key: the operator reads the key from the Secret `spec.auth` names and
+/// calls the pod's adapter API with it. Status says when the Secret is missing and when the
+/// pod refuses the key it holds; once the Secret holds the pod's key, the adapter is loaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapters_of_a_service_with_an_api_key_are_loaded_with_its_key() {
+    let Some(cluster) = Cluster::start().await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let release = install(&cluster, &json!({}), "keyed").await;
+    let _op = Operator::launch(&cluster, &release, "op-0", &["--adapter-sync-seconds=1"]).await;
+    let ns = cluster.namespace("keyed").await;
+    let port = free_port();
+    let server = lora_server_with("127.0.0.1", port, &["--api-key", "right-key"]).await;
+    let dir = lora_adapter_dir(1).display().to_string();
+    let mut applier = Applier::new(client.clone()).await;
+    applier
+        .apply(&isvc(
+            &ns,
+            "keyed",
+            json!({"model": {"source": "/models/smol.gguf", "servedName": "smol",
+                             "adapters": [{"name": "sql", "source": format!("{dir}/peft")}]},
+                   "runtime": {"port": port}, "replicas": 1,
+                   "auth": {"apiKeySecretRef": {"name": "keys"}}}),
+        ))
+        .await;
+    eventually(WAIT, "the stand-in pod", async || {
+        (pods_ready_at(&client, &ns, "keyed", &["127.0.0.1"]).await >= 1).then_some(())
+    })
+    .await;
+    let reason = async |want: &str| {
+        let s = adapter_status_of(&client, &ns, "keyed").await;
+        (s.len() == 1 && s[0].2 == want).then_some(())
+    };
+    eventually(WAIT, "the missing Secret in status", async || {
+        reason("ApiKeySecretNotFound").await
+    })
+    .await;
+
+    let secret = |key: &str| {
+        // `data`, base64 as the API returns it (stringData is write-only, awkward to re-apply).
+        let data =
+            serde_json::to_value(k8s_openapi::ByteString(key.as_bytes().to_vec())).expect("base64");
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": "keys", "namespace": ns},
+               "data": {"api-key": data}})
+    };
+    applier.apply(&secret("wrong-key")).await;
+    eventually(
+        WAIT,
+        "the pod refusing the wrong key, in status",
+        async || reason("ApiKeyRefused").await,
+    )
+    .await;
+    assert!(
+        served_with(&server.base, Some("right-key"))
+            .await
+            .is_empty(),
+        "nothing loaded with a refused key"
+    );
+
+    // The Secret fixed: the refusal made the operator read it again, well before its TTL.
+    applier.apply(&secret("right-key")).await;
+    eventually(WAIT, "the adapter loaded with the right key", async || {
+        let s = adapter_status_of(&client, &ns, "keyed").await;
+        (s == vec![("sql".to_string(), 1, String::new())]).then_some(())
+    })
+    .await;
+    assert_eq!(
+        served_with(&server.base, Some("right-key")).await,
+        BTreeSet::from(["sql".to_string()])
+    );
+    let (status, _, _) = post_json(
+        format!("{}/v1/completions", server.base),
+        json!({"model": "sql", "prompt": "Hi", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 401, "the pod still wants its key from clients");
 }

@@ -32,7 +32,7 @@ async fn the_operator_uses_exactly_the_rbac_the_chart_grants() {
     let client = cluster.client().await;
     install_service_monitor_crd(&client).await;
     let release = install(&cluster, &json!({}), "traffic").await;
-    let mut op = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let mut op = Operator::launch(&cluster, &release, "op-0", &["--adapter-sync-seconds=1"]).await;
     let ns = cluster.namespace("traffic").await;
     let mut applier = Applier::new(client.clone()).await;
     applier
@@ -66,12 +66,16 @@ async fn the_operator_uses_exactly_the_rbac_the_chart_grants() {
     drop(server);
     drop(clients);
 
-    // Every child kind, from a claim-backed model.
+    // Every child kind, from a claim-backed model; an adapter on a service with an API key
+    // (the adapter sync reads the key's Secret, absent here: a get all the same).
     let everything = isvc(
         &ns,
         "everything",
         json!({
-        "model": {"source": "pvc://models/smol.gguf"}, "replicas": 2,
+        "model": {"source": "pvc://models/smol.gguf",
+                  "adapters": [{"name": "tuned", "source": "/adapters/tuned"}]},
+        "auth": {"apiKeySecretRef": {"name": "keys"}},
+        "replicas": 2,
         "autoscaling": {"mode": "HPA", "minReplicas": 2, "maxReplicas": 4,
                         "targets": {"queuePerReplica": 4.0}},
         "monitoring": {"serviceMonitor": {"enabled": true}}}),
@@ -83,6 +87,15 @@ async fn the_operator_uses_exactly_the_rbac_the_chart_grants() {
         hpas.get_opt("everything").await.ok()??;
         pdbs.get_opt("everything").await.ok()?
     })
+    .await;
+    eventually(
+        WAIT,
+        "the adapter sync to look for the API key",
+        async || {
+            let i = get_isvc(&client, &ns, "everything").await?;
+            (i["status"]["adapters"][0]["reason"] == "ApiKeySecretNotFound").then_some(())
+        },
+    )
     .await;
 
     // A deleted Service, twice: two "created" events with the same reason and object make a
