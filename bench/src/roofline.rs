@@ -15,7 +15,7 @@ pub struct Peaks {
     pub f32_flops: f64,
     /// int8 operations per second (a multiply-add of a byte pair counts two) from the
     /// multiply instruction the int8 GEMM runs: `vpdpbusd` (AVX-512 VNNI or AVX-VNNI),
-    /// `vpmaddubsw` (AVX2) or `sdot` (ARM64 dotprod); none elsewhere.
+    /// `vpmaddubsw` (AVX2), `smmla` (ARM64 i8mm) or `sdot` (ARM64 dotprod); none elsewhere.
     pub int8_ops: Option<f64>,
     /// Which instructions [`Peaks::int8_ops`] measured.
     pub int8_isa: &'static str,
@@ -126,6 +126,11 @@ fn int8_kernel() -> Option<(&'static str, Kernel)> {
         Isa::Avx2 => Some(("vpmaddubsw (AVX2)", |iters| {
             // SAFETY: likewise for AVX2.
             unsafe { x86::maddubs256(iters) }
+        })),
+        #[cfg(target_arch = "aarch64")]
+        Isa::NeonMmla => Some(("smmla (NEON i8mm)", |iters| {
+            // SAFETY: likewise for i8mm.
+            unsafe { arm::smmla(iters) }
         })),
         #[cfg(target_arch = "aarch64")]
         Isa::NeonDot => Some(("sdot (NEON dotprod)", |iters| {
@@ -287,5 +292,29 @@ mod arm {
         }
         black_box(acc);
         (iters * (ACC * 16 * 2) as u64) as f64
+    }
+
+    /// `smmla` on [`ACC`] independent accumulators (a 2 × 8 by 8 × 2 product: 32 byte
+    /// products each). `vmmlaq_s32` is not stable Rust yet; the instruction is the same.
+    #[target_feature(enable = "neon,i8mm")]
+    pub(super) fn smmla(iters: u64) -> f64 {
+        let mut acc = [vdupq_n_s32(0); ACC];
+        let (a, b) = (vdupq_n_s8(black_box(3)), vdupq_n_s8(black_box(-5)));
+        for _ in 0..iters {
+            for r in acc.iter_mut() {
+                // SAFETY: the caller checked i8mm; registers only.
+                unsafe {
+                    std::arch::asm!(
+                        "smmla {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+                        acc = inout(vreg) *r,
+                        a = in(vreg) a,
+                        b = in(vreg) b,
+                        options(pure, nomem, nostack),
+                    )
+                };
+            }
+        }
+        black_box(acc);
+        (iters * (ACC * 32 * 2) as u64) as f64
     }
 }

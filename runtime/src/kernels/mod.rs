@@ -27,6 +27,10 @@ pub enum Isa {
     AvxVnni,
     /// AVX2 with FMA (`vpmaddubsw` + `vpmaddwd`).
     Avx2,
+    /// ARM64 NEON with the int8 matrix multiply (`smmla`, i8mm: a 2 × 8 by 8 × 2 product, 32
+    /// int8 products per instruction) and dotprod: Graviton 3 and 4, Neoverse N2/V1/V2, Apple
+    /// M2 and later.
+    NeonMmla,
     /// ARM64 NEON with the dot-product extension (`sdot`): 16 int8 products per instruction.
     NeonDot,
     /// ARM64 NEON alone (`smull` + `sadalp`): 8 int8 products per instruction.
@@ -65,9 +69,9 @@ impl Isa {
     /// Place in this architecture's order, best first (a cap keeps what ranks at or after it).
     fn rank(self) -> u8 {
         match self {
-            Isa::Avx512Vnni | Isa::NeonDot => 0,
-            Isa::AvxVnni | Isa::Neon => 1,
-            Isa::Avx2 => 2,
+            Isa::Avx512Vnni | Isa::NeonMmla => 0,
+            Isa::AvxVnni | Isa::NeonDot => 1,
+            Isa::Avx2 | Isa::Neon => 2,
             Isa::Scalar => 3,
         }
     }
@@ -91,6 +95,11 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => avx2(),
             #[cfg(target_arch = "aarch64")]
+            Isa::NeonMmla => {
+                std::arch::is_aarch64_feature_detected!("i8mm")
+                    && std::arch::is_aarch64_feature_detected!("dotprod")
+            }
+            #[cfg(target_arch = "aarch64")]
             Isa::NeonDot => std::arch::is_aarch64_feature_detected!("dotprod"),
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => true,
@@ -104,7 +113,7 @@ impl Isa {
     /// order: a CPU may have AVX-512 VNNI without AVX-VNNI (Ice Lake, Cascade Lake).
     pub fn available() -> Vec<Isa> {
         let order: &[Isa] = if cfg!(target_arch = "aarch64") {
-            &[Isa::NeonDot, Isa::Neon, Isa::Scalar]
+            &[Isa::NeonMmla, Isa::NeonDot, Isa::Neon, Isa::Scalar]
         } else {
             &[Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2, Isa::Scalar]
         };
@@ -113,7 +122,8 @@ impl Isa {
 }
 
 /// The environment variable that caps the CPU kernels below what the CPU has (as oneDNN's
-/// `ONEDNN_MAX_CPU_ISA`): `avx512`, `avxvnni`, `avx2`, `neondot`, `neon` or `portable`. It lets
+/// `ONEDNN_MAX_CPU_ISA`): `avx512`, `avxvnni`, `avx2`, `neoni8mm`, `neondot`, `neon` or
+/// `portable`. It lets
 /// one machine run and benchmark an older CPU's paths, and steps around a hypervisor that
 /// reports features it then faults on.
 pub const ISA_CAP_VAR: &str = "FERRITE_CPU_ISA";
@@ -150,6 +160,7 @@ impl Cap {
             "avx512" if x86 => (Isa::Avx512Vnni, F32Path::Avx512),
             "avxvnni" if x86 => (Isa::AvxVnni, F32Path::Avx2),
             "avx2" if x86 => (Isa::Avx2, F32Path::Avx2),
+            "neoni8mm" if arm => (Isa::NeonMmla, F32Path::Neon),
             "neondot" if arm => (Isa::NeonDot, F32Path::Neon),
             "neon" if arm => (Isa::Neon, F32Path::Neon),
             "portable" => (Isa::Scalar, F32Path::Portable),

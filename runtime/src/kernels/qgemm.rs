@@ -460,6 +460,17 @@ impl QWeights {
             // (`Isa::detect`).
             Isa::NeonDot => unsafe { by_rows!(arm::sdot) },
             #[cfg(target_arch = "aarch64")]
+            // SAFETY: `Isa::NeonMmla` is only chosen when the CPU has i8mm and dotprod. A lone
+            // row has no partner for `smmla`'s row pair and takes `sdot`.
+            Isa::NeonMmla => unsafe {
+                match rows {
+                    1 => arm::sdot::<1>(self, a, p, r0, out),
+                    2 => arm::mmla::<2, 1>(self, a, p, r0, out),
+                    3 => arm::mmla::<3, 2>(self, a, p, r0, out),
+                    _ => arm::mmla::<MR, 2>(self, a, p, r0, out),
+                }
+            },
+            #[cfg(target_arch = "aarch64")]
             // SAFETY: every ARM64 CPU has NEON.
             Isa::Neon => unsafe { by_rows!(arm::smull) },
             _ => self.tile_scalar(a, p, r0, rows, out),
@@ -1286,17 +1297,179 @@ mod arm {
                         }
                     }
                 }
-                let at = (p * w.kb + b) * NR;
                 for r in 0..R {
-                    let i = (r0 + r) * w.kb + b;
-                    let (da, dsum) = (vdupq_n_f32(a.d[i]), vdupq_n_f32(a.dsum[i]));
-                    for h in 0..NR / 4 {
-                        let ws = vld1q_f32(w.scales.as_ptr().add(at + 4 * h));
-                        let sums = vcvtq_f32_s32(dot[r][h].sums());
-                        acc[r][h] = vfmaq_f32(acc[r][h], sums, vmulq_f32(da, ws));
-                        if four_bits {
-                            let mins = vld1q_f32(w.extra.as_ptr().add(at + 4 * h).cast::<f32>());
-                            acc[r][h] = vfmaq_f32(acc[r][h], mins, dsum);
+                    let sums = dot[r].map(|d| d.sums());
+                    block_step(w, a, p, b, r0 + r, sums, &mut acc[r]);
+                }
+            }
+            for r in 0..R {
+                for h in 0..NR / 4 {
+                    vst1q_f32(out[r].as_mut_ptr().add(4 * h), acc[r][h]);
+                }
+            }
+        }
+    }
+
+    /// One block's float steps for row `row`'s 16 sums, as the scalar path does them:
+    /// `acc += dot · (da · d)`, then for 4 bits `acc += m · (da · Σqa)`, each one fused
+    /// multiply-add.
+    ///
+    /// # Safety
+    /// Block `b` of panel `p` and row `row` lie inside `w` and `a`.
+    #[inline(always)]
+    unsafe fn block_step(
+        w: &QWeights,
+        a: &QuantRows,
+        p: usize,
+        b: usize,
+        row: usize,
+        sums: [int32x4_t; NR / 4],
+        acc: &mut [float32x4_t; NR / 4],
+    ) {
+        let at = (p * w.kb + b) * NR;
+        let i = row * w.kb + b;
+        // SAFETY: NR scales and extras per panel block; NEON is part of every ARM64 CPU.
+        unsafe {
+            let (da, dsum) = (vdupq_n_f32(a.d[i]), vdupq_n_f32(a.dsum[i]));
+            for h in 0..NR / 4 {
+                let ws = vld1q_f32(w.scales.as_ptr().add(at + 4 * h));
+                acc[h] = vfmaq_f32(acc[h], vcvtq_f32_s32(sums[h]), vmulq_f32(da, ws));
+                if w.bits == Bits::Four {
+                    let mins = vld1q_f32(w.extra.as_ptr().add(at + 4 * h).cast::<f32>());
+                    acc[h] = vfmaq_f32(acc[h], mins, dsum);
+                }
+            }
+        }
+    }
+
+    /// `smmla`: `acc` (a 2 × 2 i32 tile, row-major) gains `a` (2 rows of 8 bytes) times the
+    /// transpose of `b` (2 columns of 8 bytes). `vmmlaq_s32` is not stable Rust yet; the
+    /// instruction is the same.
+    #[inline]
+    #[target_feature(enable = "neon,i8mm")]
+    unsafe fn smmla(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+        let mut acc = acc;
+        // SAFETY: the caller checked i8mm; registers only.
+        unsafe {
+            std::arch::asm!(
+                "smmla {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+                acc = inout(vreg) acc,
+                a = in(vreg) a,
+                b = in(vreg) b,
+                options(pure, nomem, nostack),
+            )
+        };
+        acc
+    }
+
+    /// `R` rows (2 to 4, as `PAIRS` row pairs; a missing fourth row multiplies zeros and is not
+    /// written) × one panel with `smmla`: each instruction multiplies a row pair's 8
+    /// activations by two columns' 8 weights. The panel layout keeps each column's 4
+    /// consecutive values per step, so two steps' 16-byte loads interleaved by 32-bit lanes
+    /// (`zip1`/`zip2`) give two columns' 8 values each, with no layout of its own. The integer
+    /// sums are the same as `sdot`'s, so are the float steps: bitwise the scalar path's.
+    ///
+    /// # Safety
+    /// The CPU has i8mm; `p`, `r0` and `R` lie inside `w` and `a`.
+    #[target_feature(enable = "neon,dotprod,i8mm")]
+    pub(super) unsafe fn mmla<const R: usize, const PAIRS: usize>(
+        w: &QWeights,
+        a: &QuantRows,
+        p: usize,
+        r0: usize,
+        out: &mut Tile,
+    ) {
+        debug_assert!(R <= 2 * PAIRS && R > 2 * (PAIRS - 1));
+        let four_bits = w.bits == Bits::Four;
+        let pbb = w.bits.panel_block_bytes();
+        // Row pair `j`'s 8 activations from `k` of block `b`: the second row's half is zero
+        // where there is no such row.
+        let pair = |j: usize, k: usize| -> int8x16_t {
+            let first = (r0 + 2 * j) * a.stride + k;
+            // SAFETY: `k + 8` stays inside the block; rows below `r0 + R` exist in `a`.
+            unsafe {
+                let lo = vld1_s8(a.q.as_ptr().add(first));
+                let hi = if 2 * j + 1 < R {
+                    vld1_s8(a.q.as_ptr().add(first + a.stride))
+                } else {
+                    vdup_n_s8(0)
+                };
+                vcombine_s8(lo, hi)
+            }
+        };
+        // Two steps' four columns, as the two column pairs' 8 values each.
+        let columns = |x: int8x16_t, y: int8x16_t| -> [int8x16_t; 2] {
+            let (x, y) = (vreinterpretq_s32_s8(x), vreinterpretq_s32_s8(y));
+            [vzip1q_s32(x, y), vzip2q_s32(x, y)].map(|v| vreinterpretq_s8_s32(v))
+        };
+        // SAFETY: the caller checked the features. Weight loads stay inside the panel block,
+        // scale loads inside its NR scales and extras, activation reads inside the rows'
+        // zero-padded blocks.
+        unsafe {
+            let mut acc = [[vdupq_n_f32(0.0); NR / 4]; R];
+            let low = vdupq_n_u8(15);
+            for b in 0..w.kb {
+                let base = w.data.as_ptr().add((p * w.kb + b) * pbb);
+                let k0 = b * QK;
+                // Per row pair, per column pair: [r·c, r·c', r'·c, r'·c'].
+                let mut dot = [[vdupq_n_s32(0); NR / 2]; PAIRS];
+                if four_bits {
+                    // Steps 2j and 2j+1: low nibbles are k 8j..8j+8, high ones 16 more.
+                    for j in 0..2 {
+                        for h in 0..NR / 4 {
+                            let x = vld1q_u8(base.add(2 * j * NR * 4 + 16 * h));
+                            let y = vld1q_u8(base.add((2 * j + 1) * NR * 4 + 16 * h));
+                            let nib = |v: uint8x16_t| vreinterpretq_s8_u8(vandq_u8(v, low));
+                            let top = |v: uint8x16_t| vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+                            let lo = columns(nib(x), nib(y));
+                            let hi = columns(top(x), top(y));
+                            for (jr, d) in dot.iter_mut().enumerate() {
+                                let (al, ah) = (pair(jr, k0 + 8 * j), pair(jr, k0 + 16 + 8 * j));
+                                for c in 0..2 {
+                                    let t = smmla(d[2 * h + c], al, lo[c]);
+                                    d[2 * h + c] = smmla(t, ah, hi[c]);
+                                }
+                            }
+                        }
+                    }
+                } else {
+                    for j in 0..QK / 8 {
+                        for h in 0..NR / 4 {
+                            let x = vld1q_s8(base.add(2 * j * NR * 4 + 16 * h).cast::<i8>());
+                            let y = vld1q_s8(base.add((2 * j + 1) * NR * 4 + 16 * h).cast::<i8>());
+                            let wv = columns(x, y);
+                            for (jr, d) in dot.iter_mut().enumerate() {
+                                let av = pair(jr, k0 + 8 * j);
+                                for c in 0..2 {
+                                    d[2 * h + c] = smmla(d[2 * h + c], av, wv[c]);
+                                }
+                            }
+                        }
+                    }
+                }
+                for (jr, d) in dot.iter().enumerate() {
+                    // Two column pairs' tiles make each row's four columns: the low halves
+                    // are the pair's first row, the high halves its second.
+                    let rows: [[int32x4_t; NR / 4]; 2] = [
+                        std::array::from_fn(|h| {
+                            let (t, u) = (
+                                vreinterpretq_s64_s32(d[2 * h]),
+                                vreinterpretq_s64_s32(d[2 * h + 1]),
+                            );
+                            vreinterpretq_s32_s64(vzip1q_s64(t, u))
+                        }),
+                        std::array::from_fn(|h| {
+                            let (t, u) = (
+                                vreinterpretq_s64_s32(d[2 * h]),
+                                vreinterpretq_s64_s32(d[2 * h + 1]),
+                            );
+                            vreinterpretq_s32_s64(vzip2q_s64(t, u))
+                        }),
+                    ];
+                    for (half, sums) in rows.into_iter().enumerate() {
+                        let r = 2 * jr + half;
+                        if r < R {
+                            block_step(w, a, p, b, r0 + r, sums, &mut acc[r]);
                         }
                     }
                 }
