@@ -164,15 +164,7 @@ mod vector {
     fn prefetch_to(base: *const u8, len: usize, next: &mut usize, to: usize) {
         let to = to.min(len);
         while *next < to {
-            let p = base.wrapping_add(*next);
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: a prefetch is a hint that never faults, and `p` is within the factors.
-            unsafe {
-                use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-                _mm_prefetch::<_MM_HINT_T0>(p.cast());
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            let _ = p;
+            crate::kernels::prefetch(base.wrapping_add(*next));
             *next += 64;
         }
     }

@@ -121,6 +121,20 @@ impl Isa {
     }
 }
 
+/// Asks the CPU to bring the cache line holding `p` into L1 ahead of its use: a hint, which
+/// never faults whatever the address. Nothing off x86-64.
+#[inline(always)]
+pub(crate) fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing and never faults; SSE is part of x86-64.
+    unsafe {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_T0>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// The environment variable that caps the CPU kernels below what the CPU has (as oneDNN's
 /// `ONEDNN_MAX_CPU_ISA`): `avx512`, `avxvnni`, `avx2`, `neoni8mm`, `neondot`, `neon` or
 /// `portable`. It lets

@@ -220,7 +220,8 @@ impl KvCache {
         )
     }
 
-    /// One block's keys and values for one layer, as f32 (for tests and debugging).
+    /// One block's keys and values for one layer, as f32 rows `[block_size][kv_dim]` whatever
+    /// the device's layout (for tests and debugging).
     pub fn read_block(
         &self,
         layer: usize,
@@ -228,13 +229,17 @@ impl KvCache {
     ) -> Result<(Vec<f32>, Vec<f32>), KvError> {
         check_held(&self.pools.device, &[block])?;
         let bs = self.cfg.block_size;
-        let read = |t: &Tensor| -> Result<Vec<f32>, KvError> {
-            Ok(t.narrow(0, block as usize * bs, bs)?
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?)
+        let read = |t: &Tensor, keys: bool| -> Result<Vec<f32>, KvError> {
+            let mut b = t.narrow(0, block as usize * bs, bs)?;
+            if keys && super::layout::keys_transposed(t.device()) {
+                b = super::layout::cpu_keys_as_rows(&b, bs)?;
+            }
+            Ok(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
         };
-        Ok((read(&self.gpu.k[layer])?, read(&self.gpu.v[layer])?))
+        Ok((
+            read(&self.gpu.k[layer], true)?,
+            read(&self.gpu.v[layer], false)?,
+        ))
     }
 }
 

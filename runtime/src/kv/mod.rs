@@ -4,6 +4,7 @@
 
 mod allocator;
 mod cache;
+pub mod layout;
 mod pools;
 mod prefix;
 

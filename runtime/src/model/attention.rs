@@ -17,6 +17,7 @@ use super::cpu_view::contiguous;
 use crate::kernels::exp::exp_approx;
 use crate::kernels::simd::F32Path;
 use crate::kernels::softcap::softcap;
+use crate::kv::layout::{cpu_key_index, keys_transposed};
 
 /// Which attention implementation a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -77,17 +78,33 @@ pub fn paged_attention_generic(
         let slots: Vec<u32> = (0..ctx).map(|p| meta.slot(seq, p) as u32).collect();
         let slots = Tensor::from_vec(slots, ctx, device)?;
         // [ctx, kvh, hd] -> [kvh, 1, ctx, hd] -> [kvh, group, ctx, hd] -> [nh, ctx, hd]
-        let expand = |c: &Tensor| -> Result<Tensor> {
-            c.index_select(&slots, 0)?
-                .to_dtype(q.dtype())?
+        let expand = |rows: Tensor| -> Result<Tensor> {
+            rows.to_dtype(q.dtype())?
                 .reshape((ctx, kvh, hd))?
                 .transpose(0, 1)?
                 .unsqueeze(1)?
                 .broadcast_as((kvh, group, ctx, hd))?
                 .reshape((nh, ctx, hd))
         };
-        let k = expand(k_cache)?;
-        let v = expand(v_cache)?;
+        let key_rows = if keys_transposed(device) {
+            // Each element of each position's keys, where the CPU pool keeps it.
+            let kv_dim = kvh * hd;
+            let at: Vec<u32> = (0..ctx)
+                .flat_map(|p| {
+                    let slot = meta.slot(seq, p);
+                    (0..kv_dim).map(move |c| cpu_key_index(slot, c, kv_dim, meta.block_size) as u32)
+                })
+                .collect();
+            let at = Tensor::from_vec(at, ctx * kv_dim, device)?;
+            k_cache
+                .flatten_all()?
+                .index_select(&at, 0)?
+                .reshape((ctx, kv_dim))?
+        } else {
+            k_cache.index_select(&slots, 0)?
+        };
+        let k = expand(key_rows)?;
+        let v = expand(v_cache.index_select(&slots, 0)?)?;
         let qs = q
             .narrow(0, t, n)?
             .reshape((n, nh, hd))?
@@ -291,47 +308,71 @@ fn reduce(mut v: [f32; KC], f: impl Fn(f32, f32) -> f32) -> f32 {
     v[0]
 }
 
-/// Writes keys `kc[rows[j]..][..hd]` (`j < n`; zeros for the rest) transposed into `kt`
-/// (`[hd][KC]`). Exact either way; the AVX-512 path does a 16 × 16 block in 64 shuffles
-/// where the scalar loop moves 256 floats one by one, which mattered for decode, where a
-/// tile has only a few query rows to share each chunk's transposition.
-fn transpose_keys<T: KvElem>(
-    kc: &[T],
-    rows: &[usize; KC],
-    n: usize,
-    hd: usize,
-    kt: &mut [f32],
-    path: F32Path,
-) {
+/// A CPU key pool: `[slots, kv_dim]` elements, each block transposed (`kv::layout`).
+struct KeyPool<'a, T> {
+    kc: &'a [T],
+    kv_dim: usize,
+    block_size: usize,
+}
+
+impl<T: KvElem> KeyPool<'_, T> {
+    /// The chunk's keys in columns `col0..col0 + hd` (one kv head) at `slots[..n]`, widened
+    /// into `kt` (`[hd][KC]`); zeros past `n`. Positions in consecutive slots of one block are
+    /// one contiguous run per dimension in the pool, so a chunk inside a block is `hd` plain
+    /// copies: the cached keys are never transposed at run time.
+    fn gather(
+        &self,
+        slots: &[usize; KC],
+        n: usize,
+        col0: usize,
+        hd: usize,
+        kt: &mut [f32],
+        path: F32Path,
+    ) {
+        let bs = self.block_size;
+        let mut j = 0;
+        while j < n {
+            let start = slots[j];
+            let mut len = 1;
+            while j + len < n && slots[j + len] == start + len && !(start + len).is_multiple_of(bs)
+            {
+                len += 1;
+            }
+            let at = cpu_key_index(start, col0, self.kv_dim, bs);
+            let run = &self.kc[at..][..(hd - 1) * bs + len];
+            if len == KC {
+                // A whole chunk inside one block: the common case, in vectors.
+                widen_rows(run, bs, hd, kt, path);
+            } else {
+                for d in 0..hd {
+                    T::widen(&run[d * bs..][..len], &mut kt[d * KC + j..][..len]);
+                }
+            }
+            j += len;
+        }
+        if n < KC {
+            for d in 0..hd {
+                kt[d * KC + n..(d + 1) * KC].fill(0.0);
+            }
+        }
+    }
+}
+
+/// `hd` rows of [`KC`] elements, `stride` apart in `src`, widened into `kt` (`[hd][KC]`): one
+/// vector load, conversion and store per row where `path` has them. Exact on every path.
+fn widen_rows<T: KvElem>(src: &[T], stride: usize, hd: usize, kt: &mut [f32], path: F32Path) {
+    assert!(src.len() >= (hd - 1) * stride + KC && kt.len() >= hd * KC);
     #[cfg(target_arch = "x86_64")]
     match path {
-        F32Path::Avx512 if hd.is_multiple_of(KC) => {
-            // SAFETY: `path` is one this CPU has (`F32Path::available`).
-            unsafe { x86::transpose_keys(kc, rows, n, hd, kt) };
-            return;
-        }
-        F32Path::Avx2 if hd.is_multiple_of(8) => {
-            // SAFETY: as above (AVX2 paths need F16C too, `has_avx2_fma`).
-            unsafe { x86::transpose_keys_avx2(kc, rows, n, hd, kt) };
-            return;
-        }
+        // SAFETY: `path` is one this CPU has (`F32Path::available`); bounds asserted above.
+        F32Path::Avx512 => return unsafe { x86::widen_rows_avx512(src, stride, hd, kt) },
+        // SAFETY: as above (the AVX2 path needs F16C too, `has_avx2_fma`).
+        F32Path::Avx2 => return unsafe { x86::widen_rows_avx2(src, stride, hd, kt) },
         _ => {}
     }
     let _ = path;
-    // Each key widened a few elements at a time (`KvElem::widen`, vectorized where the type
-    // needs it), then scattered into its column.
-    let mut wide = [0f32; 8];
-    for (j, &at) in rows.iter().enumerate() {
-        if j >= n {
-            (0..hd).for_each(|d| kt[d * KC + j] = 0.0);
-            continue;
-        }
-        for (c, key) in kc[at..][..hd].chunks(wide.len()).enumerate() {
-            T::widen(key, &mut wide[..key.len()]);
-            for (i, &v) in wide[..key.len()].iter().enumerate() {
-                kt[(c * wide.len() + i) * KC + j] = v;
-            }
-        }
+    for d in 0..hd {
+        T::widen(&src[d * stride..][..KC], &mut kt[d * KC..][..KC]);
     }
 }
 
@@ -341,151 +382,62 @@ mod x86 {
 
     use super::{KC, KvElem};
 
-    /// 16 cache elements widened to f32 in one vector.
+    /// [`super::widen_rows`] in 512-bit vectors (16 lanes: one row each).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `src` holds `(hd - 1) · stride + KC` elements and `kt` `hd · KC`.
     #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn load16<T: KvElem>(src: &[T]) -> __m512 {
-        assert!(src.len() >= KC);
-        let p = src.as_ptr();
-        // SAFETY: `src` holds at least KC elements, and each branch reads the type its dtype
-        // names (`KvElem` is sealed: f32, f16 and bf16 only); unaligned loads.
-        unsafe {
-            match T::DTYPE {
-                candle_core::DType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())),
-                candle_core::DType::BF16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast::<__m256i>())),
-                )),
-                _ => _mm512_loadu_ps(p.cast::<f32>()),
-            }
-        }
-    }
-
-    /// 16 × 16 transposes: 32-bit and 64-bit interleaves, then two rounds of 128-bit lane
-    /// shuffles.
-    #[target_feature(enable = "avx512f")]
-    pub(super) fn transpose_keys<T: KvElem>(
-        kc: &[T],
-        rows: &[usize; KC],
-        n: usize,
+    pub(super) unsafe fn widen_rows_avx512<T: KvElem>(
+        src: &[T],
+        stride: usize,
         hd: usize,
         kt: &mut [f32],
     ) {
-        for c in 0..hd / KC {
-            let mut r = [_mm512_setzero_ps(); KC];
-            for (j, v) in r.iter_mut().enumerate().take(n) {
-                *v = load16(&kc[rows[j] + c * KC..][..KC]);
-            }
-            let mut t = [_mm512_setzero_ps(); KC];
-            for i in 0..KC / 2 {
-                t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-                t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-            }
-            let mut u = [_mm512_setzero_ps(); KC];
-            for i in 0..KC / 4 {
-                let (a, b, c2, d) = (t[4 * i], t[4 * i + 1], t[4 * i + 2], t[4 * i + 3]);
-                let lo = |x: __m512, y: __m512| {
-                    _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)))
+        for d in 0..hd {
+            // SAFETY: the caller's bounds; each branch reads the type its dtype names
+            // (`KvElem` is sealed: f32, f16 and bf16 only); unaligned loads.
+            unsafe {
+                let p = src.as_ptr().add(d * stride);
+                let v = match T::DTYPE {
+                    candle_core::DType::F16 => {
+                        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>()))
+                    }
+                    candle_core::DType::BF16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast::<__m256i>())),
+                    )),
+                    _ => _mm512_loadu_ps(p.cast::<f32>()),
                 };
-                let hi = |x: __m512, y: __m512| {
-                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)))
-                };
-                u[4 * i] = lo(a, c2);
-                u[4 * i + 1] = hi(a, c2);
-                u[4 * i + 2] = lo(b, d);
-                u[4 * i + 3] = hi(b, d);
-            }
-            let mut v = [_mm512_setzero_ps(); KC];
-            for i in 0..2 {
-                for k in 0..4 {
-                    let (x, y) = (u[8 * i + k], u[8 * i + 4 + k]);
-                    v[8 * i + k] = _mm512_shuffle_f32x4::<0x88>(x, y);
-                    v[8 * i + 4 + k] = _mm512_shuffle_f32x4::<0xdd>(x, y);
-                }
-            }
-            for k in 0..8 {
-                let out = [
-                    _mm512_shuffle_f32x4::<0x88>(v[k], v[8 + k]),
-                    _mm512_shuffle_f32x4::<0xdd>(v[k], v[8 + k]),
-                ];
-                for (h, o) in out.iter().enumerate() {
-                    let d = c * KC + 8 * h + k;
-                    let dst = &mut kt[d * KC..][..KC];
-                    // SAFETY: `dst` holds KC floats.
-                    unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), *o) };
-                }
+                _mm512_storeu_ps(kt.as_mut_ptr().add(d * KC), v);
             }
         }
     }
 
-    /// 8 cache elements widened to f32 in one 256-bit vector.
+    /// [`super::widen_rows`] in 256-bit vectors (two per row).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C; bounds as [`widen_rows_avx512`].
     #[target_feature(enable = "avx2,f16c")]
-    #[inline]
-    fn load8<T: KvElem>(src: &[T]) -> __m256 {
-        assert!(src.len() >= 8);
-        let p = src.as_ptr();
-        // SAFETY: `src` holds at least 8 elements, and each branch reads the type its dtype
-        // names (`KvElem` is sealed: f32, f16 and bf16 only); unaligned loads.
-        unsafe {
-            match T::DTYPE {
-                candle_core::DType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())),
-                candle_core::DType::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(
-                    _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast::<__m128i>())),
-                )),
-                _ => _mm256_loadu_ps(p.cast::<f32>()),
-            }
-        }
-    }
-
-    /// [`transpose_keys`] in 8 × 8 blocks (two keys' groups of 8 by `hd / 8` dimension
-    /// groups): 32-bit interleaves, 64-bit shuffles, then 128-bit lane swaps.
-    #[target_feature(enable = "avx2,f16c")]
-    pub(super) fn transpose_keys_avx2<T: KvElem>(
-        kc: &[T],
-        rows: &[usize; KC],
-        n: usize,
+    pub(super) unsafe fn widen_rows_avx2<T: KvElem>(
+        src: &[T],
+        stride: usize,
         hd: usize,
         kt: &mut [f32],
     ) {
-        for g in 0..KC / 8 {
-            for c in 0..hd / 8 {
-                let r: [__m256; 8] = std::array::from_fn(|i| {
-                    let j = 8 * g + i;
-                    if j < n {
-                        load8(&kc[rows[j] + 8 * c..][..8])
-                    } else {
-                        _mm256_setzero_ps()
-                    }
-                });
-                let t: [__m256; 8] = std::array::from_fn(|i| {
-                    let (x, y) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
-                    if i % 2 == 0 {
-                        _mm256_unpacklo_ps(x, y)
-                    } else {
-                        _mm256_unpackhi_ps(x, y)
-                    }
-                });
-                // Rows (a..h) in `t`: a0 b0 a1 b1 | a4 b4 a5 b5, a2 b2 a3 b3 | a6 b6 a7 b7, and
-                // the same for c d, e f, g h; `u[4q + i]` holds column i (and i + 4) of rows
-                // 4q..4q+4.
-                let u: [__m256; 8] = std::array::from_fn(|i| {
-                    let (q, i) = (i / 4, i % 4);
-                    let (x, y) = (t[4 * q + i / 2], t[4 * q + 2 + i / 2]);
-                    if i % 2 == 0 {
-                        _mm256_shuffle_ps::<0x44>(x, y)
-                    } else {
-                        _mm256_shuffle_ps::<0xee>(x, y)
-                    }
-                });
-                for k in 0..8 {
-                    let (x, y) = (u[k % 4], u[4 + k % 4]);
-                    let col = if k < 4 {
-                        _mm256_permute2f128_ps::<0x20>(x, y)
-                    } else {
-                        _mm256_permute2f128_ps::<0x31>(x, y)
+        for d in 0..hd {
+            for h in 0..KC / 8 {
+                // SAFETY: as above.
+                unsafe {
+                    let p = src.as_ptr().add(d * stride + 8 * h);
+                    let v = match T::DTYPE {
+                        candle_core::DType::F16 => {
+                            _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>()))
+                        }
+                        candle_core::DType::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(
+                            _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast::<__m128i>())),
+                        )),
+                        _ => _mm256_loadu_ps(p.cast::<f32>()),
                     };
-                    let dst = &mut kt[(8 * c + k) * KC + 8 * g..][..8];
-                    // SAFETY: `dst` holds 8 floats.
-                    unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), col) };
+                    _mm256_storeu_ps(kt.as_mut_ptr().add(d * KC + 8 * h), v);
                 }
             }
         }
@@ -715,14 +667,22 @@ fn tile_with<T: KvElem>(
     let vs = refill(vs, KC * hd, 0.0);
     let mut c0 = first / KC * KC;
     while c0 <= last {
+        prefetch_chunk(meta, seq, c0 + KC, last, (g, hd, kv_dim), kc, vc);
         let n = KC.min(last + 1 - c0);
-        let mut krows = [0usize; KC];
-        for j in 0..n {
-            let at = meta.slot(seq, c0 + j) * kv_dim + g * hd;
-            krows[j] = at;
-            T::widen(&vc[at..][..hd], &mut vs[j * hd..][..hd]);
+        let mut slots = [0usize; KC];
+        for (j, slot) in slots.iter_mut().enumerate().take(n) {
+            *slot = meta.slot(seq, c0 + j);
+            T::widen(
+                &vc[*slot * kv_dim + g * hd..][..hd],
+                &mut vs[j * hd..][..hd],
+            );
         }
-        transpose_keys(kc, &krows, n, hd, kt, path);
+        let pool = KeyPool {
+            kc,
+            kv_dim,
+            block_size: meta.block_size,
+        };
+        pool.gather(&slots, n, g * hd, hd, kt, path);
         let mut r = 0;
         while r < rows {
             let take = RT.min(rows - r);
@@ -754,6 +714,35 @@ fn tile_with<T: KvElem>(
     for row in 0..rows {
         let inv = 1.0 / l[row];
         out[row * hd..][..hd].iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
+/// Prefetches kv head `g`'s keys and values of the chunk at `c0` (nothing past `last`), so that
+/// they arrive while the chunk before is computed: a step reads every cached key and value
+/// once per layer, from L3 or memory at batch 32 (`perf` had the tile waiting on those loads).
+fn prefetch_chunk<T>(
+    meta: &AttnMeta,
+    seq: usize,
+    c0: usize,
+    last: usize,
+    (g, hd, kv_dim): (usize, usize, usize),
+    kc: &[T],
+    vc: &[T],
+) {
+    if c0 > last {
+        return;
+    }
+    use crate::kernels::prefetch;
+    let line = 64 / size_of::<T>().max(1);
+    let keys = cpu_key_index(meta.slot(seq, c0), g * hd, kv_dim, meta.block_size);
+    for d in 0..hd {
+        prefetch(kc.as_ptr().wrapping_add(keys + d * meta.block_size));
+    }
+    for j in 0..KC.min(last + 1 - c0) {
+        let at = meta.slot(seq, c0 + j) * kv_dim + g * hd;
+        for e in (0..hd).step_by(line) {
+            prefetch(vc.as_ptr().wrapping_add(at + e));
+        }
     }
 }
 
@@ -906,38 +895,68 @@ mod tests {
     use ferrite_testkit::random::values;
     use proptest::prelude::*;
 
-    /// Every transposition this CPU has (AVX-512, AVX2, the widening scalar one) gives every
-    /// key exactly, widened from each cache type; missing keys are zeros.
+    /// Gathering a chunk's keys from a pool written through the layout's index gives every
+    /// key exactly, widened from each cache type, across block boundaries and out-of-order
+    /// blocks; missing keys are zeros.
     #[test]
-    fn fast_transpose_matches_scalar() {
-        let hd = 64;
+    fn gathered_keys_are_the_keys_written() {
+        let (hd, kvh) = (64, 2);
+        let kv_dim = hd * kvh;
         // Integers up to 2^8 with a fraction bf16 keeps: exact in every type.
-        let kc: Vec<f32> = (0..40 * hd).map(|i| (i % 251) as f32 * 0.5).collect();
-        let rows: [usize; KC] = std::array::from_fn(|j| ((j * 7) % 40) * hd);
-        let halves: Vec<f16> = kc.iter().map(|&x| f16::from_f32(x)).collect();
-        let brains: Vec<bf16> = kc.iter().map(|&x| bf16::from_f32(x)).collect();
-        for path in F32Path::available() {
-            for n in [KC, 9, 5] {
-                let mut kts = [
-                    vec![f32::NAN; hd * KC],
-                    vec![0.0; hd * KC],
-                    vec![0.0; hd * KC],
-                ];
-                transpose_keys(&kc, &rows, n, hd, &mut kts[0], path);
-                transpose_keys(&halves, &rows, n, hd, &mut kts[1], path);
-                transpose_keys(&brains, &rows, n, hd, &mut kts[2], path);
-                assert_eq!(kts[0], kts[1], "f16, n {n}, {path:?}");
-                assert_eq!(kts[0], kts[2], "bf16, n {n}, {path:?}");
-                let kt = &kts[0];
-                for d in 0..hd {
-                    for j in 0..KC {
-                        let want = if j < n { kc[rows[j] + d] } else { 0.0 };
-                        assert_eq!(
-                            kt[d * KC + j],
-                            want,
-                            "n {n}, d {d}, key {j}, {path:?}: row {:?}",
-                            &kt[d * KC..][..KC]
-                        );
+        let key = |slot: usize, col: usize| ((slot * 31 + col) % 251) as f32 * 0.5;
+        // Blocks of 8, slots 20..28 then 8..16: consecutive numbers across a block's end
+        // (20..24 is block 2, 24..28 block 3) must still break the run there, and so must the
+        // jump. Blocks of 16, slots 16..32: one whole run, the vector paths' case.
+        let cases: [(usize, [usize; KC]); 2] = [
+            (8, std::array::from_fn(|j| if j < 8 { 20 + j } else { j })),
+            (16, std::array::from_fn(|j| 16 + j)),
+        ];
+        for (bs, slots) in cases {
+            let mut kc = vec![0f32; 5 * bs * kv_dim];
+            for slot in 0..5 * bs {
+                for col in 0..kv_dim {
+                    kc[cpu_key_index(slot, col, kv_dim, bs)] = key(slot, col);
+                }
+            }
+            let halves: Vec<f16> = kc.iter().map(|&x| f16::from_f32(x)).collect();
+            let brains: Vec<bf16> = kc.iter().map(|&x| bf16::from_f32(x)).collect();
+            for path in F32Path::available() {
+                for n in [KC, 9, 5] {
+                    for g in 0..kvh {
+                        let col0 = g * hd;
+                        let mut kts = [
+                            vec![f32::NAN; hd * KC],
+                            vec![f32::NAN; hd * KC],
+                            vec![0.0; hd * KC],
+                        ];
+                        let block_size = bs;
+                        KeyPool {
+                            kc: &kc[..],
+                            kv_dim,
+                            block_size,
+                        }
+                        .gather(&slots, n, col0, hd, &mut kts[0], path);
+                        KeyPool {
+                            kc: &halves[..],
+                            kv_dim,
+                            block_size,
+                        }
+                        .gather(&slots, n, col0, hd, &mut kts[1], path);
+                        KeyPool {
+                            kc: &brains[..],
+                            kv_dim,
+                            block_size,
+                        }
+                        .gather(&slots, n, col0, hd, &mut kts[2], path);
+                        let case = format!("blocks of {bs}, n {n}, head {g}, {path:?}");
+                        assert_eq!(kts[0], kts[1], "f16, {case}");
+                        assert_eq!(kts[0], kts[2], "bf16, {case}");
+                        for d in 0..hd {
+                            for j in 0..KC {
+                                let want = if j < n { key(slots[j], col0 + d) } else { 0.0 };
+                                assert_eq!(kts[0][d * KC + j], want, "{case}, d {d}, key {j}");
+                            }
+                        }
                     }
                 }
             }

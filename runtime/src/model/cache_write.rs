@@ -49,8 +49,15 @@ pub enum CacheWriter {
 }
 
 impl CacheWriter {
-    /// `positions` and `slots`: `[tokens]` u32 on the model's device.
-    pub fn new(positions: &Tensor, slots: &Tensor, rope: &Rope, kv_dim: usize) -> Result<Self> {
+    /// `positions` and `slots`: `[tokens]` u32 on the model's device; `block_size`: the pools'
+    /// (the CPU's key pools are transposed per block, `kv::layout`).
+    pub fn new(
+        positions: &Tensor,
+        slots: &Tensor,
+        rope: &Rope,
+        kv_dim: usize,
+        block_size: usize,
+    ) -> Result<Self> {
         // The fused kernel rotates whole heads; partial rotary embeddings take candle's ops.
         #[cfg(feature = "cuda")]
         if slots.device().is_cuda() && !rope.is_partial() {
@@ -61,7 +68,9 @@ impl CacheWriter {
             });
         }
         if slots.device().is_cpu() {
-            return Ok(Self::Cpu(cpu::Step::new(positions, slots, rope)?));
+            return Ok(Self::Cpu(cpu::Step::new(
+                positions, slots, rope, block_size,
+            )?));
         }
         Self::ops(positions, slots, rope, kv_dim)
     }
@@ -126,6 +135,7 @@ pub(crate) mod cpu {
     use rayon::prelude::*;
 
     use super::{Heads, Rope};
+    use crate::kv::layout::cpu_key_index;
     use crate::model::config::RopeStyle;
     use crate::model::cpu_view::contiguous;
 
@@ -138,18 +148,28 @@ pub(crate) mod cpu {
         half: usize,
         style: RopeStyle,
         slots: Vec<u32>,
+        block_size: usize,
     }
 
     impl Step {
-        pub(super) fn new(positions: &Tensor, slots: &Tensor, rope: &Rope) -> Result<Step> {
+        pub(super) fn new(
+            positions: &Tensor,
+            slots: &Tensor,
+            rope: &Rope,
+            block_size: usize,
+        ) -> Result<Step> {
             let at = rope.at(positions)?;
             let half = rope.cos().dim(1)?;
+            if block_size == 0 {
+                candle_core::bail!("rope/cache write: blocks of 0 slots");
+            }
             Ok(Step {
                 cos: at.cos().flatten_all()?.to_vec1()?,
                 sin: at.sin().flatten_all()?.to_vec1()?,
                 half,
                 style: rope.style(),
                 slots: slots.to_vec1()?,
+                block_size,
             })
         }
 
@@ -249,7 +269,8 @@ pub(crate) mod cpu {
         Values,
     }
 
-    /// Stores each token's keys or values at its slot of a `[slots, kv_dim]` pool.
+    /// Stores each token's keys or values at its slot of a `[slots, kv_dim]` pool: values as
+    /// rows, keys transposed per block (`kv::layout`).
     struct Pool<'a> {
         step: &'a Step,
         heads: Heads,
@@ -264,21 +285,27 @@ pub(crate) mod cpu {
             let (q_dim, kv_dim, hd) =
                 (self.heads.q_dim(), self.heads.kv_dim(), self.heads.head_dim);
             let width = q_dim + 2 * kv_dim;
+            let bs = self.step.block_size;
             let slots = pool.len() / kv_dim.max(1);
+            if !slots.is_multiple_of(bs) {
+                candle_core::bail!("rope/cache write: {slots} slots are not whole blocks of {bs}");
+            }
             for (t, (row, &slot)) in qkv.chunks(width).zip(&self.step.slots).enumerate() {
                 let slot = slot as usize;
                 if slot >= slots {
                     candle_core::bail!("rope/cache write: slot {slot} is outside {slots} slots");
                 }
-                let dst = &mut pool[slot * kv_dim..][..kv_dim];
                 match self.part {
                     Part::Keys => {
                         let keys = &row[q_dim..q_dim + kv_dim];
-                        for (o, x) in dst.chunks_mut(hd).zip(keys.chunks(hd)) {
-                            self.step.rotate(t, x, |i, v| o[i] = round(v));
+                        for (g, x) in keys.chunks(hd).enumerate() {
+                            self.step.rotate(t, x, |i, v| {
+                                pool[cpu_key_index(slot, g * hd + i, kv_dim, bs)] = round(v)
+                            });
                         }
                     }
                     Part::Values => {
+                        let dst = &mut pool[slot * kv_dim..][..kv_dim];
                         for (o, &v) in dst.iter_mut().zip(&row[q_dim + kv_dim..]) {
                             *o = round(v);
                         }
@@ -350,7 +377,9 @@ pub(crate) mod cpu {
                 let width = heads.q_dim() + 2 * heads.kv_dim();
                 let qkv = Tensor::from_vec(values(tokens * width, seed ^ 2, 3.0), (tokens, width), &dev)?;
                 let positions: Vec<u32> = (0..tokens).map(|t| ((t * 7 + seed as usize) % max_len) as u32).collect();
-                let pool_slots = 2 * tokens + 3;
+                // Whole blocks of 4 slots.
+                let bs = 4;
+                let pool_slots = (2 * tokens + 3).next_multiple_of(bs);
                 // Distinct slots, not in order.
                 let slots: Vec<u32> = (0..tokens).map(|t| ((t * 5 + 1) % pool_slots) as u32).collect();
                 let positions = Tensor::new(positions.as_slice(), &dev)?;
@@ -361,16 +390,27 @@ pub(crate) mod cpu {
                 };
                 let mut got = Vec::new();
                 for writer in [
-                    CacheWriter::new(&positions, &slots, &rope, heads.kv_dim())?,
+                    CacheWriter::new(&positions, &slots, &rope, heads.kv_dim(), bs)?,
                     CacheWriter::ops(&positions, &slots, &rope, heads.kv_dim())?,
                 ] {
-                    let (kc, vc) = (pool()?, pool()?);
+                    let cpu = matches!(writer, CacheWriter::Cpu(_));
+                    // The CPU pool's keys start transposed per block, as it keeps them.
+                    let kc = if cpu {
+                        let rows = pool()?;
+                        let n = pool_slots / bs;
+                        rows.reshape((n, bs, heads.kv_dim()))?.transpose(1, 2)?.contiguous()?
+                            .reshape((pool_slots, heads.kv_dim()))?
+                    } else {
+                        pool()?
+                    };
+                    let vc = pool()?;
                     let q = writer.write(&qkv, heads, &kc, &vc)?;
+                    let kc = if cpu { crate::kv::layout::cpu_keys_as_rows(&kc, bs)? } else { kc };
                     let f = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
                     let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
                     got.push((bits(f(&q)?), bits(f(&kc)?), bits(f(&vc)?)));
                 }
-                prop_assert!(matches!(CacheWriter::new(&positions, &slots, &rope, 1)?, CacheWriter::Cpu(_)));
+                prop_assert!(matches!(CacheWriter::new(&positions, &slots, &rope, 1, bs)?, CacheWriter::Cpu(_)));
                 prop_assert_eq!(&got[0].0, &got[1].0, "queries");
                 prop_assert_eq!(&got[0].1, &got[1].1, "key pool");
                 prop_assert_eq!(&got[0].2, &got[1].2, "value pool");
@@ -392,7 +432,7 @@ pub(crate) mod cpu {
             );
             let positions = Tensor::new(&[0u32], &dev).expect("positions");
             let slots = Tensor::new(&[9u32], &dev).expect("slots");
-            let w = CacheWriter::new(&positions, &slots, &rope, 2).expect("writer");
+            let w = CacheWriter::new(&positions, &slots, &rope, 2, 2).expect("writer");
             let qkv = Tensor::zeros((1, 6), DType::F32, &dev).expect("qkv");
             let pool = Tensor::zeros((4, 2), DType::F16, &dev).expect("pool");
             let err = w

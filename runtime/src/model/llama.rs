@@ -297,7 +297,13 @@ impl LlamaModel {
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
         };
-        let writer = CacheWriter::new(&step.positions, &step.slots, &self.rope, cfg.kv_dim())?;
+        let writer = CacheWriter::new(
+            &step.positions,
+            &step.slots,
+            &self.rope,
+            cfg.kv_dim(),
+            meta.block_size,
+        )?;
         // Gemma 3's sliding layers rotate by their own RoPE; its global ones attend without the
         // window.
         let local_writer = match &self.local_rope {
@@ -306,6 +312,7 @@ impl LlamaModel {
                 &step.slots,
                 rope,
                 cfg.kv_dim(),
+                meta.block_size,
             )?),
             None => None,
         };

@@ -138,7 +138,18 @@ fn launch(exe: &Path, input: &[u8]) -> Vec<u8> {
     std::fs::read(&output).expect("output")
 }
 
+/// A key pool of rows `[slots][kv_dim]` (the CUDA kernel's layout) as the CPU keeps keys:
+/// transposed per block (`kv::layout`).
+fn cpu_key_layout(rows: &Tensor, block_size: usize) -> Tensor {
+    let (slots, kv_dim) = rows.dims2().expect("a pool");
+    rows.reshape((slots / block_size, block_size, kv_dim))
+        .and_then(|t| t.transpose(1, 2)?.contiguous()?.reshape((slots, kv_dim)))
+        .expect("whole blocks")
+}
+
+/// The CPU kernel on the same keys as the CUDA one, `kc` in rows.
 fn cpu_kernel(meta: &AttnMeta, q: &[f32], kc: &Tensor, vc: &Tensor) -> Vec<f32> {
+    let kc = &cpu_key_layout(kc, meta.block_size);
     let q = Tensor::from_slice(
         q,
         (meta.token_seq.len(), meta.num_heads * meta.head_dim),
@@ -270,7 +281,9 @@ proptest! {
         let heads = Heads { num_heads: kv_heads * group, num_kv_heads: kv_heads, head_dim };
         let (q_dim, kv_dim) = (heads.num_heads * head_dim, kv_heads * head_dim);
         let width = q_dim + 2 * kv_dim;
-        let (rows, table_rows, half) = (tokens + 5, 40usize, head_dim / 2);
+        // Whole blocks of 4 slots (the CPU pool keeps keys transposed per block).
+        let block_size = 4;
+        let (rows, table_rows, half) = ((tokens + 5).next_multiple_of(block_size), 40usize, head_dim / 2);
         let values = |n: usize, s: u64, scale| ferrite_testkit::random::values(n, s, scale);
         let qkv = Tensor::from_vec(values(tokens * width, seed, 4.0), (tokens, width), cpu).expect("qkv");
         let table = |s| Tensor::from_vec(values(table_rows * half, s, 1.0), (table_rows, half), cpu).expect("table");
@@ -302,10 +315,12 @@ proptest! {
         }
         let got = launch(fused(), &input);
 
-        let writer = CacheWriter::new(&pos_t, &slot_t, &rope, kv_dim).expect("writer");
-        let q = writer.write(&qkv, heads, &kc, &vc).expect("write");
+        let writer = CacheWriter::new(&pos_t, &slot_t, &rope, kv_dim, block_size).expect("writer");
+        let cpu_kc = cpu_key_layout(&kc, block_size);
+        let q = writer.write(&qkv, heads, &cpu_kc, &vc).expect("write");
         let mut want = bytes_of(&q.contiguous().expect("q"));
-        want.extend(bytes_of(&kc));
+        let written = ferrite_runtime::kv::layout::cpu_keys_as_rows(&cpu_kc, block_size).expect("rows");
+        want.extend(bytes_of(&written));
         want.extend(bytes_of(&vc));
         prop_assert_eq!(got.len(), want.len());
         prop_assert!(got == want, "the kernel's q or pools differ from candle's ops");
