@@ -270,51 +270,43 @@ mod arm {
 
     use super::ACC;
 
-    /// `sdot` on [`ACC`] independent accumulators (16 byte products each). `vdotq_s32` is not
-    /// stable Rust yet; the instruction is the same.
-    #[target_feature(enable = "neon,dotprod")]
-    pub(super) fn sdot(iters: u64) -> f64 {
-        let mut acc = [vdupq_n_s32(0); ACC];
-        let (a, b) = (vdupq_n_s8(black_box(3)), vdupq_n_s8(black_box(-5)));
-        for _ in 0..iters {
-            for r in acc.iter_mut() {
-                // SAFETY: the caller checked the dot-product extension; registers only.
-                unsafe {
-                    std::arch::asm!(
-                        "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
-                        acc = inout(vreg) *r,
-                        a = in(vreg) a,
-                        b = in(vreg) b,
-                        options(pure, nomem, nostack),
-                    )
-                };
+    /// An int8 ceiling kernel for ARM: `$instr` on [`ACC`] independent accumulators, each
+    /// instruction `$products` byte products. The intrinsics (`vdotq_s32`, `vmmlaq_s32`) are not
+    /// stable Rust yet; the instructions are the same.
+    macro_rules! peak {
+        ($(#[$doc:meta])* $name:ident, $features:literal, $instr:literal, $products:literal) => {
+            $(#[$doc])*
+            #[target_feature(enable = $features)]
+            pub(super) fn $name(iters: u64) -> f64 {
+                let mut acc = [vdupq_n_s32(0); ACC];
+                let (a, b) = (vdupq_n_s8(black_box(3)), vdupq_n_s8(black_box(-5)));
+                for _ in 0..iters {
+                    for r in acc.iter_mut() {
+                        // SAFETY: the caller checked the instruction's extension; registers
+                        // only.
+                        unsafe {
+                            std::arch::asm!(
+                                concat!($instr, " {acc:v}.4s, {a:v}.16b, {b:v}.16b"),
+                                acc = inout(vreg) *r,
+                                a = in(vreg) a,
+                                b = in(vreg) b,
+                                options(pure, nomem, nostack),
+                            )
+                        };
+                    }
+                }
+                black_box(acc);
+                (iters * (ACC * $products * 2) as u64) as f64
             }
-        }
-        black_box(acc);
-        (iters * (ACC * 16 * 2) as u64) as f64
+        };
     }
 
-    /// `smmla` on [`ACC`] independent accumulators (a 2 × 8 by 8 × 2 product: 32 byte
-    /// products each). `vmmlaq_s32` is not stable Rust yet; the instruction is the same.
-    #[target_feature(enable = "neon,i8mm")]
-    pub(super) fn smmla(iters: u64) -> f64 {
-        let mut acc = [vdupq_n_s32(0); ACC];
-        let (a, b) = (vdupq_n_s8(black_box(3)), vdupq_n_s8(black_box(-5)));
-        for _ in 0..iters {
-            for r in acc.iter_mut() {
-                // SAFETY: the caller checked i8mm; registers only.
-                unsafe {
-                    std::arch::asm!(
-                        "smmla {acc:v}.4s, {a:v}.16b, {b:v}.16b",
-                        acc = inout(vreg) *r,
-                        a = in(vreg) a,
-                        b = in(vreg) b,
-                        options(pure, nomem, nostack),
-                    )
-                };
-            }
-        }
-        black_box(acc);
-        (iters * (ACC * 32 * 2) as u64) as f64
-    }
+    peak!(
+        /// `sdot`: 4 lanes of 4 products.
+        sdot, "neon,dotprod", "sdot", 16
+    );
+    peak!(
+        /// `smmla`: a 2 × 8 by 8 × 2 product.
+        smmla, "neon,i8mm", "smmla", 32
+    );
 }
