@@ -171,6 +171,35 @@ pub async fn read_body(
     }
 }
 
+/// Refused bodies drained at once, at most: past them a refused body is dropped, which closes
+/// its connection.
+const MAX_DRAINS: usize = 64;
+static DRAINS: Semaphore = Semaphore::const_new(MAX_DRAINS);
+
+/// Reads and discards `body`, refused from its request's head (a 503 while the server is
+/// full), up to `limit` bytes or for `timeout`, so that a client still writing it reads the
+/// refusal instead of a broken pipe: the response goes out at once, the connection stays to
+/// take the rest. Nothing is kept; at most [`MAX_DRAINS`] at once.
+pub fn discard_body(body: axum::body::Body, limit: usize, timeout: Duration) {
+    let Ok(permit) = DRAINS.try_acquire() else {
+        return;
+    };
+    tokio::spawn(async move {
+        let _permit = permit;
+        let drain = async move {
+            let mut body = body;
+            let mut seen = 0usize;
+            while let Some(Ok(frame)) = http_body_util::BodyExt::frame(&mut body).await {
+                seen += frame.data_ref().map_or(0, |d| d.len());
+                if seen > limit {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(timeout, drain).await;
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -199,7 +199,18 @@ pub async fn forward(State(app): State<Arc<App>>, req: axum::extract::Request) -
     let (parts, body) = req.into_parts();
     let admission = match app.limits.admit(content_length(&parts.headers)) {
         Ok(a) => a,
-        Err(r) => return refused(&app, r),
+        Err(r) => {
+            // A body within the limit is taken and dropped while the 503 goes out, so that its
+            // client reads the refusal; one over it gets its 413 and the connection closes.
+            if r == Refusal::Busy {
+                ferrite_net::discard_body(
+                    body,
+                    app.limits.config.max_body,
+                    app.config.body_read_timeout,
+                );
+            }
+            return refused(&app, r);
+        }
     };
     let read = ferrite_net::read_body(
         body,
