@@ -1450,22 +1450,13 @@ mod arm {
                 for (jr, d) in dot.iter().enumerate() {
                     // Two column pairs' tiles make each row's four columns: the low halves
                     // are the pair's first row, the high halves its second.
-                    let rows: [[int32x4_t; NR / 4]; 2] = [
-                        std::array::from_fn(|h| {
-                            let (t, u) = (
-                                vreinterpretq_s64_s32(d[2 * h]),
-                                vreinterpretq_s64_s32(d[2 * h + 1]),
-                            );
-                            vreinterpretq_s32_s64(vzip1q_s64(t, u))
-                        }),
-                        std::array::from_fn(|h| {
-                            let (t, u) = (
-                                vreinterpretq_s64_s32(d[2 * h]),
-                                vreinterpretq_s64_s32(d[2 * h + 1]),
-                            );
-                            vreinterpretq_s32_s64(vzip2q_s64(t, u))
-                        }),
-                    ];
+                    let mut rows = [[vdupq_n_s32(0); NR / 4]; 2];
+                    for h in 0..NR / 4 {
+                        let t = vreinterpretq_s64_s32(d[2 * h]);
+                        let u = vreinterpretq_s64_s32(d[2 * h + 1]);
+                        rows[0][h] = vreinterpretq_s32_s64(vzip1q_s64(t, u));
+                        rows[1][h] = vreinterpretq_s32_s64(vzip2q_s64(t, u));
+                    }
                     for (half, sums) in rows.into_iter().enumerate() {
                         let r = 2 * jr + half;
                         if r < R {

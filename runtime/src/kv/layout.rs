@@ -8,7 +8,9 @@
 
 use candle_core::{Device, Result, Tensor};
 
-/// Where key element `col` of slot `slot` sits in a CPU key pool of `kv_dim` columns.
+/// Where key element `col` of slot `slot` sits in a CPU key pool of `kv_dim` columns. A slot's
+/// columns are `block_size` apart: column `col` is `cpu_key_index(slot, 0, …) + col · block_size`,
+/// which is how the writer and the attention tile walk a head's columns.
 #[inline]
 pub fn cpu_key_index(slot: usize, col: usize, kv_dim: usize, block_size: usize) -> usize {
     (slot / block_size) * block_size * kv_dim + col * block_size + slot % block_size

@@ -665,6 +665,11 @@ fn tile_with<T: KvElem>(
     let path = tile_path(hd);
     // The chunk's values widened to f32 once, `[KC][hd]`, for every micro-tile of the tile.
     let vs = refill(vs, KC * hd, 0.0);
+    let keys = KeyPool {
+        kc,
+        kv_dim,
+        block_size: meta.block_size,
+    };
     let mut c0 = first / KC * KC;
     while c0 <= last {
         prefetch_chunk(meta, seq, c0 + KC, last, (g, hd, kv_dim), kc, vc);
@@ -677,12 +682,7 @@ fn tile_with<T: KvElem>(
                 &mut vs[j * hd..][..hd],
             );
         }
-        let pool = KeyPool {
-            kc,
-            kv_dim,
-            block_size: meta.block_size,
-        };
-        pool.gather(&slots, n, g * hd, hd, kt, path);
+        keys.gather(&slots, n, g * hd, hd, kt, path);
         let mut r = 0;
         while r < rows {
             let take = RT.min(rows - r);

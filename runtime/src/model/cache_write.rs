@@ -299,9 +299,9 @@ pub(crate) mod cpu {
                     Part::Keys => {
                         let keys = &row[q_dim..q_dim + kv_dim];
                         for (g, x) in keys.chunks(hd).enumerate() {
-                            self.step.rotate(t, x, |i, v| {
-                                pool[cpu_key_index(slot, g * hd + i, kv_dim, bs)] = round(v)
-                            });
+                            // The head's columns, `bs` apart from its first.
+                            let at = cpu_key_index(slot, g * hd, kv_dim, bs);
+                            self.step.rotate(t, x, |i, v| pool[at + i * bs] = round(v));
                         }
                     }
                     Part::Values => {
