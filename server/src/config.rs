@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Parser;
 
 use ferrite_runtime::device::{DeviceError, parse_device};
-use ferrite_runtime::engine::{Budget, EngineConfig, KvSizing, Scheduling};
+use ferrite_runtime::engine::{Budget, EngineConfig, KvSizing, Pooling, PoolingKind, Scheduling};
 use ferrite_runtime::kv::CacheDtype;
 use ferrite_runtime::model::lora::LoraDtype;
 use ferrite_runtime::model::{LoadOptions, WeightMode};
@@ -147,6 +147,11 @@ pub struct ServerArgs {
     /// template.
     #[arg(long, value_parser = parse_call_format)]
     pub tool_call_parser: Option<crate::api::tool_parse::CallFormat>,
+    /// How `/v1/embeddings` pools the final hidden states, as vLLM's flag takes it:
+    /// `{"pooling_type": "LAST" | "MEAN", "normalize": true | false}` (default: the last
+    /// token's state, normalised, vLLM's default for a decoder model).
+    #[arg(long, value_parser = parse_pooler_config, default_value = "{}")]
+    pub pooler_config: Pooling,
     /// Accepted for vLLM's command lines: `tool_choice: "auto"` is always served here.
     #[arg(long)]
     pub enable_auto_tool_choice: bool,
@@ -276,6 +281,40 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
 }
 
 /// A `--tool-call-parser` name.
+/// `--pooler-config`: vLLM's JSON; unknown keys and pooling types are refused at start rather
+/// than ignored.
+fn parse_pooler_config(v: &str) -> Result<Pooling, String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct PoolerConfig {
+        pooling_type: Option<String>,
+        normalize: Option<bool>,
+    }
+    let c: PoolerConfig = serde_json::from_str(v).map_err(|e| {
+        format!(
+            "not a pooler config ({e}); e.g. {{\"pooling_type\": \"MEAN\", \"normalize\": true}}"
+        )
+    })?;
+    let kind = match c
+        .pooling_type
+        .as_deref()
+        .map(str::to_ascii_uppercase)
+        .as_deref()
+    {
+        None | Some("LAST") => PoolingKind::Last,
+        Some("MEAN") => PoolingKind::Mean,
+        Some(other) => {
+            return Err(format!(
+                "pooling_type {other} is not served here; use LAST or MEAN"
+            ));
+        }
+    };
+    Ok(Pooling {
+        kind,
+        normalize: c.normalize.unwrap_or(true),
+    })
+}
+
 fn parse_call_format(v: &str) -> Result<crate::api::tool_parse::CallFormat, String> {
     crate::api::tool_parse::CallFormat::from_name(v).ok_or_else(|| {
         format!("'{v}' is not a tool-call format here; use hermes, llama3_json or mistral")
@@ -323,6 +362,31 @@ mod tests {
         assert_eq!(parse("bfloat16").ok(), Some(LoraDtype::Bfloat16));
         // float16 is vLLM's too, but not kept here: refused at start, not read as another.
         assert!(parse("float16").is_err());
+    }
+
+    #[test]
+    fn pooler_config_takes_vllms_json() {
+        let parse = |v: &str| {
+            let argv = ["ferrite-server", "--model", "m.gguf", "--pooler-config", v];
+            ServerArgs::try_parse_from(argv).map(|a| a.pooler_config)
+        };
+        let plain = ServerArgs::try_parse_from(["ferrite-server", "--model", "m.gguf"]);
+        let last = Pooling {
+            kind: PoolingKind::Last,
+            normalize: true,
+        };
+        assert_eq!(plain.map(|a| a.pooler_config).ok(), Some(last));
+        let mean = parse(r#"{"pooling_type": "MEAN", "normalize": false}"#);
+        assert_eq!(
+            mean.ok(),
+            Some(Pooling {
+                kind: PoolingKind::Mean,
+                normalize: false
+            })
+        );
+        assert!(parse(r#"{"pooling_type": "CLS"}"#).is_err());
+        assert!(parse(r#"{"pooling": "MEAN"}"#).is_err());
+        assert!(parse("MEAN").is_err());
     }
 
     #[test]

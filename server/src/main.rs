@@ -292,6 +292,7 @@ fn serve_with(
         tokenizer,
         chat_template,
         grammars,
+        model_config,
         ..
     } = started;
     if !args.disable_log_stats {
@@ -307,6 +308,8 @@ fn serve_with(
         adapters,
         grammars,
         tool_format: args.tool_call_parser,
+        pooling: args.pooler_config,
+        hidden_size: model_config.hidden_size,
     });
     let sched = info.scheduler;
     info!(

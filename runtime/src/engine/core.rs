@@ -14,14 +14,15 @@ use std::time::Instant;
 use candle_core::Tensor;
 
 use super::output::{OutputProcessor, RequestOutput};
-use super::request::{Event, EventSender, FinishReason, Request, SLOW_READER};
+use super::pooler::Pool;
+use super::request::{Event, EventSender, FinishReason, PoolingKind, Request, SLOW_READER};
 use super::sampler::{Rng, sample};
 use super::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId, SeqOutput, StepPlan};
 use super::stats::{IterationStats, LoraStats, SchedulerStats, StatsSink};
 use super::structured::{Guide, StructuredError, TokenMask};
 use crate::kv::KvCache;
 use crate::model::lora::LoraAdapter;
-use crate::model::{LlamaModel, SeqInput};
+use crate::model::{HiddenRows, LlamaModel, SeqInput};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -105,6 +106,15 @@ struct SeqData {
     output: RequestOutput,
     /// The grammar its output follows; out of here while a step computes its mask.
     guide: Option<Guide>,
+    /// An embedding request's pool of its prompt's hidden states.
+    pool: Option<Pool>,
+}
+
+/// A forward's results: a logit row per scheduled sequence, and the hidden states of the
+/// embedding requests' tokens (`None` for the others).
+struct Forward {
+    logits: Tensor,
+    hidden: Vec<Option<Tensor>>,
 }
 
 /// A guide taken out for a step, with the mask of tokens it allows next (or why there is
@@ -330,11 +340,14 @@ impl Engine {
                     .map(Rng::new)
                     .unwrap_or_else(Rng::from_entropy);
                 let lora = req.adapter.as_ref().map(|a| a.id());
-                self.scheduler.add_with_lora(id, &req.prompt, lora);
+                // A mean needs every token's state, which cached blocks do not keep.
+                let reads_cache = req.pooling.is_none_or(|p| p.kind != PoolingKind::Mean);
+                self.scheduler.add_seq(id, &req.prompt, lora, reads_cache);
                 let mut req = req;
                 let guide = req.guide.take();
                 let data = SeqData {
                     guide,
+                    pool: req.pooling.map(Pool::new),
                     tokens: req.prompt.clone(),
                     prompt_len: req.prompt.len(),
                     output: RequestOutput::new(&req),
@@ -404,8 +417,9 @@ impl Engine {
             return Ok(());
         };
         let guides = self.take_guides(&plan);
-        let (logits, masks) = self.execute_guided(&plan, guides);
-        let logits = logits?;
+        let (forward, masks) = self.execute_guided(&plan, guides);
+        let Forward { logits, hidden } = forward?;
+        self.pool_hidden(&plan, hidden)?;
         for lookup in &plan.prefix_lookups {
             self.iteration.prefix_cache_queries += lookup.queried as u64;
             self.iteration.prefix_cache_hits += lookup.hit as u64;
@@ -466,7 +480,7 @@ impl Engine {
         &self,
         plan: &StepPlan,
         guides: Vec<(SeqId, Guide)>,
-    ) -> (Result<Tensor, Box<dyn std::error::Error>>, Vec<Masked>) {
+    ) -> (Result<Forward, Box<dyn std::error::Error>>, Vec<Masked>) {
         if guides.is_empty() {
             return (self.execute(plan), Vec::new());
         }
@@ -493,8 +507,8 @@ impl Engine {
     }
 
     /// The plan's swap copies, then one forward over its tokens: a logit row per scheduled
-    /// sequence.
-    fn execute(&self, plan: &StepPlan) -> Result<Tensor, Box<dyn std::error::Error>> {
+    /// sequence, and the hidden states of embedding requests' tokens.
+    fn execute(&self, plan: &StepPlan) -> Result<Forward, Box<dyn std::error::Error>> {
         self.cache.copy_out(&plan.swap_out)?;
         self.cache.copy_in(&plan.swap_in)?;
         let tables: Vec<Vec<u32>> = plan
@@ -521,7 +535,67 @@ impl Engine {
                 }
             })
             .collect();
-        Ok(self.model.forward(&inputs, &self.cache)?)
+        let wants: Vec<HiddenRows> = plan
+            .scheduled
+            .iter()
+            .map(|s| {
+                self.seqs[&s.id]
+                    .pool
+                    .as_ref()
+                    .map_or(HiddenRows::None, Pool::rows)
+            })
+            .collect();
+        let (logits, hidden) = self
+            .model
+            .forward_with_hidden(&inputs, &self.cache, &wants)?;
+        Ok(Forward { logits, hidden })
+    }
+
+    /// Adds each embedding request's hidden states from this step to its pool.
+    fn pool_hidden(
+        &mut self,
+        plan: &StepPlan,
+        hidden: Vec<Option<Tensor>>,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        for (s, h) in plan.scheduled.iter().zip(hidden) {
+            let (Some(h), Some(d)) = (h, self.seqs.get_mut(&s.id)) else {
+                continue;
+            };
+            let (rows, width) = h.dims2()?;
+            let values = h.flatten_all()?.to_vec1::<f32>()?;
+            if let Some(pool) = d.pool.as_mut() {
+                // The rows are the last of the step's tokens.
+                pool.add(s.start + s.len - rows, &values, width);
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends embedding request `id`, whose prompt is all in: its vector is its one event.
+    fn pooled(&mut self, id: SeqId) {
+        let _ = self.scheduler.finish(id, self.cache.pools_mut());
+        let Some(d) = self.seqs.remove(&id) else {
+            return;
+        };
+        let values = d.pool.as_ref().map(Pool::finish).unwrap_or_default();
+        let finished = d.output.finished(
+            &d.req,
+            d.prompt_len,
+            0,
+            FinishReason::Stop,
+            String::new(),
+            &mut self.iteration,
+        );
+        let cached_tokens = match finished {
+            Event::Finished { cached_tokens, .. } => cached_tokens,
+            _ => 0,
+        };
+        let event = Event::Embedding {
+            values,
+            prompt_tokens: d.prompt_len,
+            cached_tokens,
+        };
+        self.send(Some(id), &d.req.events, event);
     }
 
     /// Samples a token for each sequence that finished its known tokens, and lets the output
@@ -539,6 +613,10 @@ impl Engine {
         let mut ends = Vec::new();
         for (row, s) in rows.iter().zip(&plan.scheduled) {
             if !s.samples {
+                continue;
+            }
+            if self.seqs.get(&s.id).is_some_and(|d| d.pool.is_some()) {
+                self.pooled(s.id);
                 continue;
             }
             let Some(d) = self.seqs.get_mut(&s.id) else {

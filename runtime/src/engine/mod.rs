@@ -6,6 +6,7 @@
 pub mod core;
 pub mod detok;
 mod output;
+mod pooler;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;
@@ -15,7 +16,9 @@ pub mod stop;
 pub mod structured;
 
 pub use core::EngineHandle;
-pub use request::{Event, EventReceiver, FinishReason, Request, RequestGroup, event_channel};
+pub use request::{
+    Event, EventReceiver, FinishReason, Pooling, PoolingKind, Request, RequestGroup, event_channel,
+};
 pub use sampler::SamplingParams;
 pub use start::{
     Budget, EngineConfig, EngineInfo, KvSizing, Scheduling, StartError, Started, start,

@@ -49,6 +49,29 @@ pub struct Request {
     pub adapter: Option<Arc<LoraAdapter>>,
     /// The grammar its output must follow (structured outputs), compiled by the caller.
     pub guide: Option<Guide>,
+    /// An embedding request: the prompt's final hidden states pooled into one vector
+    /// ([`Event::Embedding`]) instead of generated tokens.
+    pub pooling: Option<Pooling>,
+}
+
+/// How an embedding request's final hidden states (after the model's last norm) become one
+/// vector, as vLLM's pooler does for a decoder model (`--pooler-config`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pooling {
+    pub kind: PoolingKind,
+    /// Scale the vector to unit length (L2).
+    pub normalize: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PoolingKind {
+    /// The last token's state: what a causal model has seen the whole prompt in (vLLM's
+    /// default for decoder models).
+    #[default]
+    Last,
+    /// The mean over every prompt token's state. Each token must be computed, so the prefix
+    /// cache is not read for it.
+    Mean,
 }
 
 /// What the `n` sequences of one API request share, so that per-request metrics (`n`,
@@ -106,6 +129,12 @@ pub enum Event {
         prompt_tokens: usize,
         completion_tokens: usize,
         /// Leading prompt tokens whose keys and values came from the prefix cache.
+        cached_tokens: usize,
+    },
+    /// An embedding request's vector ([`Request::pooling`]): its only event.
+    Embedding {
+        values: Vec<f32>,
+        prompt_tokens: usize,
         cached_tokens: usize,
     },
     /// The engine could not run this request (the text says why).

@@ -98,6 +98,8 @@ pub struct SeqState {
     hasher: BlockHasher,
     /// Leading entries of `blocks` registered in the prefix cache (or taken from it).
     num_registered: usize,
+    /// Whether it may start from cached blocks.
+    reads_cache: bool,
 }
 
 /// One sequence's work in a step: run tokens `[start, start + len)`.
@@ -200,6 +202,13 @@ impl Scheduler {
     /// Queues a new sequence with this prompt under LoRA adapter `lora` (an adapter's id): its
     /// cached blocks are keyed by the adapter, so other adapters and the base never share them.
     pub fn add_with_lora(&mut self, id: SeqId, prompt: &[u32], lora: Option<u64>) {
+        self.add_seq(id, prompt, lora, true);
+    }
+
+    /// [`Scheduler::add_with_lora`]; with `reads_cache` false the sequence computes every one
+    /// of its tokens (a mean-pooled embedding needs each token's hidden state), though its
+    /// blocks still go to the prefix cache for others.
+    pub fn add_seq(&mut self, id: SeqId, prompt: &[u32], lora: Option<u64>, reads_cache: bool) {
         let mut hasher = match lora {
             Some(l) => BlockHasher::with_extra(self.cfg.block_size, l),
             None => BlockHasher::new(self.cfg.block_size),
@@ -218,6 +227,7 @@ impl Scheduler {
             lora,
             hasher,
             num_registered: 0,
+            reads_cache,
         });
     }
 
@@ -492,7 +502,11 @@ impl Scheduler {
     /// Leading full blocks of a sequence that holds nothing yet which the prefix cache can
     /// supply. Never all of its tokens: at least one is computed, so there are logits.
     fn cached_blocks(&self, seq: &SeqState, space: &BlockPools) -> usize {
-        if !self.cfg.prefix_caching || seq.num_computed > 0 || !seq.blocks.is_empty() {
+        if !self.cfg.prefix_caching
+            || !seq.reads_cache
+            || seq.num_computed > 0
+            || !seq.blocks.is_empty()
+        {
             return 0;
         }
         let max = seq.num_tokens.saturating_sub(1) / self.cfg.block_size;

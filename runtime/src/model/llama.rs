@@ -194,6 +194,18 @@ impl LlamaModel {
     /// sequence (after its last token), `[batch.len(), vocab]` in f32. Keys and values of every
     /// token are written to the cache.
     pub fn forward(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
+        Ok(self.forward_with_hidden(batch, cache, &[])?.0)
+    }
+
+    /// [`LlamaModel::forward`], and for each sequence `i` the final-normed hidden states of
+    /// the rows `hidden[i]` asks for (missing entries ask for none), `[rows, hidden]` in f32,
+    /// the last rows of the pass's tokens: what an embedding request pools.
+    pub fn forward_with_hidden(
+        &self,
+        batch: &[SeqInput],
+        cache: &KvCache,
+        hidden: &[HiddenRows],
+    ) -> Result<(Tensor, Vec<Option<Tensor>>), ModelError> {
         self.check_batch(batch, cache)?;
         // Run a CPU pass on a worker of rayon's pool. Each parallel op called from outside the
         // pool sends a job there and puts the caller to sleep until it ends; one forward makes
@@ -201,13 +213,15 @@ impl LlamaModel {
         // workers poll for the pass's jobs meanwhile rather than sleep between them
         // (`kernels::pool`). A GPU pass only enqueues work, so it stays on the caller's thread.
         if self.device.is_cpu() && rayon::current_thread_index().is_none() {
-            return crate::kernels::pool::hot(|| self.forward_on_pool(batch, cache));
+            return crate::kernels::pool::hot(|| self.forward_on_pool(batch, cache, hidden));
         }
         #[cfg(feature = "cuda")]
-        if let Some(logits) = self.decode_from_graph(batch, cache)? {
-            return Ok(logits);
+        if hidden.iter().all(|h| *h == HiddenRows::None)
+            && let Some(logits) = self.decode_from_graph(batch, cache)?
+        {
+            return Ok((logits, vec![None; batch.len()]));
         }
-        self.forward_on_pool(batch, cache)
+        self.forward_on_pool(batch, cache, hidden)
     }
 
     /// A decode step replayed from its CUDA graph, where one takes it.
@@ -247,38 +261,64 @@ impl LlamaModel {
     /// order, so a sequence split across slices finds its earlier tokens' keys and values in
     /// the cache, as with chunked prefill. Every op is row-wise (the GEMMs are batch invariant
     /// and attention reads only the cache), so the logits are bitwise those of one pass.
-    fn forward_on_pool(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
+    fn forward_on_pool(
+        &self,
+        batch: &[SeqInput],
+        cache: &KvCache,
+        hidden: &[HiddenRows],
+    ) -> Result<(Tensor, Vec<Option<Tensor>>), ModelError> {
         let mut last_hidden = Vec::new();
+        let mut wanted: Vec<Vec<Tensor>> = vec![Vec::new(); batch.len()];
         for slice in slices(batch, self.max_slice_tokens) {
             let inputs: Vec<SeqInput> = slice.iter().map(|p| p.input).collect();
-            let hidden = self.layers(&inputs, cache)?;
+            let (all, last) = self.layers(&inputs, cache)?;
+            let mut row = 0;
+            for p in &slice {
+                let n = p.input.tokens.len();
+                match hidden.get(p.seq) {
+                    Some(HiddenRows::All) => wanted[p.seq].push(all.narrow(0, row, n)?),
+                    Some(HiddenRows::Last) if p.ends_sequence => {
+                        wanted[p.seq].push(all.narrow(0, row + n - 1, 1)?);
+                    }
+                    _ => {}
+                }
+                row += n;
+            }
+            let lasts = all.index_select(&last, 0)?;
             // Rows of the pieces that end their sequence: all of them in an unsliced forward,
             // which keeps its hidden states as they are.
             let ends: Vec<u32> = (0..slice.len() as u32)
                 .filter(|&r| slice[r as usize].ends_sequence)
                 .collect();
             if ends.len() == slice.len() {
-                last_hidden.push(hidden);
+                last_hidden.push(lasts);
             } else if !ends.is_empty() {
                 let n = ends.len();
-                last_hidden
-                    .push(hidden.index_select(&Tensor::from_vec(ends, n, &self.device)?, 0)?);
+                last_hidden.push(lasts.index_select(&Tensor::from_vec(ends, n, &self.device)?, 0)?);
             }
         }
+        let wanted = wanted
+            .into_iter()
+            .map(|parts| match parts.len() {
+                0 => Ok(None),
+                _ => Ok(Some(Tensor::cat(&parts, 0)?.to_dtype(DType::F32)?)),
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
         // One tensor (the unsliced case) is returned as it is, without a copy.
-        self.head(&Tensor::cat(&last_hidden, 0)?)
+        Ok((self.head(&Tensor::cat(&last_hidden, 0)?)?, wanted))
     }
 
-    /// One pass of the embedding and every layer over `batch` (already checked): the hidden
-    /// state after each sequence's last token, `[batch.len(), hidden]`, after the final norm.
-    fn layers(&self, batch: &[SeqInput], cache: &KvCache) -> Result<Tensor, ModelError> {
+    /// One pass of the embedding and every layer over `batch` (already checked): the
+    /// final-normed hidden state of every token, `[tokens, hidden]`, and the index of each
+    /// sequence's last row in it.
+    fn layers(&self, batch: &[SeqInput], cache: &KvCache) -> Result<(Tensor, Tensor), ModelError> {
         let bs = cache.config().block_size;
         let packed = PackedStep::new(batch, bs);
         let meta = packed.meta(&self.cfg, bs);
         let step = StepTensors::new(&packed.upload(&self.device)?, &packed, &meta)?;
         let lora = LoraStep::new(batch.iter().map(|s| (s.adapter, s.tokens.len())));
         let h = self.run_layers(&step, &meta, cache, &lora)?;
-        Ok(h.index_select(&step.last, 0)?)
+        Ok((h, step.last.clone()))
     }
 
     /// Every layer over a step's device inputs: the final-normed hidden state of every token
@@ -393,6 +433,17 @@ impl LlamaModel {
     }
 }
 
+/// Which of a sequence's rows' hidden states a forward returns besides its logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HiddenRows {
+    #[default]
+    None,
+    /// The pass's last row of the sequence.
+    Last,
+    /// Every row of it in the pass.
+    All,
+}
+
 /// What a captured decode step runs (`cuda_graph`).
 impl super::cuda_graph::StepForward for LlamaModel {
     fn device(&self) -> &Device {
@@ -425,6 +476,8 @@ impl super::cuda_graph::StepForward for LlamaModel {
 #[derive(Debug, Clone, Copy)]
 struct Piece<'a> {
     input: SeqInput<'a>,
+    /// The index in the batch of the sequence it is part of.
+    seq: usize,
     /// The piece holds the sequence's last new token, whose logits the forward returns.
     ends_sequence: bool,
 }
@@ -435,7 +488,7 @@ fn slices<'a>(batch: &[SeqInput<'a>], max_tokens: usize) -> Vec<Vec<Piece<'a>>> 
     let max_tokens = max_tokens.max(1);
     let mut out = vec![Vec::new()];
     let mut room = max_tokens;
-    for s in batch {
+    for (seq, s) in batch.iter().enumerate() {
         let mut done = 0;
         while done < s.tokens.len() {
             if room == 0 {
@@ -450,6 +503,7 @@ fn slices<'a>(batch: &[SeqInput<'a>], max_tokens: usize) -> Vec<Vec<Piece<'a>>> 
                     block_table: s.block_table,
                     adapter: s.adapter,
                 },
+                seq,
                 ends_sequence: done + n == s.tokens.len(),
             };
             if let Some(slice) = out.last_mut() {

@@ -30,7 +30,7 @@ use candle_core::Device;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Activation, Arch, LocalLayers, ModelConfig, Moe, RopeScaling, RopeStyle};
-pub use llama::{LlamaModel, SeqInput};
+pub use llama::{HiddenRows, LlamaModel, SeqInput};
 pub use tokenizer::Tokenizer;
 pub use weights::{Checkpoint, LlamaWeights, RawWeight, WeightMode, WeightSource};
 

@@ -10,7 +10,7 @@ use ferrite_runtime::engine::request::SLOW_READER;
 use ferrite_runtime::engine::stats::StatsSink;
 use ferrite_runtime::engine::{
     self, Budget, EngineConfig, EngineHandle, EngineInfo, Event, EventReceiver, FinishReason,
-    KvSizing, Request, SamplingParams, Scheduling, event_channel,
+    KvSizing, Pooling, PoolingKind, Request, SamplingParams, Scheduling, event_channel,
 };
 use ferrite_runtime::kv::CacheDtype;
 use ferrite_runtime::model::{LoadOptions, Tokenizer, WeightMode};
@@ -37,6 +37,17 @@ fn engine_with(
     max_num_seqs: usize,
     prefix_caching: bool,
 ) -> (EngineHandle, Tokenizer) {
+    engine_budget(blocks, host, max_num_seqs, prefix_caching, 256)
+}
+
+/// [`engine_with`] with `budget` tokens per step (prompts longer than it are chunked).
+fn engine_budget(
+    blocks: usize,
+    host: usize,
+    max_num_seqs: usize,
+    prefix_caching: bool,
+    budget: usize,
+) -> (EngineHandle, Tokenizer) {
     let config = EngineConfig {
         model: common::default_model(),
         load: LoadOptions {
@@ -52,7 +63,7 @@ fn engine_with(
         },
         scheduling: Scheduling {
             max_num_seqs,
-            max_num_batched_tokens: 256,
+            max_num_batched_tokens: budget,
             chunked_prefill: true,
             prefix_caching,
             max_loras: 1,
@@ -103,6 +114,7 @@ fn submit_with(
         group: None,
         adapter: None,
         guide: None,
+        pooling: None,
     })
     .expect("submit");
     rx
@@ -136,6 +148,7 @@ fn collect(mut rx: EventReceiver) -> Output {
                 return out;
             }
             Event::Failed(e) | Event::Refused(e) => panic!("request failed: {e}"),
+            Event::Embedding { .. } => panic!("a generation was pooled"),
         }
     }
     panic!("event stream ended without Finished");
@@ -448,6 +461,7 @@ fn a_reader_that_falls_behind_is_ended_not_buffered() {
         group: None,
         adapter: None,
         guide: None,
+        pooling: None,
     })
     .expect("submit");
     // A reader that keeps up is not affected.
@@ -490,6 +504,7 @@ fn bytes_that_never_form_a_character_are_released_in_bounded_windows() {
                 break;
             }
             Event::Failed(e) | Event::Refused(e) => panic!("{e}"),
+            Event::Embedding { .. } => panic!("a generation was pooled"),
         }
     }
     assert!(with_text >= 64 / 8 - 1, "{with_text} tokens released text");
@@ -498,4 +513,118 @@ fn bytes_that_never_form_a_character_are_released_in_bounded_windows() {
         "{text:?}"
     );
     h.shutdown();
+}
+
+/// Submits an embedding request.
+fn embed(h: &EngineHandle, prompt: Vec<u32>, kind: PoolingKind) -> EventReceiver {
+    let (tx, rx) = event_channel();
+    h.submit(Request {
+        prompt,
+        sampling: SamplingParams::default(),
+        max_tokens: 0,
+        stop: vec![],
+        stop_token_ids: vec![],
+        ignore_eos: false,
+        events: tx,
+        arrival: Instant::now(),
+        group: None,
+        adapter: None,
+        guide: None,
+        pooling: Some(Pooling {
+            kind,
+            normalize: true,
+        }),
+    })
+    .expect("submit");
+    rx
+}
+
+/// An embedding request's one event: its vector (as bits) and cached prompt tokens.
+fn vector(mut rx: EventReceiver, prompt_len: usize) -> (Vec<u32>, usize) {
+    match rx.blocking_recv() {
+        Some(Event::Embedding {
+            values,
+            prompt_tokens,
+            cached_tokens,
+        }) => {
+            assert_eq!(prompt_tokens, prompt_len);
+            let norm: f32 = values.iter().map(|v| v * v).sum::<f32>().sqrt();
+            assert!((norm - 1.0).abs() < 1e-4, "norm {norm}");
+            assert!(rx.blocking_recv().is_none(), "events after the embedding");
+            (values.iter().map(|v| v.to_bits()).collect(), cached_tokens)
+        }
+        other => panic!("expected an embedding, got {other:?}"),
+    }
+}
+
+/// A prompt of about `words` words.
+fn long_prompt(tok: &Tokenizer, words: usize, topic: &str) -> Vec<u32> {
+    let text: Vec<String> = (0..words).map(|i| format!("{topic}{}", i % 7)).collect();
+    tok.encode(&text.join(" "), true).expect("tokenize")
+}
+
+#[test]
+fn an_embedding_is_the_same_alone_and_among_generations_and_other_embeddings() {
+    let (h, tok) = engine(64, 0, 8);
+    let a = long_prompt(&tok, 40, "river");
+    let b = long_prompt(&tok, 25, "mountain");
+    for kind in [PoolingKind::Last, PoolingKind::Mean] {
+        let (alone, _) = vector(embed(&h, a.clone(), kind), a.len());
+        let (other, _) = vector(embed(&h, b.clone(), kind), b.len());
+        assert_ne!(alone, other, "two texts, one vector ({kind:?})");
+        // Now beside two generations and another embedding, submitted together.
+        let gens: Vec<_> = (0..2)
+            .map(|_| {
+                submit_with(
+                    &h,
+                    question(&tok, "Tell me a story."),
+                    greedy(),
+                    24,
+                    vec![],
+                    true,
+                )
+            })
+            .collect();
+        let rx_b = embed(&h, b.clone(), kind);
+        let rx_a = embed(&h, a.clone(), kind);
+        assert_eq!(vector(rx_a, a.len()).0, alone, "{kind:?} in a batch");
+        assert_eq!(vector(rx_b, b.len()).0, other, "{kind:?} in a batch");
+        for g in gens {
+            assert_eq!(collect(g).completion_tokens, 24);
+        }
+        wait_idle(&h);
+    }
+    h.shutdown();
+}
+
+#[test]
+fn a_mean_is_the_same_whatever_the_chunks_and_never_reads_the_prefix_cache() {
+    let (whole, tok) = engine_budget(64, 0, 8, true, 256);
+    let p = long_prompt(&tok, 90, "cloud");
+    assert!(p.len() > 100, "{} tokens", p.len());
+    let (first, cached) = vector(embed(&whole, p.clone(), PoolingKind::Mean), p.len());
+    assert_eq!(cached, 0);
+    // Its blocks are now in the prefix cache; a mean still computes every token.
+    let (again, cached) = vector(embed(&whole, p.clone(), PoolingKind::Mean), p.len());
+    assert_eq!((again.as_slice(), cached), (first.as_slice(), 0));
+    // The last token's state may start from the cached blocks, with the same result.
+    let (last, _) = vector(embed(&whole, p.clone(), PoolingKind::Last), p.len());
+    let (last_cached, cached) = vector(embed(&whole, p.clone(), PoolingKind::Last), p.len());
+    assert!(
+        cached > 0,
+        "the second last-token pool found no cached blocks"
+    );
+    assert_eq!(last_cached, last);
+    whole.shutdown();
+    // Chunks of 32 tokens: the same bits.
+    let (chunked, _) = engine_budget(64, 0, 8, false, 32);
+    assert_eq!(
+        vector(embed(&chunked, p.clone(), PoolingKind::Mean), p.len()).0,
+        first
+    );
+    assert_eq!(
+        vector(embed(&chunked, p.clone(), PoolingKind::Last), p.len()).0,
+        last
+    );
+    chunked.shutdown();
 }

@@ -60,7 +60,7 @@ pub async fn chat_completions(
     )?;
     g.adapter = model.adapter;
     // Refuse an overloaded server's request before compiling its grammar, not after.
-    generate::admit(&state, serving, seqs)?;
+    generate::admit(&state, serving, seqs, "n")?;
     g.guide = match tools.as_ref().and_then(ToolUse::grammar) {
         Some(spec) => {
             if structured::requested(&req.structured)?.is_some() {

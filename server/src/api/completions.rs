@@ -47,7 +47,7 @@ pub async fn completions(
     let mut g = Generation::new(&req.sampling, want, n, prompts, max_tokens, vocab)?;
     g.adapter = model.adapter;
     // Refuse an overloaded server's request before compiling its grammar, not after.
-    generate::admit(&state, serving, seqs)?;
+    generate::admit(&state, serving, seqs, "n")?;
     g.guide = structured::guide(&state, &req.structured).await?;
     let echoes = echoes(&serving.tokenizer, &g, req.echo.unwrap_or(false));
     let receivers = generate::submit(serving, &g, arrival)?;

@@ -19,14 +19,19 @@ use ferrite_runtime::engine::{
 
 /// Admits a request of `seqs` sequences: with `--max-queue-len`, the queue's depth after
 /// adding all of them must stay within it, so overload is a fast 503 rather than unbounded
-/// latency (a request that could never fit is a 400).
-pub fn admit(state: &AppState, serving: &Serving, seqs: usize) -> Result<(), ApiError> {
+/// latency (a request that could never fit is a 400 naming `param`, what made it that many).
+pub fn admit(
+    state: &AppState,
+    serving: &Serving,
+    seqs: usize,
+    param: &str,
+) -> Result<(), ApiError> {
     let Some(limit) = state.limits.max_queue_len else {
         return Ok(());
     };
     if seqs > limit {
         return Err(out_of_range(
-            "n",
+            param,
             format!(
                 "this request adds {seqs} sequences to the queue; this server queues at most \
                  {limit}"
@@ -67,6 +72,7 @@ pub fn submit(
                     group: Some(group.clone()),
                     adapter: g.adapter.clone(),
                     guide: g.guide.clone(),
+                    pooling: None,
                 })
                 .map_err(|e| ApiError::unavailable(e.to_string(), 5))?;
             receivers.push(rx);
@@ -251,6 +257,8 @@ impl Fold {
             }
             Event::Failed(msg) => Err(engine_failed(&msg)),
             Event::Refused(msg) => Err(ApiError::bad_request(msg)),
+            // Only embedding requests, which do not come here, are pooled.
+            Event::Embedding { .. } => Err(engine_failed("the engine pooled a generation")),
         }
     }
 }

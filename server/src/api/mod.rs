@@ -4,6 +4,7 @@
 pub mod adapters;
 pub mod chat;
 pub mod completions;
+pub mod embeddings;
 pub mod error;
 pub mod extract;
 pub mod generate;
@@ -38,6 +39,7 @@ pub fn router(state: Arc<AppState>, http: HttpMetrics, body_read_timeout: Durati
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/load_lora_adapter", post(lora::load_adapter))

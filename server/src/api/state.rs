@@ -54,6 +54,10 @@ pub struct Serving {
     pub grammars: Option<Arc<Grammars>>,
     /// `--tool-call-parser` (`None`: recognised from the chat template).
     pub tool_format: Option<super::tool_parse::CallFormat>,
+    /// How `/v1/embeddings` pools (`--pooler-config`).
+    pub pooling: ferrite_runtime::engine::Pooling,
+    /// The width of the model's hidden states: an embedding's dimensions.
+    pub hidden_size: usize,
 }
 
 /// What a request's `model` names: the base model or one of its adapters.
