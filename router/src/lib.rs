@@ -96,15 +96,25 @@ async fn housekeeping(app: std::sync::Weak<App>) {
     }
 }
 
-/// The HTTP routes: the OpenAI API, health, and metrics.
+/// The HTTP routes: the OpenAI API (generation, embeddings, and any other `POST` naming a
+/// model), health, and metrics.
 pub fn routes(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/completions", post(proxy::forward))
         .route("/v1/chat/completions", post(proxy::forward))
+        .route("/v1/embeddings", post(proxy::forward_pooling))
+        // Adapters are the InferenceService's to declare: a client must not load one (from a
+        // URL it chose) onto a replica through the router.
+        .route("/v1/load_lora_adapter", post(proxy::not_for_clients))
+        .route("/v1/unload_lora_adapter", post(proxy::not_for_clients))
+        .route("/v1/{*rest}", post(proxy::forward_other))
+        .route("/tokenize", post(proxy::forward_other))
+        .route("/detokenize", post(proxy::forward_other))
         .route("/v1/models", get(proxy::models))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .fallback(proxy::no_route)
         .with_state(app)
 }
 

@@ -80,10 +80,28 @@ pub struct Parsed {
 #[error("invalid JSON body: {0}")]
 pub struct ParseError(String);
 
-/// Reads `body`, keeping at most `key_chars` characters of its prompt for the key.
+/// What kind of endpoint a body was sent to, which decides what routing reads from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// Completions and chat: a prefix key (the prompt's head) and prompt plus output work.
+    Generation,
+    /// Embeddings and other pooling endpoints: `input` is prompt work with no output, and no
+    /// key (affinity pays where a cached prefix skips prefill before a long generation).
+    Pooling,
+    /// Anything else that names a `model`: only the model.
+    Other,
+}
+
+/// Reads a completions or chat `body`, keeping at most `key_chars` characters of its prompt
+/// for the key.
 pub fn parse(body: &[u8], key_chars: usize) -> Result<Parsed, ParseError> {
+    parse_as(body, key_chars, Api::Generation)
+}
+
+/// Reads `body` as a request to an endpoint of kind `api`.
+pub fn parse_as(body: &[u8], key_chars: usize, api: Api) -> Result<Parsed, ParseError> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let mut scan = Scan::new(key_chars);
+    let mut scan = Scan::new(key_chars, api);
     (&mut de)
         .deserialize_map(TopVisitor(&mut scan))
         .map_err(|e| ParseError(e.to_string()))?;
@@ -94,6 +112,7 @@ pub fn parse(body: &[u8], key_chars: usize) -> Result<Parsed, ParseError> {
 /// Counts and keys gathered so far. Chat and completions fields are kept apart, since JSON
 /// does not order keys; a body with `messages` is a chat.
 struct Scan {
+    api: Api,
     model: Option<String>,
     chars: usize,
     seen_prompt: bool,
@@ -108,8 +127,9 @@ struct Scan {
 }
 
 impl Scan {
-    fn new(chars: usize) -> Self {
+    fn new(chars: usize, api: Api) -> Self {
         Scan {
+            api,
             model: None,
             chars,
             seen_prompt: false,
@@ -125,6 +145,29 @@ impl Scan {
     }
 
     fn finish(self) -> Parsed {
+        match self.api {
+            Api::Generation => {}
+            Api::Pooling => {
+                return Parsed {
+                    model: self.model,
+                    key: None,
+                    work: Work {
+                        prompt: self.prompt_tokens,
+                        output: 0.0,
+                    },
+                };
+            }
+            Api::Other => {
+                return Parsed {
+                    model: self.model,
+                    key: None,
+                    work: Work {
+                        prompt: 0.0,
+                        output: 0.0,
+                    },
+                };
+            }
+        }
         let (key, prompt) = if self.seen_messages {
             (self.chat_key, self.chat_tokens)
         } else {
@@ -167,11 +210,16 @@ impl<'de> Visitor<'de> for TopVisitor<'_> {
                     once(&mut seen_model, "model")?;
                     scan.model = map.next_value::<Option<String>>()?;
                 }
-                "prompt" => {
+                "prompt" if scan.api == Api::Generation => {
                     once(&mut scan.seen_prompt, "prompt")?;
                     map.next_value_seed(PromptSeed(scan))?;
                 }
-                "messages" => {
+                // An embeddings input has a prompt's shapes; only its size is used.
+                "input" if scan.api == Api::Pooling => {
+                    once(&mut scan.seen_prompt, "input")?;
+                    map.next_value_seed(PromptSeed(scan))?;
+                }
+                "messages" if scan.api == Api::Generation => {
                     once(&mut scan.seen_messages, "messages")?;
                     map.next_value_seed(MessagesSeed(scan))?;
                 }
@@ -571,6 +619,39 @@ mod tests {
 
     fn p(v: serde_json::Value, chars: usize) -> Parsed {
         parse(v.to_string().as_bytes(), chars).expect("parses")
+    }
+
+    #[test]
+    fn embeddings_count_their_input_as_prompt_work_with_no_key_and_no_output() {
+        let as_ = |v: serde_json::Value, api| parse_as(v.to_string().as_bytes(), 64, api);
+        let e = as_(
+            json!({"model": "m", "input": ["abcdefgh", [1, 2, 3]]}),
+            Api::Pooling,
+        )
+        .expect("parses");
+        assert_eq!(e.model.as_deref(), Some("m"));
+        assert_eq!(e.key, None);
+        assert_eq!(
+            e.work,
+            Work {
+                prompt: 5.0,
+                output: 0.0
+            }
+        );
+        // A repeated input is refused, as a repeated prompt is.
+        let twice = br#"{"model": "m", "input": "a", "input": "b"}"#;
+        assert!(parse_as(twice, 64, Api::Pooling).is_err());
+        // Other endpoints: only the model; their fields are not read as a prompt.
+        let o = as_(
+            json!({"model": "m", "prompt": "long text", "max_tokens": 9}),
+            Api::Other,
+        )
+        .expect("parses");
+        assert_eq!(
+            (o.model.as_deref(), o.key, o.work.total()),
+            (Some("m"), None, 1.0)
+        );
+        assert!(as_(json!([1]), Api::Other).is_err());
     }
 
     #[test]

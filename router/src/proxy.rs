@@ -29,7 +29,7 @@ use crate::limits::{LimitConfig, Limits, Refusal};
 use crate::load::{Loads, Open};
 use crate::members::Endpoint;
 use crate::metrics::Metrics;
-use crate::parse::{self, Parsed};
+use crate::parse::{self, Api, Parsed};
 use crate::policy::{self, Replica, Request};
 use crate::recent::RecentKeys;
 use crate::registry::{Registry, Service};
@@ -192,10 +192,27 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
-/// `POST /v1/completions` and `/v1/chat/completions`, as its steps: admit (bounded) → read
-/// and parse the body (bounded) → resolve the service (holding while it wakes) → attempt a
-/// replica, again on another only if the first provably did not take the request.
+/// `POST /v1/completions` and `/v1/chat/completions`.
 pub async fn forward(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    forward_as(app, req, Api::Generation).await
+}
+
+/// `POST /v1/embeddings`.
+pub async fn forward_pooling(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    forward_as(app, req, Api::Pooling).await
+}
+
+/// Any other `POST` with a JSON body that names a `model` (`/tokenize`, `/detokenize`, and
+/// the rest of `/v1/*`): passed to a replica of that model's service, whose server answers
+/// for whether it serves the path.
+pub async fn forward_other(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    forward_as(app, req, Api::Other).await
+}
+
+/// A request to an endpoint of kind `api`, as its steps: admit (bounded) → read and parse the
+/// body (bounded) → resolve the service (holding while it wakes) → attempt a replica, again on
+/// another only if the first provably did not take the request.
+async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Response {
     let (parts, body) = req.into_parts();
     let admission = match app.limits.admit(content_length(&parts.headers)) {
         Ok(a) => a,
@@ -221,7 +238,7 @@ pub async fn forward(State(app): State<Arc<App>>, req: axum::extract::Request) -
         Ok(b) => b,
         Err(e) => return unreadable(&app, e),
     };
-    let parsed = match parse::parse(&body, app.config.prefix_chars) {
+    let parsed = match parse::parse_as(&body, app.config.prefix_chars, api) {
         Ok(p) => p,
         Err(e) => return invalid(e.to_string(), None),
     };
@@ -235,6 +252,30 @@ pub async fn forward(State(app): State<Arc<App>>, req: axum::extract::Request) -
     // The body's reservation (`admission.body`) is given back when this returns, with the
     // response head: the body is no longer needed once a replica answered.
     attempt(&app, &svc, &parsed, &parts, body, admission.open).await
+}
+
+/// Anything the router does not route: OpenAI's 404 body rather than an empty one.
+pub async fn no_route(req: axum::extract::Request) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        format!("no route for {} {}", req.method(), req.uri().path()),
+        None,
+    )
+}
+
+/// A replica's management endpoint, which the router never forwards.
+pub async fn not_for_clients(req: axum::extract::Request) -> Response {
+    error(
+        StatusCode::FORBIDDEN,
+        "permission_error",
+        format!(
+            "{} is not served through the router: adapters are declared in the \
+             InferenceService's spec.model.adapters",
+            req.uri().path()
+        ),
+        None,
+    )
 }
 
 /// The body's announced length, if it has one.

@@ -21,8 +21,9 @@ async fn router_over_two_replicas(client: &kube::Client, ns: &str) -> String {
     base
 }
 
-/// Two InferenceServices behind one endpoint: each model reaches its own server, unknown
-/// models get OpenAI's 404, and `/v1/models` lists both with their ready replicas.
+/// Two InferenceServices behind one endpoint: each model reaches its own server (completions,
+/// chat, embeddings, the tokenizer and other paths), unknown models get OpenAI's 404, adapter
+/// management is refused, and `/v1/models` lists both with their ready replicas.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_by_model_across_two_inference_services() {
     let Some((_cluster, client, ns)) = cluster_with_crd("router").await else {
@@ -82,6 +83,37 @@ async fn routes_by_model_across_two_inference_services() {
     let (status, body, _) = post(format!("{base}/v1/chat/completions"), chat).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "chat.completion");
+
+    // Embeddings, the tokenizer and any other POST that names a model reach its server.
+    let embed = json!({"model": "chat-model", "input": ["a cat", "a dog"],
+        "encoding_format": "float"});
+    let (status, body, _) = post(format!("{base}/v1/embeddings"), embed).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["model"], "chat-model", "{body}");
+    assert_eq!(body["data"].as_array().map(Vec::len), Some(2), "{body}");
+    assert_eq!(
+        body["data"][1]["embedding"].as_array().map(Vec::len),
+        Some(576)
+    );
+    let tokenize = json!({"model": "code", "prompt": "Hello world"});
+    let (status, body, _) = post(format!("{base}/tokenize"), tokenize).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body["count"].as_u64().is_some_and(|n| n > 0), "{body}");
+    // A path ferrite-server does not serve: the router forwards it (without a model it is the
+    // router's 400) and the server's 404 comes back.
+    let rerank = json!({"model": "code", "query": "q", "documents": ["d"]});
+    let (status, body, _) = post(format!("{base}/v1/rerank"), rerank).await;
+    assert_eq!(status, 404, "{body}");
+    let (status, body, _) = post(format!("{base}/v1/rerank"), json!({"query": "q"})).await;
+    assert_eq!(
+        (status, &body["error"]["param"]),
+        (400, &json!("model")),
+        "{body}"
+    );
+    // A replica's adapter management is not the clients'.
+    let load = json!({"model": "code", "lora_name": "x", "lora_path": "/etc"});
+    let (status, body, _) = post(format!("{base}/v1/load_lora_adapter"), load).await;
+    assert_eq!(status, 403, "{body}");
 
     let (status, body, _) = post(format!("{base}/v1/completions"), completion("nope")).await;
     assert_eq!(status, 404);
