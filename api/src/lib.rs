@@ -8,7 +8,8 @@
 //!   server builds this crate without its default features);
 //! - [`vllm`]: the metric names the pods export and the operator and router read;
 //! - with `k8s`: [`crd`] (the InferenceService types; `crdgen` writes `crds/` from them),
-//!   [`labels`], [`conditions`], [`served`] (who holds a served name), [`signal`];
+//!   [`labels`], [`conditions`], [`served`] (who holds a served name), [`signal`], [`tenant`]
+//!   (the InferenceTenant types the router authenticates and limits by);
 //! - with `scrape`: [`exposition`] and [`scrape`], the bounded streaming reader of the pods'
 //!   `/metrics`.
 
@@ -27,6 +28,8 @@ pub mod labels;
 pub mod served;
 #[cfg(feature = "k8s")]
 pub mod signal;
+#[cfg(feature = "k8s")]
+pub mod tenant;
 
 #[cfg(feature = "scrape")]
 pub mod exposition;

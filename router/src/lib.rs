@@ -12,9 +12,11 @@ pub mod parse;
 pub mod policy;
 pub mod prefix;
 pub mod proxy;
+pub mod quota;
 pub mod recent;
 pub mod registry;
 pub mod ring;
+pub mod tenants;
 pub mod wake;
 pub mod work;
 
@@ -62,11 +64,19 @@ pub async fn start(
 ) -> Result<Arc<App>, StartError> {
     let registry = Registry::start(client.clone(), namespace, from);
     registry.ready().await?;
+    let tenants = match &config.tenants {
+        Some(ns) => {
+            let t = tenants::Tenants::start(client.clone(), ns);
+            t.ready().await?;
+            Some(t)
+        }
+        None => None,
+    };
     let loads = Loads::default();
     tokio::spawn(loads.clone().refresh(registry.clone(), scrape_every));
     let metrics = Metrics::new()?;
     let kube = wake.then_some(client);
-    let app = Arc::new(App::new(registry, loads, metrics, config, kube));
+    let app = Arc::new(App::new(registry, loads, metrics, config, kube, tenants));
     tokio::spawn(housekeeping(Arc::downgrade(&app)));
     Ok(app)
 }
@@ -90,6 +100,11 @@ async fn housekeeping(app: std::sync::Weak<App>) {
             })
             .collect();
         app.metrics.forget_pods(&live);
+        if let Some(t) = &app.tenants {
+            let names = t.directory().names().clone();
+            app.metrics.forget_tenants(&names);
+            app.quotas.retain(&names);
+        }
         app.rings.retain(&ids);
         app.wakes
             .forget_older_than(tokio::time::Instant::now(), Duration::from_secs(3600));

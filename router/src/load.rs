@@ -261,6 +261,16 @@ pub struct Open {
 }
 
 impl Open {
+    /// Stream events seen so far.
+    pub fn seen(&self) -> u64 {
+        self.seen
+    }
+
+    /// Stream events expected before the first token.
+    pub fn preamble(&self) -> u64 {
+        self.preamble
+    }
+
     /// Notes `n` more events of the response's stream: once the first token arrives the
     /// prompt has been prefilled and stops counting, and each token after takes one off the
     /// output still to come.

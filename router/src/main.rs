@@ -79,6 +79,15 @@ struct Args {
     /// drop this pod, while requests still arriving are served; open streams then finish.
     #[arg(long, default_value_t = 5)]
     drain_delay_seconds: u64,
+    /// Authenticate every request as an InferenceTenant by its bearer key, allow it only the
+    /// tenant's models, and hold it to the tenant's limits (off: the cluster's own gateway
+    /// authenticates). The keys are the values of Secrets labelled ferrite.dev/tenant=<name>
+    /// in --tenant-secrets-namespace.
+    #[arg(long)]
+    tenants: bool,
+    /// Where the tenants' key Secrets are (default: this pod's namespace).
+    #[arg(long, env = "POD_NAMESPACE")]
+    tenant_secrets_namespace: Option<String>,
 }
 
 #[tokio::main]
@@ -105,6 +114,14 @@ async fn main() -> anyhow::Result<()> {
         connect_timeout: Duration::from_secs(3),
         body_read_timeout: Duration::from_secs(args.body_read_timeout_seconds.max(1)),
         set_aside: Duration::from_millis(args.set_aside_ms),
+        tenants: match (args.tenants, args.tenant_secrets_namespace) {
+            (false, _) => None,
+            (true, Some(ns)) => Some(ns),
+            (true, None) => anyhow::bail!(
+                "--tenants needs --tenant-secrets-namespace (or POD_NAMESPACE): where the \
+                 tenants' key Secrets are"
+            ),
+        },
     };
     let app = ferrite_router::start(
         client,

@@ -40,6 +40,12 @@ pub struct Metrics {
     pub refused: IntCounterVec,
     /// Writes of a service's scale subresource to wake it from zero.
     pub wakes: IntCounterVec,
+    /// Tenants' requests by outcome (admitted, forbidden, throttled_*), declared tenants only.
+    pub tenant_requests: IntCounterVec,
+    /// Tokens charged to each tenant (settled to what its requests used).
+    pub tenant_tokens: IntCounterVec,
+    /// Requests refused with 401 (no tenant label: the key named none).
+    pub unauthorized: prometheus::IntCounter,
 }
 
 impl Metrics {
@@ -123,6 +129,25 @@ impl Metrics {
                 "Writes of an InferenceService's scale subresource to wake it from zero.",
                 &["model_name"],
             )?,
+            tenant_requests: counter(
+                "ferrite_router_tenant_requests_total",
+                "Requests of each tenant by outcome: admitted, forbidden (a model outside its \
+                 list), throttled_requests, throttled_tokens, throttled_concurrent.",
+                &["tenant", "outcome"],
+            )?,
+            tenant_tokens: counter(
+                "ferrite_router_tenant_tokens_total",
+                "Tokens charged to each tenant, settled to what its requests used.",
+                &["tenant"],
+            )?,
+            unauthorized: {
+                let c = prometheus::IntCounter::new(
+                    "ferrite_router_unauthorized_requests_total",
+                    "Requests refused with 401: no API key, or one no tenant holds.",
+                )?;
+                registry.register(Box::new(c.clone()))?;
+                c
+            },
             registry,
         };
         Ok(m)
@@ -144,6 +169,25 @@ impl Metrics {
                 let idle = m.get_gauge().get_value() == 0.0;
                 if idle && !live.contains(&(model.clone(), pod.clone())) {
                     let _ = self.in_flight.remove_label_values(&[&model, &pod]);
+                }
+            }
+        }
+    }
+
+    /// Removes the series of tenants that are no longer declared.
+    pub fn forget_tenants(&self, live: &std::collections::HashSet<String>) {
+        for vec in [&self.tenant_requests, &self.tenant_tokens] {
+            for family in prometheus::core::Collector::collect(vec) {
+                for m in family.get_metric() {
+                    let labels: Vec<&str> = m.get_label().iter().map(|l| l.value()).collect();
+                    let tenant = m
+                        .get_label()
+                        .iter()
+                        .find(|l| l.name() == "tenant")
+                        .map(|l| l.value());
+                    if tenant.is_some_and(|t| !live.contains(t)) {
+                        let _ = vec.remove_label_values(&labels);
+                    }
                 }
             }
         }

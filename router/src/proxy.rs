@@ -31,9 +31,11 @@ use crate::members::Endpoint;
 use crate::metrics::Metrics;
 use crate::parse::{self, Api, Parsed};
 use crate::policy::{self, Replica, Request};
+use crate::quota::{self, Charge, Quotas, Throttled};
 use crate::recent::RecentKeys;
 use crate::registry::{Registry, Service};
 use crate::ring::{Ring, Rings};
+use crate::tenants::{Tenant, Tenants};
 use crate::wake::{self, Wakes};
 
 /// The router's settings.
@@ -52,6 +54,10 @@ pub struct Config {
     /// How long a replica that refused a connection sits out, unless a scrape reaches it
     /// first.
     pub set_aside: Duration,
+    /// With tenants (`--tenants`): the namespace of the Secrets holding their API keys. Every
+    /// request then needs a tenant's key, may use only the tenant's models, and is held to
+    /// its limits; `None`: no authentication here (a cluster with a gateway of its own).
+    pub tenants: Option<String>,
 }
 
 /// Shared by every request.
@@ -73,6 +79,10 @@ pub struct App {
     recent: RecentKeys,
     /// Each service's hash ring, rebuilt when its replicas change.
     pub rings: Rings,
+    /// The tenants and their keys, when they are on.
+    pub tenants: Option<Tenants>,
+    /// Each tenant's limits.
+    pub quotas: Quotas,
 }
 
 impl std::fmt::Debug for App {
@@ -88,6 +98,7 @@ impl App {
         metrics: Metrics,
         config: Config,
         kube: Option<kube::Client>,
+        tenants: Option<Tenants>,
     ) -> App {
         let client = ferrite_api::scrape::pod_client(config.connect_timeout);
         App {
@@ -103,6 +114,8 @@ impl App {
             turn: AtomicU64::new(0),
             recent: RecentKeys::default(),
             rings: Rings::default(),
+            tenants,
+            quotas: Quotas::default(),
         }
     }
 }
@@ -229,6 +242,25 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
             return refused(&app, r);
         }
     };
+    let tenant = match authenticate(&app, &parts.headers) {
+        Ok(t) => t,
+        Err(message) => {
+            app.metrics.unauthorized.inc();
+            let response = error(
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                message,
+                None,
+            );
+            // Read and dropped, as a busy refusal's, so that the client reads the 401.
+            ferrite_net::discard_body(
+                body,
+                app.limits.config.max_body,
+                app.config.body_read_timeout,
+            );
+            return response;
+        }
+    };
     let read = ferrite_net::read_body(
         body,
         app.limits.config.max_body,
@@ -245,13 +277,133 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
     let Some(model) = parsed.model.as_deref() else {
         return invalid("`model` is required", Some("model"));
     };
+    // Before any hold: a tenant may not wake a service it may not use.
+    if let Some(t) = &tenant
+        && let Some(refusal) = refuse_access(&app, t, model)
+    {
+        return refusal;
+    }
+    let charge = match &tenant {
+        Some(t) => match app
+            .quotas
+            .admit(&t.name, t.limits, parsed.work.total(), Instant::now())
+        {
+            Ok(c) => {
+                count_tenant(&app, t, "admitted");
+                Some(c)
+            }
+            Err(throttled) => return throttle(&app, t, &throttled),
+        },
+        None => None,
+    };
     let svc = match resolve(&app, model).await {
         Ok(svc) => svc,
         Err(response) => return response,
     };
+    let charge = charge.map(|c| TenantCharge {
+        charge: c,
+        tenant: tenant.map(|t| t.name.clone()).unwrap_or_default(),
+        prompt: parsed.work.prompt,
+    });
     // The body's reservation (`admission.body`) is given back when this returns, with the
     // response head: the body is no longer needed once a replica answered.
-    attempt(&app, &svc, &parsed, &parts, body, admission.open).await
+    attempt(&app, &svc, &parsed, &parts, body, admission.open, charge).await
+}
+
+/// The request's tenant from its bearer key (`None` with tenants off); without a key, or with
+/// one no tenant holds, the 401's message.
+fn authenticate(app: &App, headers: &HeaderMap) -> Result<Option<Arc<Tenant>>, &'static str> {
+    let Some(tenants) = &app.tenants else {
+        return Ok(None);
+    };
+    let key = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|k| !k.is_empty());
+    match key.and_then(|k| tenants.directory().authenticate(k)) {
+        Some(t) => Ok(Some(t)),
+        None if key.is_none() => {
+            Err("an API key is required: send it as `Authorization: Bearer <key>`")
+        }
+        None => Err("Incorrect API key provided."),
+    }
+}
+
+/// A 403 when `tenant` may not use the service serving `model` (an unknown model is left to
+/// [`resolve`]'s 404).
+fn refuse_access(app: &App, tenant: &Tenant, model: &str) -> Option<Response> {
+    let svc = app.registry.find(model)?;
+    if tenant.may_use(&svc.namespace, &svc.name, &svc.model, model) {
+        return None;
+    }
+    count_tenant(app, tenant, "forbidden");
+    Some(error(
+        StatusCode::FORBIDDEN,
+        "permission_error",
+        format!("Tenant `{}` may not use the model `{model}`.", tenant.name),
+        Some("model"),
+    ))
+}
+
+/// 429 for a request over one of its tenant's limits, with `Retry-After` (unless it can never
+/// pass) and the `x-ratelimit-*` headers.
+fn throttle(app: &App, tenant: &Tenant, t: &Throttled) -> Response {
+    count_tenant(app, tenant, &format!("throttled_{}", t.limit.as_str()));
+    let message = match (t.limit, t.retry_after) {
+        (quota::Limit::Tokens, None) => format!(
+            "Request too large for tenant `{}`: it may take more tokens than its limit per \
+             minute. Lower max_tokens or the prompt.",
+            tenant.name
+        ),
+        (limit, _) => format!(
+            "Rate limit reached for tenant `{}` on {} ({}).",
+            tenant.name,
+            limit.as_str(),
+            match limit {
+                quota::Limit::Requests => "requests per minute",
+                quota::Limit::Tokens => "tokens per minute",
+                quota::Limit::Concurrent => "requests open at once",
+            }
+        ),
+    };
+    let mut r = error(
+        StatusCode::TOO_MANY_REQUESTS,
+        "rate_limit_error",
+        message,
+        None,
+    );
+    if let Some(after) = t.retry_after {
+        let secs = after.as_secs_f64().ceil().max(1.0) as u64;
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    add_rate_headers(r.headers_mut(), &t.state);
+    r
+}
+
+fn add_rate_headers(h: &mut HeaderMap, state: &quota::State) {
+    for (name, value) in quota::headers(state) {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            h.insert(name, v);
+        }
+    }
+}
+
+fn count_tenant(app: &App, tenant: &Tenant, outcome: &str) {
+    app.metrics
+        .tenant_requests
+        .with_label_values(&[&tenant.name, outcome])
+        .inc();
+}
+
+/// A tenant's charge for one request, settled when its response ends.
+struct TenantCharge {
+    charge: Charge,
+    tenant: String,
+    /// The prompt's estimated tokens, which a stream's output is added to.
+    prompt: f64,
 }
 
 /// Anything the router does not route: OpenAI's 404 body rather than an empty one.
@@ -405,6 +557,7 @@ async fn attempt(
     parts: &axum::http::request::Parts,
     body: Bytes,
     open_slot: OwnedSemaphorePermit,
+    charge: Option<TenantCharge>,
 ) -> Response {
     let model = svc.model.as_str();
     // An adapter's requests are affine among themselves: the replica's prefix cache keys its
@@ -490,6 +643,7 @@ async fn attempt(
             gauge,
             open_slot,
             started,
+            charge,
         };
         return relay(app, svc, ep, resp, tracking);
     }
@@ -661,6 +815,7 @@ struct Tracking {
     gauge: GaugeGuard,
     open_slot: OwnedSemaphorePermit,
     started: Instant,
+    charge: Option<TenantCharge>,
 }
 
 /// Passes the replica's response on, its body tracked until it ends.
@@ -672,7 +827,16 @@ fn relay(
     t: Tracking,
 ) -> Response {
     let model = svc.model.as_str();
-    let (parts, incoming) = resp.into_parts();
+    let (mut parts, incoming) = resp.into_parts();
+    if let Some(c) = &t.charge {
+        add_rate_headers(&mut parts.headers, &c.charge.state);
+    }
+    let usage = t.charge.map(|charge| Usage {
+        succeeded: parts.status.is_success(),
+        charge,
+        tail: Vec::new(),
+        counter: app.metrics.tenant_tokens.clone(),
+    });
     let event_stream = parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -692,6 +856,7 @@ fn relay(
             model: model.to_string(),
         }),
         ended: false,
+        usage,
     };
     Response::from_parts(parts, Body::new(tracked))
 }
@@ -708,9 +873,12 @@ async fn send(
     body: Bytes,
 ) -> Result<hyper::Response<Incoming>, SendError> {
     let mut req = hyper::Request::builder().method(method.clone()).uri(url);
+    // A tenant's key is the router's to check, and never reaches a pod.
+    let keep = |name: &header::HeaderName| app.tenants.is_none() || name != header::AUTHORIZATION;
     for name in FORWARDED
         .iter()
         .chain([&header::HeaderName::from_static("x-request-id")])
+        .filter(|n| keep(n))
     {
         for v in headers.get_all(name) {
             req = req.header(name, v);
@@ -834,6 +1002,73 @@ struct Tracked {
     /// Set for event streams: a replica lost mid-stream ends the stream with an error event.
     broken: Option<BrokenStream>,
     ended: bool,
+    /// A tenant's request: what it used, read as the body passes.
+    usage: Option<Usage>,
+}
+
+/// Reads what a tenant's request used from its response: the `usage.total_tokens` a replica
+/// reports at the end of a body (or of a stream with `include_usage`), else for a stream the
+/// prompt estimate and one token per event, else the estimate. A replica's word is capped at
+/// [`USAGE_CAP`] times the estimate: a pod's output is not trusted with another's quota.
+struct Usage {
+    charge: TenantCharge,
+    succeeded: bool,
+    /// The body's last bytes, where the usage is.
+    tail: Vec<u8>,
+    counter: prometheus::IntCounterVec,
+}
+
+/// The most a replica's reported usage may exceed the request's estimate by.
+const USAGE_CAP: f64 = 4.0;
+/// Bytes of a body's end kept to find its usage in.
+const TAIL: usize = 4096;
+
+impl Usage {
+    fn keep(&mut self, data: &[u8]) {
+        self.tail.extend_from_slice(data);
+        if self.tail.len() > TAIL {
+            self.tail.drain(..self.tail.len() - TAIL);
+        }
+    }
+
+    /// Settles the charge; `events` are the stream's events (0 for a whole body).
+    fn settle(&mut self, events: u64, preamble: u64) {
+        let estimate = self.charge.charge.tokens();
+        let used = if !self.succeeded {
+            0.0
+        } else if let Some(total) = reported_total(&self.tail) {
+            total.min(estimate.max(1.0) * USAGE_CAP)
+        } else if events > 0 {
+            // The last events are the finish chunk and `[DONE]`.
+            let tokens = events.saturating_sub(preamble + 1) as f64;
+            (self.charge.prompt + tokens).min(estimate)
+        } else {
+            estimate
+        };
+        self.charge.charge.settle(used);
+    }
+}
+
+impl Drop for Usage {
+    fn drop(&mut self) {
+        let used = self.charge.charge.tokens();
+        self.counter
+            .with_label_values(&[&self.charge.tenant])
+            .inc_by(used.round() as u64);
+    }
+}
+
+/// The last `"total_tokens": N` in `tail`.
+fn reported_total(tail: &[u8]) -> Option<f64> {
+    const FIELD: &[u8] = b"\"total_tokens\":";
+    let at = tail.windows(FIELD.len()).rposition(|w| w == FIELD)? + FIELD.len();
+    let digits: String = tail[at..]
+        .iter()
+        .skip_while(|b| b.is_ascii_whitespace())
+        .take_while(|b| b.is_ascii_digit())
+        .map(|&b| b as char)
+        .collect();
+    digits.parse::<u64>().ok().map(|n| n as f64)
 }
 
 /// What an event stream needs to fail cleanly when its replica goes away.
@@ -862,6 +1097,10 @@ impl Tracked {
     /// The replica's body ended: nothing more to pass on, and its duration is known.
     fn finish(&mut self) {
         self.ended = true;
+        let (events, preamble) = (self.open.seen(), self.open.preamble());
+        if let Some(u) = self.usage.as_mut() {
+            u.settle(events, preamble);
+        }
         if let Some(h) = self.duration.take() {
             h.observe(self.started.elapsed().as_secs_f64());
         }
@@ -910,6 +1149,9 @@ impl HttpBody for Tracked {
                 {
                     let events = events_in(data);
                     self.open.events(events);
+                }
+                if let (Some(u), Some(data)) = (self.usage.as_mut(), frame.data_ref()) {
+                    u.keep(data);
                 }
                 // hyper reads a body of known length no further than its last byte, so
                 // its end shows here rather than as a final `None`.

@@ -236,7 +236,7 @@ where
 }
 
 /// Runs a watch into a new store, bumping `changed` on every event; retries with backoff.
-fn reflect<K>(
+pub(crate) fn reflect<K>(
     kind: &'static str,
     api: Api<K>,
     config: watcher::Config,

@@ -145,6 +145,7 @@ fn every_value_set_lints_strictly_and_renders_objects_that_pass_their_schemas() 
         "router-off",
         "router-namespaced",
         "router-no-wake",
+        "router-tenants",
         "resource-profiles",
     ] {
         assert!(
@@ -236,7 +237,10 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             assert_eq!(router.service["spec"]["type"], "ClusterIP");
             assert_eq!(router.service["spec"]["ports"][0]["port"], 8000);
             assert_eq!(router.role_kind, "ClusterRole");
-            assert_eq!(router.rules, router_rules(true, Members::EndpointSlices));
+            assert_eq!(
+                router.rules,
+                router_rules(true, Members::EndpointSlices, false)
+            );
             let image = router.deployment["spec"]["template"]["spec"]["containers"][0]["image"]
                 .as_str()
                 .expect("image");
@@ -272,7 +276,10 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 router.args
             );
             assert_eq!(router.role_kind, "Role");
-            assert_eq!(router.rules, router_rules(true, Members::EndpointSlices));
+            assert_eq!(
+                router.rules,
+                router_rules(true, Members::EndpointSlices, false)
+            );
             // The Role and its binding live in the watched namespace, the ServiceAccount in
             // the release's; nothing cluster-wide is bound to the router.
             for kind in ["Role", "RoleBinding"] {
@@ -296,6 +303,43 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             // The operator keeps one replica: only the router's PDB.
             assert_eq!(find(docs, "PodDisruptionBudget").len(), 1);
         }
+        "router-tenants" => {
+            let router = router.expect("router");
+            assert!(
+                router.args.iter().any(|a| a == "--tenants"),
+                "{:?}",
+                router.args
+            );
+            let env = &router.deployment["spec"]["template"]["spec"]["containers"][0]["env"];
+            let ns = env
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|e| e["name"] == "POD_NAMESPACE")
+                .expect("POD_NAMESPACE: where the key Secrets are");
+            assert_eq!(
+                ns["valueFrom"]["fieldRef"]["fieldPath"],
+                "metadata.namespace"
+            );
+            assert_eq!(
+                router.rules,
+                router_rules(true, Members::EndpointSlices, true)
+            );
+            // Tenants through a ClusterRole (cluster-scoped), Secrets only in the release's
+            // namespace.
+            let cluster = one_component(docs, "ClusterRole", "router-tenants");
+            assert_eq!(
+                cluster["rules"][0]["resources"],
+                json!(["inferencetenants"])
+            );
+            let role = one_component(docs, "Role", "router-tenants");
+            assert_eq!(role["metadata"]["namespace"], NAMESPACE);
+            assert_eq!(role["rules"][0]["resources"], json!(["secrets"]));
+            assert_eq!(
+                one_component(docs, "RoleBinding", "router-tenants")["metadata"]["namespace"],
+                NAMESPACE
+            );
+        }
         "router-no-wake" => {
             let router = router.expect("router");
             assert_eq!(router.name, "llm-gateway");
@@ -307,7 +351,7 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             assert_eq!(router.role_kind, "ClusterRole");
             assert_eq!(
                 router.rules,
-                router_rules(false, Members::Pods),
+                router_rules(false, Members::Pods, false),
                 "read only, pods"
             );
             assert_eq!(
@@ -637,7 +681,7 @@ enum Members {
 /// The rules ferrite-router needs: its two watch caches (router/src/registry.rs: the
 /// InferenceServices, and their EndpointSlices or pods), and with `wake` the scale
 /// subresource it patches to wake a service scaled to zero (router/src/proxy.rs).
-fn router_rules(wake: bool, members: Members) -> BTreeSet<(String, String, String)> {
+fn router_rules(wake: bool, members: Members, tenants: bool) -> BTreeSet<(String, String, String)> {
     let (group, resource) = match members {
         Members::EndpointSlices => ("discovery.k8s.io", "endpointslices"),
         Members::Pods => ("", "pods"),
@@ -650,6 +694,15 @@ fn router_rules(wake: bool, members: Members) -> BTreeSet<(String, String, Strin
     ];
     if wake {
         rules.push(("patch", "ferrite.dev", "inferenceservices/scale"));
+    }
+    if tenants {
+        // router/src/tenants.rs: the InferenceTenants and their key Secrets.
+        rules.extend([
+            ("list", "ferrite.dev", "inferencetenants"),
+            ("watch", "ferrite.dev", "inferencetenants"),
+            ("list", "", "secrets"),
+            ("watch", "", "secrets"),
+        ]);
     }
     rules
         .into_iter()
@@ -730,9 +783,10 @@ fn check_router<'a>(tag: &str, docs: &'a [Value]) -> RenderedRouter<'a> {
     } else {
         Members::EndpointSlices
     };
+    let tenants = args.iter().any(|a| a == "--tenants");
     assert_eq!(
         rules,
-        router_rules(wakes, members),
+        router_rules(wakes, members, tenants),
         "{tag}: the router's RBAC"
     );
     let namespace = args.iter().find_map(|a| a.strip_prefix("--namespace="));

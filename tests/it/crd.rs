@@ -36,6 +36,63 @@ fn committed_crd_is_current() {
 }
 
 #[test]
+fn committed_tenant_crd_is_current() {
+    let committed = std::fs::read_to_string(workspace_root().join("crds/inferencetenant.yaml"))
+        .expect("crds/inferencetenant.yaml");
+    assert!(
+        committed == ferrite_api::tenant::crd_yaml().expect("yaml"),
+        "crds/inferencetenant.yaml is stale: run \
+         `cargo run -q -p ferrite-api --bin crdgen inferencetenant > crds/inferencetenant.yaml`"
+    );
+}
+
+#[test]
+fn tenant_cel_rules_refuse_a_tenant_with_no_models_and_zero_limits() {
+    use ferrite_api::tenant::InferenceTenant;
+    let crd = InferenceTenant::crd();
+    let schema = crd.spec.versions[0]
+        .schema
+        .as_ref()
+        .and_then(|s| s.open_api_v3_schema.as_ref())
+        .expect("openAPIV3Schema");
+    let schema = serde_json::to_value(schema).expect("schema json");
+    let v = Validator::new();
+    let object = |spec: Value| {
+        serde_json::json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceTenant",
+                           "metadata": {"name": "team-a"}, "spec": spec})
+    };
+    let refused = |spec: Value, expect: &str| {
+        let errors = v
+            .validate(&schema, &object(spec.clone()), None)
+            .expect_err(&format!("accepted {spec}"));
+        let messages: Vec<String> = errors
+            .as_slice()
+            .iter()
+            .map(|e| e.message.clone())
+            .collect();
+        assert!(
+            messages.iter().any(|m| m.contains(expect)),
+            "{expect:?}: {messages:?}"
+        );
+    };
+    refused(serde_json::json!({}), "give the namespaces or the models");
+    refused(
+        serde_json::json!({"models": ["chat"], "limits": {"tokensPerMinute": 0}}),
+        "tokensPerMinute must be at least 1",
+    );
+    refused(
+        serde_json::json!({"models": [""]}),
+        "model names are not empty",
+    );
+    let ok = object(
+        serde_json::json!({"namespaces": ["team-a"], "models": ["chat"],
+        "priority": 2, "limits": {"requestsPerMinute": 60, "tokensPerMinute": 100000,
+        "concurrentRequests": 8}}),
+    );
+    v.validate(&schema, &ok, None).expect("a full tenant");
+}
+
+#[test]
 fn cel_rules_reject_each_invalid_example_with_its_message() {
     let schema = schema();
     let cases = yaml("tests/cel/invalid.yaml");

@@ -70,6 +70,7 @@ pub fn config() -> Config {
         connect_timeout: Duration::from_secs(2),
         body_read_timeout: Duration::from_secs(30),
         set_aside: Duration::from_secs(10),
+        tenants: None,
     }
 }
 

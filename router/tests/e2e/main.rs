@@ -7,3 +7,4 @@ mod common;
 mod hostile;
 mod routing;
 mod streams;
+mod tenants;

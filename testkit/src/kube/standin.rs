@@ -17,18 +17,29 @@ use crate::process::eventually;
 
 /// Installs `crds/inferenceservice.yaml` and waits until it is established.
 pub async fn install_crd(client: &kube::Client) {
-    let path = workspace_root().join("crds/inferenceservice.yaml");
-    let text = std::fs::read_to_string(&path).expect("crds/inferenceservice.yaml");
+    install_crd_file(client, "inferenceservice").await;
+}
+
+/// Installs `crds/inferencetenant.yaml` and waits until it is established.
+pub async fn install_tenant_crd(client: &kube::Client) {
+    install_crd_file(client, "inferencetenant").await;
+}
+
+/// Installs `crds/{kind}.yaml` (its plural is `{kind}s`) and waits until it is established.
+async fn install_crd_file(client: &kube::Client, kind: &str) {
+    let path = workspace_root().join(format!("crds/{kind}.yaml"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
     let crd: CustomResourceDefinition = serde_yaml_ng::from_str(&text).expect("a CRD");
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     api.create(&PostParams::default(), &crd)
         .await
         .expect("creating the CRD");
+    let name = format!("{kind}s.ferrite.dev");
     eventually(
         Duration::from_secs(60),
         "the CRD to be established",
         async || {
-            let c = api.get("inferenceservices.ferrite.dev").await.ok()?;
+            let c = api.get(&name).await.ok()?;
             c.status?
                 .conditions?
                 .iter()

@@ -1,0 +1,230 @@
+//! Tenants on the router (`--tenants`), on a real API server with real ferrite-servers behind
+//! stand-in pods: InferenceTenants and their key Secrets as a platform team writes them, 401
+//! for no key or a bad one, 403 for a model outside the tenant's list, 429 with Retry-After and
+//! the `x-ratelimit-*` headers over requests or tokens per minute, tokens settled to the
+//! replicas' usage, and a tenant's key never passed on to a pod.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use super::common::*;
+use ferrite_api::tenant::{InferenceTenant, InferenceTenantSpec, TENANT_LABEL, TenantLimits};
+use ferrite_testkit::kube::standin::install_tenant_crd;
+use ferrite_testkit::process::{eventually, free_port};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use kube::Api;
+use kube::api::{DeleteParams, PostParams};
+use serde_json::{Value, json};
+
+/// POSTs `body` with bearer `key`: status, JSON body and headers.
+async fn call(
+    url: String,
+    key: Option<&str>,
+    body: Value,
+) -> (u16, Value, HashMap<String, String>) {
+    let key = key.map(str::to_string);
+    tokio::task::spawn_blocking(move || {
+        let mut req = ureq::post(&url).timeout(Duration::from_secs(120));
+        if let Some(k) = key {
+            req = req.set("Authorization", &format!("Bearer {k}"));
+        }
+        let r = match req.send_json(body) {
+            Ok(r) | Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{url}: {e}"),
+        };
+        let headers = r
+            .headers_names()
+            .into_iter()
+            .filter_map(|n| Some((n.clone(), r.header(&n)?.to_string())))
+            .collect();
+        (r.status(), r.into_json().unwrap_or(Value::Null), headers)
+    })
+    .await
+    .expect("request thread")
+}
+
+async fn tenant(client: &kube::Client, name: &str, spec: InferenceTenantSpec) {
+    Api::<InferenceTenant>::all(client.clone())
+        .create(&PostParams::default(), &InferenceTenant::new(name, spec))
+        .await
+        .unwrap_or_else(|e| panic!("creating tenant {name}: {e}"));
+}
+
+async fn keys(client: &kube::Client, ns: &str, name: &str, tenant: &str, key: &str) {
+    let mut s = Secret::default();
+    s.metadata.name = Some(name.into());
+    s.metadata.labels = Some(BTreeMap::from([(TENANT_LABEL.into(), tenant.into())]));
+    // Written with a trailing newline, as `echo > file` makes one.
+    s.data = Some(BTreeMap::from([(
+        "key".into(),
+        ByteString(format!("{key}\n").into_bytes()),
+    )]));
+    Api::<Secret>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &s)
+        .await
+        .unwrap_or_else(|e| panic!("creating Secret {name}: {e}"));
+}
+
+fn completion(model: &str, max_tokens: u32) -> Value {
+    json!({"model": model, "prompt": "The capital of France is", "max_tokens": max_tokens,
+           "temperature": 0, "ignore_eos": true})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_are_authenticated_kept_to_their_models_and_held_to_their_limits() {
+    let Some((_cluster, client, ns)) = cluster_with_crd("tenants").await else {
+        return;
+    };
+    install_tenant_crd(&client).await;
+    let (chat_port, code_port, secure_port) = (free_port(), free_port(), free_port());
+    for (name, port) in [
+        ("chat", chat_port),
+        ("code", code_port),
+        ("secure", secure_port),
+    ] {
+        create_isvc(
+            &client,
+            &ns,
+            name,
+            json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"port": port}}),
+        )
+        .await;
+    }
+    let _chat = server("127.0.0.1", chat_port, "chat");
+    let _code = server("127.0.0.1", code_port, "code");
+    // A server whose own key is team B's: if the router passed tenants' keys on, it would
+    // accept team B's requests.
+    let _secure = server_with(
+        "127.0.0.1",
+        secure_port,
+        "secure",
+        &["--api-key", "sk-team-b"],
+    );
+    for name in ["chat", "code", "secure"] {
+        ready_pod(&client, &ns, name, &format!("{name}-0"), "127.0.0.1").await;
+    }
+    tenant(
+        &client,
+        "team-a",
+        InferenceTenantSpec {
+            models: vec!["chat".into()],
+            limits: TenantLimits {
+                requests_per_minute: Some(5),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    tenant(
+        &client,
+        "team-b",
+        InferenceTenantSpec {
+            namespaces: vec![ns.clone()],
+            limits: TenantLimits {
+                tokens_per_minute: Some(300),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    keys(&client, &ns, "team-a-keys", "team-a", "sk-team-a").await;
+    keys(&client, &ns, "team-b-keys", "team-b", "sk-team-b").await;
+    let mut config = config();
+    config.tenants = Some(ns.clone());
+    let base = router_with(&client, &ns, config, false).await;
+    wait_ready_replicas(&base, "chat", 1).await;
+    let url = format!("{base}/v1/completions");
+
+    // No key, a wrong key: 401 in OpenAI's shape.
+    for key in [None, Some("sk-wrong"), Some("sk-team")] {
+        let (status, body, _) = call(url.clone(), key, completion("chat", 2)).await;
+        assert_eq!(status, 401, "{key:?}: {body}");
+        assert_eq!(body["error"]["type"], "authentication_error", "{body}");
+    }
+    // Team A may use `chat` only.
+    let (status, body, _) = call(url.clone(), Some("sk-team-a"), completion("code", 2)).await;
+    assert_eq!(
+        (status, &body["error"]["param"]),
+        (403, &json!("model")),
+        "{body}"
+    );
+    // Five requests a minute: the sixth is refused, with when to retry.
+    for i in 0..5 {
+        let (status, body, h) = call(url.clone(), Some("sk-team-a"), completion("chat", 2)).await;
+        assert_eq!(status, 200, "request {i}: {body}");
+        assert_eq!(h["x-ratelimit-limit-requests"], "5");
+        assert_eq!(h["x-ratelimit-remaining-requests"], (4 - i).to_string());
+    }
+    let (status, body, h) = call(url.clone(), Some("sk-team-a"), completion("chat", 2)).await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+    let retry: u64 = h["retry-after"].parse().expect("Retry-After");
+    assert!((1..=12).contains(&retry), "Retry-After {retry}");
+    assert_eq!(h["x-ratelimit-remaining-requests"], "0");
+
+    // Team B: 300 tokens a minute. A request that may take more than that is never admitted.
+    let (status, body, h) = call(url.clone(), Some("sk-team-b"), completion("code", 400)).await;
+    assert_eq!(status, 429, "{body}");
+    assert!(!h.contains_key("retry-after"), "{h:?}");
+    // Requests of up to 6 + 40 tokens until refused: what they used, as the servers report it,
+    // stays within the minute's 300 plus what refilled meanwhile, and the router charged
+    // exactly that.
+    let started = Instant::now();
+    let mut used = 0.0;
+    let mut admitted = 0;
+    loop {
+        let (status, body, _) = call(url.clone(), Some("sk-team-b"), completion("code", 40)).await;
+        if status == 429 {
+            break;
+        }
+        assert_eq!(status, 200, "{body}");
+        used += body["usage"]["total_tokens"].as_f64().expect("usage");
+        admitted += 1;
+        assert!(admitted < 40, "never throttled");
+    }
+    let refilled = started.elapsed().as_secs_f64() * 300.0 / 60.0;
+    assert!(admitted >= 5, "only {admitted} admitted");
+    assert!(
+        used <= 300.0 + refilled,
+        "{used} tokens used in {:?}",
+        started.elapsed()
+    );
+    let text = get_text(format!("{base}/metrics")).await;
+    let charged = metric_sum(
+        &text,
+        "ferrite_router_tenant_tokens_total",
+        &[("tenant", "team-b")],
+    );
+    // The 400-token refusal charged nothing; each admitted request its usage.
+    assert_eq!(charged, used, "{text}");
+    assert_eq!(
+        metric_sum(
+            &text,
+            "ferrite_router_tenant_requests_total",
+            &[("tenant", "team-a"), ("outcome", "throttled_requests")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric_sum(&text, "ferrite_router_unauthorized_requests_total", &[]),
+        3.0
+    );
+
+    // The tenant's key stays at the router: the pod that would accept it never sees it.
+    let (status, body, _) = call(url.clone(), Some("sk-team-b"), completion("secure", 1)).await;
+    assert_eq!(status, 401, "{body}");
+
+    // A deleted key Secret takes the key away at once.
+    Api::<Secret>::namespaced(client.clone(), &ns)
+        .delete("team-a-keys", &DeleteParams::default())
+        .await
+        .expect("deleting the Secret");
+    eventually(WAIT, "the deleted key refused", async || {
+        let (status, _, _) = call(url.clone(), Some("sk-team-a"), completion("chat", 1)).await;
+        (status == 401).then_some(())
+    })
+    .await;
+}
