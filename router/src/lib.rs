@@ -9,6 +9,7 @@ pub mod load;
 pub mod members;
 pub mod metrics;
 pub mod parse;
+pub mod peers;
 pub mod policy;
 pub mod prefix;
 pub mod proxy;
@@ -64,19 +65,29 @@ pub async fn start(
 ) -> Result<Arc<App>, StartError> {
     let registry = Registry::start(client.clone(), namespace, from);
     registry.ready().await?;
-    let tenants = match &config.tenants {
+    let (tenants, peers) = match &config.tenants {
         Some(ns) => {
             let t = tenants::Tenants::start(client.clone(), ns);
             t.ready().await?;
-            Some(t)
+            let peers = match &config.peers {
+                Some(selector) => {
+                    let p = peers::Peers::start(client.clone(), ns, selector);
+                    p.ready().await?;
+                    Some(p)
+                }
+                None => None,
+            };
+            (Some(t), peers)
         }
-        None => None,
+        None => (None, None),
     };
     let loads = Loads::default();
     tokio::spawn(loads.clone().refresh(registry.clone(), scrape_every));
     let metrics = Metrics::new()?;
     let kube = wake.then_some(client);
-    let app = Arc::new(App::new(registry, loads, metrics, config, kube, tenants));
+    let app = Arc::new(App::new(
+        registry, loads, metrics, config, kube, tenants, peers,
+    ));
     tokio::spawn(housekeeping(Arc::downgrade(&app)));
     Ok(app)
 }

@@ -88,6 +88,11 @@ struct Args {
     /// Where the tenants' key Secrets are (default: this pod's namespace).
     #[arg(long, env = "POD_NAMESPACE")]
     tenant_secrets_namespace: Option<String>,
+    /// With --tenants: the label selector of this router's pods in that namespace. Each
+    /// replica then enforces its share of every tenant's limits, one over the Ready replicas
+    /// it sees (without it, each enforces them whole).
+    #[arg(long)]
+    peers: Option<String>,
 }
 
 #[tokio::main]
@@ -122,6 +127,7 @@ async fn main() -> anyhow::Result<()> {
                  tenants' key Secrets are"
             ),
         },
+        peers: args.peers,
     };
     let app = ferrite_router::start(
         client,

@@ -30,6 +30,7 @@ use crate::load::{Loads, Open};
 use crate::members::Endpoint;
 use crate::metrics::Metrics;
 use crate::parse::{self, Api, Parsed};
+use crate::peers::Peers;
 use crate::policy::{self, Replica, Request};
 use crate::quota::{self, Charge, Quotas, Throttled};
 use crate::recent::RecentKeys;
@@ -58,6 +59,10 @@ pub struct Config {
     /// request then needs a tenant's key, may use only the tenant's models, and is held to
     /// its limits; `None`: no authentication here (a cluster with a gateway of its own).
     pub tenants: Option<String>,
+    /// With tenants: the label selector of this router's pods in that namespace. Each replica
+    /// then enforces its share of every tenant's limits (one over the Ready replicas it sees);
+    /// `None`: this replica enforces them whole.
+    pub peers: Option<String>,
 }
 
 /// Shared by every request.
@@ -83,6 +88,8 @@ pub struct App {
     pub tenants: Option<Tenants>,
     /// Each tenant's limits.
     pub quotas: Quotas,
+    /// The router's replicas, whose number splits the limits.
+    pub peers: Option<Peers>,
 }
 
 impl std::fmt::Debug for App {
@@ -99,6 +106,7 @@ impl App {
         config: Config,
         kube: Option<kube::Client>,
         tenants: Option<Tenants>,
+        peers: Option<Peers>,
     ) -> App {
         let client = ferrite_api::scrape::pod_client(config.connect_timeout);
         App {
@@ -116,6 +124,7 @@ impl App {
             rings: Rings::default(),
             tenants,
             quotas: Quotas::default(),
+            peers,
         }
     }
 }
@@ -283,11 +292,14 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
     {
         return refusal;
     }
+    let share = app.peers.as_ref().map_or(1.0, Peers::share);
     let charge = match &tenant {
-        Some(t) => match app
-            .quotas
-            .admit(&t.name, t.limits, parsed.work.total(), Instant::now())
-        {
+        Some(t) => match app.quotas.admit(
+            &t.name,
+            t.limits.share(share),
+            parsed.work.total(),
+            Instant::now(),
+        ) {
             Ok(c) => {
                 count_tenant(&app, t, "admitted");
                 Some(c)

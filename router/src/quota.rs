@@ -17,6 +17,21 @@ pub struct Limits {
     pub concurrent: Option<u64>,
 }
 
+impl Limits {
+    /// This replica's part of the limits when `share` of them is its own (1: all): per-minute
+    /// limits scaled, concurrency rounded up (so each replica can always run one).
+    pub fn share(self, share: f64) -> Limits {
+        let share = share.clamp(f64::MIN_POSITIVE, 1.0);
+        Limits {
+            requests_per_minute: self.requests_per_minute.map(|l| l * share),
+            tokens_per_minute: self.tokens_per_minute.map(|l| l * share),
+            concurrent: self
+                .concurrent
+                .map(|c| ((c as f64 * share).ceil() as u64).max(1)),
+        }
+    }
+}
+
 /// Which limit refused a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Limit {
@@ -411,6 +426,25 @@ mod tests {
         assert_eq!(h["x-ratelimit-reset-tokens"], "1s");
         assert_eq!(duration(Duration::from_secs(360)), "6m0s");
         assert_eq!(duration(Duration::from_millis(120)), "120ms");
+    }
+
+    #[test]
+    fn a_share_scales_the_minute_and_rounds_concurrency_up() {
+        let l = limits(Some(60.0), Some(1000.0), Some(3)).share(0.5);
+        assert_eq!(l, limits(Some(30.0), Some(500.0), Some(2)));
+        assert_eq!(
+            limits(None, None, Some(1)).share(1.0 / 3.0).concurrent,
+            Some(1)
+        );
+        // Two replicas with half each admit the whole minute between them, and no more.
+        let (a, b) = (Quotas::default(), Quotas::default());
+        let t0 = Instant::now();
+        let half = limits(Some(10.0), None, None).share(0.5);
+        let admitted = (0..20)
+            .map(|i| if i % 2 == 0 { &a } else { &b })
+            .filter_map(|q| q.admit("t", half, 1.0, t0).ok())
+            .count();
+        assert_eq!(admitted, 10);
     }
 
     #[test]

@@ -335,6 +335,26 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             let role = one_component(docs, "Role", "router-tenants");
             assert_eq!(role["metadata"]["namespace"], NAMESPACE);
             assert_eq!(role["rules"][0]["resources"], json!(["secrets"]));
+            assert_eq!(role["rules"][1]["resources"], json!(["pods"]));
+            // `--peers` selects exactly this Deployment's pods.
+            let peers = router
+                .args
+                .iter()
+                .find_map(|a| a.strip_prefix("--peers="))
+                .expect("--peers");
+            let wanted: serde_json::Map<String, Value> = peers
+                .split(',')
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.to_string(), json!(v)))
+                .collect();
+            assert!(!wanted.is_empty(), "{peers}");
+            let labels = &router.deployment["spec"]["template"]["metadata"]["labels"];
+            let wanted = Value::Object(wanted);
+            assert!(selects(&wanted, labels), "{peers} vs {labels}");
+            assert_eq!(
+                wanted, router.deployment["spec"]["selector"]["matchLabels"],
+                "the Deployment's own selector"
+            );
             assert_eq!(
                 one_component(docs, "RoleBinding", "router-tenants")["metadata"]["namespace"],
                 NAMESPACE
@@ -702,6 +722,8 @@ fn router_rules(wake: bool, members: Members, tenants: bool) -> BTreeSet<(String
             ("watch", "ferrite.dev", "inferencetenants"),
             ("list", "", "secrets"),
             ("watch", "", "secrets"),
+            ("list", "", "pods"),
+            ("watch", "", "pods"),
         ]);
     }
     rules

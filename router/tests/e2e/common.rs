@@ -71,6 +71,7 @@ pub fn config() -> Config {
         body_read_timeout: Duration::from_secs(30),
         set_aside: Duration::from_secs(10),
         tenants: None,
+        peers: None,
     }
 }
 

@@ -228,3 +228,81 @@ async fn tenants_are_authenticated_kept_to_their_models_and_held_to_their_limits
     })
     .await;
 }
+
+/// Two router replicas share a tenant's limits: each sees two Ready router pods and enforces
+/// half, so together they admit the tenant's minute (within the refill while the test runs)
+/// however its requests spread between them, with no store between the two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_router_replicas_together_admit_one_minute_of_a_tenant() {
+    let Some((_cluster, client, ns)) = cluster_with_crd("tenants-two").await else {
+        return;
+    };
+    install_tenant_crd(&client).await;
+    let port = free_port();
+    create_isvc(
+        &client,
+        &ns,
+        "chat",
+        json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"port": port}}),
+    )
+    .await;
+    let _chat = server("127.0.0.1", port, "chat");
+    ready_pod(&client, &ns, "chat", "chat-0", "127.0.0.1").await;
+    tenant(
+        &client,
+        "team-c",
+        InferenceTenantSpec {
+            models: vec!["chat".into()],
+            limits: TenantLimits {
+                requests_per_minute: Some(10),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    keys(&client, &ns, "team-c-keys", "team-c", "sk-team-c").await;
+    // The two replicas' pods, as the chart's Deployment labels them.
+    let labels = json!({"app.kubernetes.io/name": "ferrite-router"});
+    for (pod, ip) in [("router-0", "127.0.0.3"), ("router-1", "127.0.0.4")] {
+        ferrite_testkit::kube::standin::ready_pod_labelled(&client, &ns, pod, ip, labels.clone())
+            .await;
+    }
+    let mut config = config();
+    config.tenants = Some(ns.clone());
+    config.peers = Some("app.kubernetes.io/name=ferrite-router".into());
+    let a = router_with(&client, &ns, config.clone(), false).await;
+    let b = router_with(&client, &ns, config, false).await;
+    for base in [&a, &b] {
+        wait_ready_replicas(base, "chat", 1).await;
+    }
+    let started = Instant::now();
+    let mut admitted = [0u32; 2];
+    for i in 0..30 {
+        let base = if i % 2 == 0 { &a } else { &b };
+        let (status, body, h) = call(
+            format!("{base}/v1/completions"),
+            Some("sk-team-c"),
+            completion("chat", 1),
+        )
+        .await;
+        match status {
+            200 => {
+                admitted[i % 2] += 1;
+                // Each replica's own share of the minute.
+                assert_eq!(h["x-ratelimit-limit-requests"], "5");
+            }
+            429 => {}
+            other => panic!("{other}: {body}"),
+        }
+    }
+    // 10 a minute: what refilled while the test ran may add one per replica.
+    let refill = (started.elapsed().as_secs_f64() * 10.0 / 60.0).ceil() as u32;
+    let total = admitted[0] + admitted[1];
+    assert!(
+        (10..=10 + refill).contains(&total),
+        "admitted {admitted:?} in {:?}",
+        started.elapsed()
+    );
+    assert!(admitted.iter().all(|&n| n >= 5), "{admitted:?}");
+}

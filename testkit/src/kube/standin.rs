@@ -71,12 +71,24 @@ pub async fn create_isvc(client: &kube::Client, ns: &str, name: &str, spec: Valu
 /// A pod of InferenceService `isvc` labelled as the operator's Deployment labels it, made
 /// Ready at `ip` (where a real server listens on the InferenceService's port).
 pub async fn ready_pod(client: &kube::Client, ns: &str, isvc: &str, pod: &str, ip: &str) {
+    let labels = json!({
+        "app.kubernetes.io/managed-by": "ferrite-operator",
+        "app.kubernetes.io/component": "server",
+        "ferrite.dev/inferenceservice": isvc});
+    ready_pod_labelled(client, ns, pod, ip, labels).await;
+}
+
+/// A pod labelled `labels`, made Ready at `ip`.
+pub async fn ready_pod_labelled(
+    client: &kube::Client,
+    ns: &str,
+    pod: &str,
+    ip: &str,
+    labels: Value,
+) {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let p: Pod = serde_json::from_value(json!({
-        "metadata": {"name": pod, "labels": {
-            "app.kubernetes.io/managed-by": "ferrite-operator",
-            "app.kubernetes.io/component": "server",
-            "ferrite.dev/inferenceservice": isvc}},
+        "metadata": {"name": pod, "labels": labels},
         "spec": {"containers": [{"name": "server", "image": "stand-in"}]}}))
     .expect("pod");
     pods.create(&PostParams::default(), &p)
