@@ -131,6 +131,8 @@ impl Arm {
 struct Bases {
     replicas: Vec<String>,
     router: String,
+    /// A second router with `--tenants` (the overhead scenario's third arm), and its key.
+    tenant_router: Option<(String, String)>,
 }
 
 impl Bases {
@@ -313,10 +315,17 @@ fn tenants(bases: &Bases, arm: Arm, args: &Args, nonce: usize) -> RunResult {
 
 /// Seconds one short non-streamed completion takes at `url`.
 fn timed(agent: &ureq::Agent, url: &str, body: &Value) -> Result<f64> {
+    timed_as(agent, url, body, None)
+}
+
+/// [`timed`] with a bearer `key`.
+fn timed_as(agent: &ureq::Agent, url: &str, body: &Value, key: Option<&str>) -> Result<f64> {
     let started = Instant::now();
-    agent
-        .post(url)
-        .send_json(body.clone())
+    let mut req = agent.post(url);
+    if let Some(k) = key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    req.send_json(body.clone())
         .map_err(|e| anyhow!("{url}: {e}"))?
         .into_string()?;
     Ok(started.elapsed().as_secs_f64())
@@ -373,7 +382,99 @@ fn overhead(bases: &Bases, args: &Args) -> Result<()> {
         ms(&diffs, 50.0),
         percentile(&routed, 50.0) / percentile(&direct, 50.0)
     );
+    if let Some((tenant_router, key)) = &bases.tenant_router {
+        tenants_overhead(&agent, &bases.router, tenant_router, key, &body, args)?;
+    }
     Ok(())
+}
+
+/// What authentication and quotas add: the same cached request through the plain router and
+/// through one with `--tenants` (a key to check, buckets to charge and settle, the headers),
+/// in alternating order; p50 of the paired differences.
+fn tenants_overhead(
+    agent: &ureq::Agent,
+    plain: &str,
+    tenant_router: &str,
+    key: &str,
+    body: &Value,
+    args: &Args,
+) -> Result<()> {
+    let (p_url, t_url) = (
+        format!("{plain}/v1/completions"),
+        format!("{tenant_router}/v1/completions"),
+    );
+    for _ in 0..3 {
+        timed_as(agent, &t_url, body, Some(key))?;
+    }
+    let (mut plain_t, mut tenant_t, mut diffs) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..args.overhead_pairs {
+        let (p, t) = if i % 2 == 0 {
+            let p = timed(agent, &p_url, body)?;
+            (p, timed_as(agent, &t_url, body, Some(key))?)
+        } else {
+            let t = timed_as(agent, &t_url, body, Some(key))?;
+            (timed(agent, &p_url, body)?, t)
+        };
+        plain_t.push(p);
+        tenant_t.push(t);
+        diffs.push(t - p);
+    }
+    let ms = |v: &[f64], p: f64| percentile(v, p) * 1000.0;
+    println!(
+        "tenants: {} pairs: router p50 {:.2} ms; router with --tenants (key, limits, headers) \
+         p50 {:.2} ms; with - without, paired: p50 {:.3} ms (ratio of p50s {:.3}x)",
+        args.overhead_pairs,
+        ms(&plain_t, 50.0),
+        ms(&tenant_t, 50.0),
+        ms(&diffs, 50.0),
+        percentile(&tenant_t, 50.0) / percentile(&plain_t, 50.0)
+    );
+    Ok(())
+}
+
+/// A tenant allowed the bench's model with limits no run reaches, its key in a Secret, and a
+/// second router with `--tenants`; returns the router's guard, base URL and the key.
+async fn start_tenant_router(
+    client: &kube::Client,
+    cluster: &Cluster,
+    router_bin: &std::path::Path,
+) -> Result<(Guard, String, String)> {
+    use ferrite_api::tenant::{InferenceTenant, InferenceTenantSpec, TENANT_LABEL, TenantLimits};
+    ferrite_testkit::kube::standin::install_tenant_crd(client).await;
+    let spec = InferenceTenantSpec {
+        models: vec![MODEL.into()],
+        limits: TenantLimits {
+            requests_per_minute: Some(1_000_000),
+            tokens_per_minute: Some(1_000_000_000),
+            concurrent_requests: Some(10_000),
+        },
+        ..Default::default()
+    };
+    Api::<InferenceTenant>::all(client.clone())
+        .create(&Default::default(), &InferenceTenant::new("bench", spec))
+        .await
+        .context("creating the tenant")?;
+    let key = "sk-bench-tenant";
+    let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
+        "metadata": {"name": "bench-keys", "labels": {TENANT_LABEL: "bench"}},
+        "stringData": {"key": key}}))?;
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), NS)
+        .create(&Default::default(), &secret)
+        .await
+        .context("creating the key Secret")?;
+    let port = free_port();
+    let mut cmd = Command::new(router_bin);
+    cmd.args(["--addr", &format!("127.0.0.1:{port}")])
+        .args(["--namespace", NS, "--endpoints-from", "pods"])
+        .args(["--tenants", "--tenant-secrets-namespace", NS])
+        .env("KUBECONFIG", cluster.admin_kubeconfig())
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null());
+    let guard = Guard::spawn("ferrite-router --tenants", cmd).context("starting the router")?;
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ok(&format!("{base}/readyz")).context("the tenant router did not start")?;
+    Ok((guard, base, key.to_string()))
 }
 
 /// Requests a server finished (its `vllm:request_success_total`).
@@ -677,9 +778,17 @@ async fn main() -> Result<()> {
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null());
     let _router = Guard::spawn("ferrite-router", cmd).context("starting ferrite-router")?;
+    let overhead_wanted = args.scenarios.iter().any(|s| s == "overhead");
+    let tenant_router = match overhead_wanted {
+        true => Some(start_tenant_router(&client, &cluster, &router_bin).await?),
+        false => None,
+    };
     let bases = Bases {
         replicas,
         router: format!("http://127.0.0.1:{router_port}"),
+        tenant_router: tenant_router
+            .as_ref()
+            .map(|(_, base, key)| (base.clone(), key.clone())),
     };
     wait_ok(&format!("{}/readyz", bases.router)).context("the router did not start")?;
     println!(
