@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,26 +37,6 @@ TEXTS = [
 ]
 
 
-def start(server, model, pooling):
-    port = greedy.free_port()
-    proc = subprocess.Popen(
-        [server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-         "--parallel", "1", "-c", "2048", "--no-warmup", "--embeddings", "--pooling", pooling],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            pass
-        time.sleep(0.2)
-    proc.terminate()
-    sys.exit("llama-server did not come up")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("server", nargs="?")
@@ -72,7 +51,7 @@ def main():
     ).strip()
     out = {"model": os.path.basename(model), "texts": [], "pooling": {}}
     for pooling in ["last", "mean"]:
-        proc, base = start(server, model, pooling)
+        proc, base = greedy.start(server, model, ["--embeddings", "--pooling", pooling])
         try:
             with urllib.request.urlopen(base + "/props", timeout=10) as r:
                 out["recorded_with"] = (f"llama-server {json.load(r).get('build_info', 'unknown')} "

@@ -92,6 +92,28 @@ TEXTS = [
 ]
 
 
+def start(server, model, extra):
+    """llama-server on MODEL at a free loopback port with EXTRA flags, once /health answers:
+    (process, base URL)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+         "--parallel", "1", "-c", "2048", "--no-warmup", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    sys.exit("llama-server did not come up")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("server", nargs="?", help="llama-server (default: scripts/build-llama-server.sh's)")
@@ -108,25 +130,8 @@ def main():
         [os.path.join(ROOT, "scripts/fetch-model.sh")], text=True
     ).strip()
     out = args.out
-    port = free_port()
-    proc = subprocess.Popen(
-        [server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-         "--parallel", "1", "-c", "2048", "--no-warmup",
-         *(["--lora", args.lora] if args.lora else [])],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start(server, model, ["--lora", args.lora] if args.lora else [])
     try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.2)
-        else:
-            sys.exit("llama-server did not come up")
         with urllib.request.urlopen(base + "/props", timeout=10) as r:
             version = json.load(r).get("build_info", "unknown")
         prompts = []

@@ -9,7 +9,12 @@ use kube::core::cel::Validator;
 use serde_json::Value;
 
 fn schema() -> Value {
-    let crd = InferenceService::crd();
+    schema_of::<InferenceService>()
+}
+
+/// The openAPIV3Schema of `K`'s CRD.
+fn schema_of<K: CustomResourceExt>() -> Value {
+    let crd = K::crd();
     let s = crd.spec.versions[0]
         .schema
         .as_ref()
@@ -22,6 +27,22 @@ fn yaml(path: &str) -> Value {
     let text = std::fs::read_to_string(workspace_root().join(path))
         .unwrap_or_else(|e| panic!("{path}: {e}"));
     serde_yaml_ng::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// Asserts that `object` is refused with a message containing `expect`.
+fn assert_refused(v: &Validator, schema: &Value, object: &Value, expect: &str) {
+    let errors = v.validate(schema, object, None).expect_err(&format!(
+        "accepted, but should fail with {expect:?}: {object}"
+    ));
+    let messages: Vec<String> = errors
+        .as_slice()
+        .iter()
+        .map(|e| e.message.clone())
+        .collect();
+    assert!(
+        messages.iter().any(|m| m.contains(expect)),
+        "expected {expect:?}, got {messages:?}"
+    );
 }
 
 #[test]
@@ -48,33 +69,13 @@ fn committed_tenant_crd_is_current() {
 
 #[test]
 fn tenant_cel_rules_refuse_a_tenant_with_no_models_and_zero_limits() {
-    use ferrite_api::tenant::InferenceTenant;
-    let crd = InferenceTenant::crd();
-    let schema = crd.spec.versions[0]
-        .schema
-        .as_ref()
-        .and_then(|s| s.open_api_v3_schema.as_ref())
-        .expect("openAPIV3Schema");
-    let schema = serde_json::to_value(schema).expect("schema json");
+    let schema = schema_of::<ferrite_api::tenant::InferenceTenant>();
     let v = Validator::new();
     let object = |spec: Value| {
         serde_json::json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceTenant",
                            "metadata": {"name": "team-a"}, "spec": spec})
     };
-    let refused = |spec: Value, expect: &str| {
-        let errors = v
-            .validate(&schema, &object(spec.clone()), None)
-            .expect_err(&format!("accepted {spec}"));
-        let messages: Vec<String> = errors
-            .as_slice()
-            .iter()
-            .map(|e| e.message.clone())
-            .collect();
-        assert!(
-            messages.iter().any(|m| m.contains(expect)),
-            "{expect:?}: {messages:?}"
-        );
-    };
+    let refused = |spec: Value, expect: &str| assert_refused(&v, &schema, &object(spec), expect);
     refused(serde_json::json!({}), "give the namespaces or the models");
     refused(
         serde_json::json!({"models": ["chat"], "limits": {"tokensPerMinute": 0}}),
@@ -104,18 +105,7 @@ fn cel_rules_reject_each_invalid_example_with_its_message() {
         let mut object = case["object"].clone();
         object["apiVersion"] = "ferrite.dev/v1alpha1".into();
         object["kind"] = "InferenceService".into();
-        let errors = v.validate(&schema, &object, None).expect_err(&format!(
-            "accepted, but should fail with {expect:?}: {object}"
-        ));
-        let messages: Vec<String> = errors
-            .as_slice()
-            .iter()
-            .map(|e| e.message.clone())
-            .collect();
-        assert!(
-            messages.iter().any(|m| m.contains(expect)),
-            "expected {expect:?}, got {messages:?}"
-        );
+        assert_refused(&v, &schema, &object, expect);
         // The same object with the offending section made valid passes: the rule, not the
         // evaluator, rejected it.
         let fixed: Value = serde_json::json!({

@@ -183,9 +183,21 @@ fn logprobs(tok: &Tokenizer, lps: &[TokenLogprob], offset: usize) -> CompletionL
 
 /// Every form of `prompt` as token-id lists.
 fn tokenize_prompts(tok: &Tokenizer, p: Prompt, vocab: usize) -> Result<Vec<Vec<u32>>, ApiError> {
+    prompt_ids(tok, p, vocab, "prompt", true)
+}
+
+/// The token ids of each prompt of `p` (texts tokenized with the tokenizer's special tokens
+/// when `special`), checked against the vocabulary; errors name `param`.
+pub(super) fn prompt_ids(
+    tok: &Tokenizer,
+    p: Prompt,
+    vocab: usize,
+    param: &str,
+    special: bool,
+) -> Result<Vec<Vec<u32>>, ApiError> {
     let encode = |s: &str| {
-        tok.encode(s, true)
-            .map_err(|e| ApiError::invalid_param("prompt", format!("cannot tokenize: {e}")))
+        tok.encode(s, special)
+            .map_err(|e| ApiError::invalid_param(param, format!("cannot tokenize: {e}")))
     };
     let lists = match p {
         Prompt::Text(s) => vec![encode(&s)?],
@@ -195,13 +207,13 @@ fn tokenize_prompts(tok: &Tokenizer, p: Prompt, vocab: usize) -> Result<Vec<Vec<
     };
     if lists.is_empty() {
         return Err(ApiError::invalid_param(
-            "prompt",
-            "the prompt list is empty",
+            param,
+            format!("the {param} list is empty"),
         ));
     }
     if let Some(&bad) = lists.iter().flatten().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::invalid_param(
-            "prompt",
+            param,
             format!("token id {bad} is not below the vocabulary size {vocab}"),
         ));
     }

@@ -12,6 +12,7 @@ use base64::Engine as _;
 use ferrite_runtime::engine::{Event, EventReceiver, Request, SamplingParams, event_channel};
 use serde::{Deserialize, Serialize};
 
+use super::completions::prompt_ids;
 use super::error::ApiError;
 use super::extract::JsonBody;
 use super::generate;
@@ -89,7 +90,7 @@ pub async fn embeddings(
         serving.vocab_size,
     );
     let prompts = state
-        .blocking(move |s| inputs(s, input, special, vocab))
+        .blocking(move |s| prompt_ids(&s.tokenizer, input, vocab, "input", special))
         .await?;
     let prompts = prompts
         .into_iter()
@@ -157,37 +158,6 @@ fn truncation(v: Option<i64>, max_model_len: usize) -> Result<Option<usize>, Api
             ),
         )),
     }
-}
-
-/// Each input as token ids, checked against the vocabulary.
-fn inputs(
-    serving: &Serving,
-    input: Prompt,
-    special: bool,
-    vocab: usize,
-) -> Result<Vec<Vec<u32>>, ApiError> {
-    let encode = |s: &str| {
-        serving
-            .tokenizer
-            .encode(s, special)
-            .map_err(|e| ApiError::invalid_param("input", format!("cannot tokenize: {e}")))
-    };
-    let lists = match input {
-        Prompt::Text(s) => vec![encode(&s)?],
-        Prompt::Texts(v) => v.iter().map(|s| encode(s)).collect::<Result<_, _>>()?,
-        Prompt::Tokens(t) => vec![t],
-        Prompt::TokenLists(v) => v,
-    };
-    if lists.is_empty() {
-        return Err(ApiError::invalid_param("input", "the input list is empty"));
-    }
-    if let Some(&bad) = lists.iter().flatten().find(|&&t| t as usize >= vocab) {
-        return Err(ApiError::invalid_param(
-            "input",
-            format!("token id {bad} is not below the vocabulary size {vocab}"),
-        ));
-    }
-    Ok(lists)
 }
 
 /// One input after `truncate_prompt_tokens`, refused when empty or longer than the model.
