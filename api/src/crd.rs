@@ -211,6 +211,15 @@ pub struct RoutingSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 3600))]
     pub cold_start_timeout_seconds: Option<i32>,
+    /// Traffic weight when InferenceServices of one namespace serve one model name (a canary:
+    /// `95` here, `5` on the canary). The oldest claimant of the name holds it; when it sets a
+    /// weight, every other claimant in its namespace that sets one shares the name's traffic
+    /// in proportion, each prompt prefix always to the same service (its caches stay warm).
+    /// The header `x-ferrite-service: namespace/name` pins a request to one of them. Claimants
+    /// in other namespaces never share a name's traffic. 0 takes no traffic but pinned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub weight: Option<i32>,
 }
 
 /// How ferrite-router picks a replica.

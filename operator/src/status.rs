@@ -112,20 +112,29 @@ pub struct Observation<'a> {
 }
 
 /// Why `isvc` does not hold its served name, if it does not: an older InferenceService (in any
-/// namespace) claims the same name, so the router sends that name's traffic there. Clients
-/// still reach this one by its `namespace/name`.
+/// namespace) claims the same name, so the router sends that name's traffic there, and `isvc`
+/// is not in its weighted group (`spec.routing.weight`, the holder's namespace). Clients still
+/// reach this one by its `namespace/name`.
 pub fn served_name_conflict<'a>(
     isvc: &InferenceService,
     all: impl IntoIterator<Item = &'a InferenceService>,
 ) -> Option<Finding> {
     let name = ferrite_api::served::served_name(isvc);
-    let claimants = all.into_iter().filter(|o| {
-        o.metadata.deletion_timestamp.is_none() && ferrite_api::served::served_name(o) == name
-    });
-    let holder = ferrite_api::served::served_name_holder(claimants)?;
-    if holder.metadata.uid == isvc.metadata.uid {
+    let claimants: Vec<&InferenceService> = all
+        .into_iter()
+        .filter(|o| {
+            o.metadata.deletion_timestamp.is_none() && ferrite_api::served::served_name(o) == name
+        })
+        .collect();
+    // The holder, and with weights the services sharing its traffic, hold the name.
+    let group = ferrite_api::served::split_group(claimants.iter().copied());
+    if group
+        .iter()
+        .any(|(i, _)| i.metadata.uid == isvc.metadata.uid)
+    {
         return None;
     }
+    let holder = ferrite_api::served::served_name_holder(claimants)?;
     let id = |i: &InferenceService| {
         format!(
             "{}/{}",

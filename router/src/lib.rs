@@ -111,6 +111,7 @@ async fn housekeeping(app: std::sync::Weak<App>) {
             })
             .collect();
         app.metrics.forget_pods(&live);
+        app.metrics.forget_services(&ids);
         if let Some(t) = &app.tenants {
             let names = t.directory().names().clone();
             app.metrics.forget_tenants(&names);

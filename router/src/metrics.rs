@@ -46,6 +46,8 @@ pub struct Metrics {
     pub tenant_tokens: IntCounterVec,
     /// Requests refused with 401 (no tenant label: the key named none).
     pub unauthorized: prometheus::IntCounter,
+    /// Requests for a name split by weight, by the service each went to.
+    pub split_requests: IntCounterVec,
 }
 
 impl Metrics {
@@ -140,6 +142,12 @@ impl Metrics {
                 "Tokens charged to each tenant, settled to what its requests used.",
                 &["tenant"],
             )?,
+            split_requests: counter(
+                "ferrite_router_split_requests_total",
+                "Requests for a model name several InferenceServices share by weight, by the \
+                 service (namespace/name) each went to.",
+                &["model_name", "inferenceservice"],
+            )?,
             unauthorized: {
                 let c = prometheus::IntCounter::new(
                     "ferrite_router_unauthorized_requests_total",
@@ -174,23 +182,15 @@ impl Metrics {
         }
     }
 
+    /// Removes the split series of services (`namespace/name`) that are gone.
+    pub fn forget_services(&self, live: &std::collections::HashSet<String>) {
+        forget_unless(&self.split_requests, "inferenceservice", live);
+    }
+
     /// Removes the series of tenants that are no longer declared.
     pub fn forget_tenants(&self, live: &std::collections::HashSet<String>) {
-        for vec in [&self.tenant_requests, &self.tenant_tokens] {
-            for family in prometheus::core::Collector::collect(vec) {
-                for m in family.get_metric() {
-                    let labels: Vec<&str> = m.get_label().iter().map(|l| l.value()).collect();
-                    let tenant = m
-                        .get_label()
-                        .iter()
-                        .find(|l| l.name() == "tenant")
-                        .map(|l| l.value());
-                    if tenant.is_some_and(|t| !live.contains(t)) {
-                        let _ = vec.remove_label_values(&labels);
-                    }
-                }
-            }
-        }
+        forget_unless(&self.tenant_requests, "tenant", live);
+        forget_unless(&self.tenant_tokens, "tenant", live);
     }
 
     /// The text exposition.
@@ -200,5 +200,59 @@ impl Metrics {
             tracing::warn!(error = %e, "encoding metrics");
         }
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// Removes the series of `vec` whose `label` is not in `live`.
+fn forget_unless(vec: &IntCounterVec, label: &str, live: &std::collections::HashSet<String>) {
+    for family in prometheus::core::Collector::collect(vec) {
+        for m in family.get_metric() {
+            let value = m
+                .get_label()
+                .iter()
+                .find(|l| l.name() == label)
+                .map(|l| l.value());
+            if value.is_some_and(|v| !live.contains(v)) {
+                // By name: an exposition lists a series' labels sorted, not in the vec's order.
+                let labels: std::collections::HashMap<&str, &str> = m
+                    .get_label()
+                    .iter()
+                    .map(|l| (l.name(), l.value()))
+                    .collect();
+                let _ = vec.remove(&labels);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn series_of_tenants_and_services_that_are_gone_are_removed() {
+        let m = Metrics::new().expect("metrics");
+        m.tenant_requests
+            .with_label_values(&["a", "admitted"])
+            .inc();
+        m.tenant_requests
+            .with_label_values(&["b", "admitted"])
+            .inc();
+        m.tenant_tokens.with_label_values(&["b"]).inc();
+        m.split_requests
+            .with_label_values(&["chat", "ns/old"])
+            .inc();
+        m.split_requests
+            .with_label_values(&["chat", "ns/new"])
+            .inc();
+        m.forget_tenants(&["a".to_string()].into());
+        m.forget_services(&["ns/new".to_string()].into());
+        let text = m.render();
+        assert!(text.contains(r#"tenant="a""#), "{text}");
+        assert!(!text.contains(r#"tenant="b""#), "{text}");
+        assert!(
+            text.contains("ns/new") && !text.contains("ns/old"),
+            "{text}"
+        );
     }
 }

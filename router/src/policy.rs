@@ -224,6 +224,28 @@ fn bounded_ring(ring: &Ring, replicas: &[Replica], key: &str, work: f64, epsilon
     }
 }
 
+/// The member of `group` (`(id, weight)`) that `draw` falls on, each in proportion to its
+/// weight: `draw` is mixed first (splitmix64's finalizer), so nearby draws (a counter, a hash
+/// of similar keys) spread evenly. `None` when every weight is 0.
+pub fn weighted(group: &[(String, u32)], draw: u64) -> Option<&str> {
+    let total: u64 = group.iter().map(|(_, w)| u64::from(*w)).sum();
+    if total == 0 {
+        return None;
+    }
+    let mut z = draw.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    let mut at = z % total;
+    for (id, w) in group {
+        if at < u64::from(*w) {
+            return Some(id);
+        }
+        at -= u64::from(*w);
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -578,5 +600,26 @@ mod tests {
                 prop_assert!(u[d.index] + 1.0 <= bound(&u, eps), "{:?} -> {}", loads, d.index);
             }
         }
+    }
+
+    #[test]
+    fn weighted_draws_follow_the_weights_and_skip_zero() {
+        let group = vec![
+            ("a".to_string(), 95),
+            ("b".to_string(), 5),
+            ("c".to_string(), 0),
+        ];
+        let mut counts = std::collections::HashMap::new();
+        for draw in 0..100_000u64 {
+            *counts
+                .entry(super::weighted(&group, draw).expect("a member"))
+                .or_insert(0) += 1;
+        }
+        let share = f64::from(counts["b"]) / 100_000.0;
+        assert!((share - 0.05).abs() < 0.005, "{share}");
+        assert!(!counts.contains_key("c"));
+        assert_eq!(super::weighted(&[("z".to_string(), 0)], 7), None);
+        // The same draw, the same member.
+        assert_eq!(super::weighted(&group, 42), super::weighted(&group, 42));
     }
 }

@@ -80,6 +80,8 @@ pub struct App {
     pub draining: AtomicBool,
     client: HttpClient<HttpConnector, Full<Bytes>>,
     turn: AtomicU64,
+    /// Draws for split names whose request has no prefix key.
+    draws: AtomicU64,
     /// Prefix keys routed lately.
     recent: RecentKeys,
     /// Each service's hash ring, rebuilt when its replicas change.
@@ -120,6 +122,7 @@ impl App {
             draining: AtomicBool::new(false),
             client,
             turn: AtomicU64::new(0),
+            draws: AtomicU64::new(0),
             recent: RecentKeys::default(),
             rings: Rings::default(),
             tenants,
@@ -308,7 +311,12 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
         },
         None => None,
     };
-    let svc = match resolve(&app, model).await {
+    // A name several services share by weight: one of them, by the prefix key.
+    let target = match split_member(&app, model, &parsed, &parts.headers) {
+        Ok(t) => t,
+        Err(message) => return invalid(message, None),
+    };
+    let svc = match resolve(&app, target.as_deref().unwrap_or(model)).await {
         Ok(svc) => svc,
         Err(response) => return response,
     };
@@ -320,6 +328,48 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
     // The body's reservation (`admission.body`) is given back when this returns, with the
     // response head: the body is no longer needed once a replica answered.
     attempt(&app, &svc, &parsed, &parts, body, admission.open, charge).await
+}
+
+/// The header that pins a request for a split name to one of its services (for testing a
+/// canary): `namespace/name`.
+pub const PIN_HEADER: &str = "x-ferrite-service";
+
+/// For a served name several services share by weight (`spec.routing.weight`), the
+/// `namespace/name` of the one this request goes to: the pinned one, else by the prompt's
+/// prefix key (so a prefix always reaches one service and its caches), else at random; each
+/// in proportion to its weight. `None` for a name one service holds. A pin naming a service
+/// outside the split is refused (the message).
+fn split_member(
+    app: &App,
+    model: &str,
+    parsed: &Parsed,
+    headers: &HeaderMap,
+) -> Result<Option<String>, String> {
+    let group = app.registry.split(model);
+    if group.is_empty() {
+        return Ok(None);
+    }
+    if let Some(pin) = headers.get(PIN_HEADER) {
+        let pin = pin.to_str().unwrap_or_default();
+        return match group.iter().find(|(id, _)| id == pin) {
+            Some((id, _)) => Ok(Some(id.clone())),
+            None => Err(format!(
+                "{PIN_HEADER}: `{pin}` is not one of the services sharing `{model}`"
+            )),
+        };
+    }
+    let draw = match &parsed.key {
+        Some(k) => ferrite_api::hash::fnv1a(k.as_bytes()),
+        None => app.draws.fetch_add(1, Ordering::Relaxed),
+    };
+    let Some(id) = policy::weighted(&group, draw) else {
+        return Ok(None);
+    };
+    app.metrics
+        .split_requests
+        .with_label_values(&[model, id])
+        .inc();
+    Ok(Some(id.to_string()))
 }
 
 /// The request's tenant from its bearer key (`None` with tenants off); without a key, or with

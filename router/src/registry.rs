@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ferrite_api::conditions;
 use ferrite_api::crd::{InferenceService, RoutingPolicy};
-use ferrite_api::served::{served_name, served_name_holder};
+use ferrite_api::served::{served_name, served_name_holder, split_group};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -146,6 +146,31 @@ impl Registry {
             adapter: Some(model.to_string()),
             ..self.service(i)
         })
+    }
+
+    /// The services sharing served name `model`'s traffic by weight (`spec.routing.weight`,
+    /// [`ferrite_api::served::split_group`]) as `(namespace/name, weight)`, sorted by name;
+    /// empty when the name's holder serves it alone (or no service serves it).
+    pub fn split(&self, model: &str) -> Vec<(String, u32)> {
+        let all = self.isvcs.state();
+        let claimants = all
+            .iter()
+            .map(|i| &**i)
+            .filter(|i| i.meta().deletion_timestamp.is_none() && served_name(i) == model);
+        let group = split_group(claimants);
+        let weighted = group
+            .first()
+            .is_some_and(|(i, _)| i.spec.routing.as_ref().is_some_and(|r| r.weight.is_some()));
+        if !weighted {
+            return Vec::new();
+        }
+        group
+            .into_iter()
+            .map(|(i, w)| {
+                let id = format!("{}/{}", i.namespace().unwrap_or_default(), i.name_any());
+                (id, w)
+            })
+            .collect()
     }
 
     /// Every service, sorted by model name; a service that does not hold its served name is

@@ -236,6 +236,30 @@ fn claimant(
     .expect("isvc")
 }
 
+/// A weighted group shares its holder's name: a weighted claimant in the holder's namespace is
+/// no conflict, an unweighted one or one in another namespace (whatever its weight) is.
+#[test]
+fn a_weighted_claimant_in_the_holders_namespace_shares_the_name() {
+    let weighted = |ns: &str, name: &str, created: &str, weight: Option<i32>| {
+        let mut i = claimant(ns, name, "chat", created);
+        i.spec.routing = Some(ferrite_api::crd::RoutingSpec {
+            weight,
+            ..Default::default()
+        });
+        i
+    };
+    let stable = weighted("team", "stable", "2026-01-01T00:00:00Z", Some(95));
+    let canary = weighted("team", "canary", "2026-01-02T00:00:00Z", Some(5));
+    let plain = weighted("team", "plain", "2026-01-03T00:00:00Z", None);
+    let intruder = weighted("other", "intruder", "2026-01-04T00:00:00Z", Some(1000));
+    let all = [&stable, &canary, &plain, &intruder];
+    let conflict = |i| status::served_name_conflict(i, all.iter().copied());
+    assert_eq!(conflict(&stable), None);
+    assert_eq!(conflict(&canary), None);
+    assert!(conflict(&plain).is_some());
+    assert!(conflict(&intruder).is_some());
+}
+
 /// The oldest claimant holds a served name whatever the namespaces' order; a later one is
 /// told who holds it and its own id; the holder, and a service alone with its name, are not.
 #[test]

@@ -6,5 +6,6 @@ mod balance;
 mod common;
 mod hostile;
 mod routing;
+mod splits;
 mod streams;
 mod tenants;
