@@ -269,6 +269,18 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub served_name: Option<String>,
+    /// More names clients may send for this model through ferrite-router (`chat-default` for
+    /// whichever service is current): the router sends a request naming an alias here with
+    /// `model` rewritten to the served name, so moving an alias to another service restarts no
+    /// pod. A served name or an adapter of that name wins over an alias; of two services with
+    /// one alias, the older holds it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = 16),
+        inner(length(min = 1, max = 253), regex(pattern = r"^[^/]+$"))
+    )]
+    #[x_kube(validation = Rule::new("self.all(a, self.exists_one(b, b == a))").message("aliases must be unique"))]
+    pub aliases: Vec<String>,
     /// Weight format: `gguf` or `safetensors`; inferred from the source when absent (`.gguf`
     /// is GGUF, else safetensors).
     #[serde(default, skip_serializing_if = "Option::is_none")]

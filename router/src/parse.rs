@@ -70,6 +70,9 @@ macro_rules! skip_map {
 pub struct Parsed {
     /// `None` when the body has no `model`.
     pub model: Option<String>,
+    /// Where the `model` value's JSON (quotes included) is in the body, as `start..end`: what
+    /// a rewrite of the name replaces ([`with_model`]).
+    pub model_at: Option<std::ops::Range<usize>>,
     /// The prefix-affinity key; `None` for a request with no prompt text.
     pub key: Option<String>,
     pub work: Work,
@@ -101,7 +104,7 @@ pub fn parse(body: &[u8], key_chars: usize) -> Result<Parsed, ParseError> {
 /// Reads `body` as a request to an endpoint of kind `api`.
 pub fn parse_as(body: &[u8], key_chars: usize, api: Api) -> Result<Parsed, ParseError> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let mut scan = Scan::new(key_chars, api);
+    let mut scan = Scan::new(key_chars, api, body.as_ptr() as usize);
     (&mut de)
         .deserialize_map(TopVisitor(&mut scan))
         .map_err(|e| ParseError(e.to_string()))?;
@@ -114,6 +117,9 @@ pub fn parse_as(body: &[u8], key_chars: usize, api: Api) -> Result<Parsed, Parse
 struct Scan {
     api: Api,
     model: Option<String>,
+    model_at: Option<std::ops::Range<usize>>,
+    /// The body's address, which borrowed values' offsets are taken from.
+    body: usize,
     chars: usize,
     seen_prompt: bool,
     seen_messages: bool,
@@ -127,10 +133,12 @@ struct Scan {
 }
 
 impl Scan {
-    fn new(chars: usize, api: Api) -> Self {
+    fn new(chars: usize, api: Api, body: usize) -> Self {
         Scan {
             api,
             model: None,
+            model_at: None,
+            body,
             chars,
             seen_prompt: false,
             seen_messages: false,
@@ -150,6 +158,7 @@ impl Scan {
             Api::Pooling => {
                 return Parsed {
                     model: self.model,
+                    model_at: self.model_at,
                     key: None,
                     work: Work {
                         prompt: self.prompt_tokens,
@@ -160,6 +169,7 @@ impl Scan {
             Api::Other => {
                 return Parsed {
                     model: self.model,
+                    model_at: self.model_at,
                     key: None,
                     work: Work {
                         prompt: 0.0,
@@ -175,6 +185,7 @@ impl Scan {
         };
         Parsed {
             model: self.model,
+            model_at: self.model_at,
             key: key.finish(),
             work: work::estimate(
                 prompt,
@@ -183,6 +194,13 @@ impl Scan {
             ),
         }
     }
+}
+
+/// `body` with its `model` (at `at`, from [`Parsed::model_at`]) replaced by `model`.
+pub fn with_model(body: &[u8], at: std::ops::Range<usize>, model: &str) -> Option<Vec<u8>> {
+    let value = serde_json::to_vec(model).ok()?;
+    let (head, tail) = (body.get(..at.start)?, body.get(at.end..)?);
+    Some([head, &value, tail].concat())
 }
 
 fn once<E: de::Error>(seen: &mut bool, field: &'static str) -> Result<(), E> {
@@ -208,7 +226,11 @@ impl<'de> Visitor<'de> for TopVisitor<'_> {
             match k.0.as_str() {
                 "model" => {
                     once(&mut seen_model, "model")?;
-                    scan.model = map.next_value::<Option<String>>()?;
+                    // Borrowed from the body, so where it sits is known.
+                    let raw: &serde_json::value::RawValue = map.next_value()?;
+                    scan.model = serde_json::from_str(raw.get()).map_err(de::Error::custom)?;
+                    let start = (raw.get().as_ptr() as usize).wrapping_sub(scan.body);
+                    scan.model_at = Some(start..start + raw.get().len());
                 }
                 "prompt" if scan.api == Api::Generation => {
                     once(&mut scan.seen_prompt, "prompt")?;
@@ -619,6 +641,26 @@ mod tests {
 
     fn p(v: serde_json::Value, chars: usize) -> Parsed {
         parse(v.to_string().as_bytes(), chars).expect("parses")
+    }
+
+    #[test]
+    fn the_model_can_be_rewritten_in_place() {
+        let body = br#"{"prompt": "hi", "model" : "chat-default", "max_tokens": 2}"#;
+        let parsed = parse(body, 16).expect("parses");
+        let at = parsed.model_at.expect("where the model is");
+        assert_eq!(&body[at.clone()], br#""chat-default""#);
+        let new = with_model(body, at, "chat \"v2\"").expect("rewritten");
+        let v: serde_json::Value = serde_json::from_slice(&new).expect("JSON");
+        assert_eq!(v["model"], "chat \"v2\"");
+        assert_eq!(v["max_tokens"], 2);
+        // An escaped name reads as its text, and a null as none.
+        let p = parse(br#"{"model": "a\u0062c"}"#, 16).expect("parses");
+        assert_eq!(p.model.as_deref(), Some("abc"));
+        assert_eq!(
+            parse(br#"{"model": null}"#, 16).expect("parses").model,
+            None
+        );
+        assert!(parse(br#"{"model": 5}"#, 16).is_err());
     }
 
     #[test]

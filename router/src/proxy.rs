@@ -194,6 +194,25 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
             })
         })
         .collect();
+    // Each alias its holder answers to, with the served name it stands for as `root`.
+    let aliases: Vec<Value> = services
+        .iter()
+        .flat_map(|s| s.aliases.iter().map(move |a| (s, a)))
+        .filter(|(s, a)| {
+            app.registry
+                .find(a)
+                .is_some_and(|h| h.id() == s.id() && h.adapter.is_none() && h.model != **a)
+        })
+        .map(|(s, a)| {
+            json!({
+                "id": a,
+                "object": "model",
+                "created": 0,
+                "owned_by": s.id(),
+                "root": s.model,
+            })
+        })
+        .collect();
     let data: Vec<Value> = services
         .into_iter()
         .map(|s| {
@@ -213,6 +232,7 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
             })
         })
         .chain(adapters)
+        .chain(aliases)
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
 }
@@ -320,6 +340,7 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
         Ok(svc) => svc,
         Err(response) => return response,
     };
+    let body = served_body(body, &parsed, model, &svc);
     let charge = charge.map(|c| TenantCharge {
         charge: c,
         tenant: tenant.map(|t| t.name.clone()).unwrap_or_default(),
@@ -328,6 +349,20 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
     // The body's reservation (`admission.body`) is given back when this returns, with the
     // response head: the body is no longer needed once a replica answered.
     attempt(&app, &svc, &parsed, &parts, body, admission.open, charge).await
+}
+
+/// `body` as the replica serving `svc` takes it: a request that named an alias of the service
+/// (`spec.model.aliases`) goes on with `model` rewritten to its served name, which the server
+/// knows (so moving an alias restarts no pod). Served names, `namespace/name` and adapters'
+/// names pass as they are.
+fn served_body(body: Bytes, parsed: &Parsed, asked: &str, svc: &Service) -> Bytes {
+    let passes = asked == svc.model || asked == svc.id() || svc.adapter.is_some();
+    match (&parsed.model_at, passes) {
+        (Some(at), false) => parse::with_model(&body, at.clone(), &svc.model)
+            .map(Bytes::from)
+            .unwrap_or(body),
+        _ => body,
+    }
 }
 
 /// The header that pins a request for a split name to one of its services (for testing a

@@ -43,6 +43,8 @@ pub struct Service {
     pub adapters: Vec<String>,
     /// The adapter the request names, when `model` named one of `adapters`.
     pub adapter: Option<String>,
+    /// Its aliases (`spec.model.aliases`).
+    pub aliases: Vec<String>,
 }
 
 impl Service {
@@ -120,7 +122,8 @@ impl Registry {
     /// claimant holds it (creation time, then namespace and name, so every router replica
     /// agrees), and later claimants get none of its traffic (the operator marks them
     /// `ServedNameConflict`). A name no service serves may be an adapter's: the oldest
-    /// service declaring it serves it, with [`Service::adapter`] set.
+    /// service declaring it serves it, with [`Service::adapter`] set; else an alias
+    /// (`spec.model.aliases`), held the same way, whose requests go on under the served name.
     pub fn find(&self, model: &str) -> Option<Service> {
         let all = self.isvcs.state();
         let live = all.iter().filter(|i| i.meta().deletion_timestamp.is_none());
@@ -140,12 +143,20 @@ impl Registry {
         }
         // An adapter's name, held like a served name: by its oldest declarer.
         let declarers = live
+            .clone()
             .map(|i| &**i)
             .filter(|i| i.spec.model.adapters.iter().any(|a| a.name == model));
-        served_name_holder(declarers).map(|i| Service {
-            adapter: Some(model.to_string()),
-            ..self.service(i)
-        })
+        if let Some(i) = served_name_holder(declarers) {
+            return Some(Service {
+                adapter: Some(model.to_string()),
+                ..self.service(i)
+            });
+        }
+        // An alias, held the same way; the request goes on under the served name.
+        let aliased = live
+            .map(|i| &**i)
+            .filter(|i| i.spec.model.aliases.iter().any(|a| a == model));
+        served_name_holder(aliased).map(|i| self.service(i))
     }
 
     /// The services sharing served name `model`'s traffic by weight (`spec.routing.weight`,
@@ -223,6 +234,7 @@ impl Registry {
                 .iter()
                 .map(|a| a.name.clone())
                 .collect(),
+            aliases: isvc.spec.model.aliases.clone(),
             adapter: None,
             namespace: ns,
             name,

@@ -34,7 +34,8 @@ async fn routes_by_model_across_two_inference_services() {
         &client,
         &ns,
         "chat",
-        json!({"model": {"source": "/models/smol.gguf", "servedName": "chat-model"},
+        json!({"model": {"source": "/models/smol.gguf", "servedName": "chat-model",
+                         "aliases": ["assistant"]},
         "runtime": {"port": chat_port}}),
     )
     .await;
@@ -68,7 +69,7 @@ async fn routes_by_model_across_two_inference_services() {
         .iter()
         .filter_map(|m| m["id"].as_str())
         .collect();
-    assert_eq!(ids, ["chat-model", "code"], "{listed}");
+    assert_eq!(ids, ["chat-model", "code", "assistant"], "{listed}");
     assert_eq!(listed["data"][0]["state"], "ready");
 
     for model in ["chat-model", "code"] {
@@ -83,6 +84,20 @@ async fn routes_by_model_across_two_inference_services() {
     let (status, body, _) = post(format!("{base}/v1/chat/completions"), chat).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "chat.completion");
+
+    // An alias reaches its service, under the served name the server knows.
+    let (status, body, _) = post(format!("{base}/v1/completions"), completion("assistant")).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["model"], "chat-model", "{body}");
+    let aliases: Vec<Value> = listed["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .filter(|m| m["id"] == "assistant")
+        .cloned()
+        .collect();
+    assert_eq!(aliases.len(), 1, "{listed}");
+    assert_eq!(aliases[0]["root"], "chat-model");
 
     // Embeddings, the tokenizer and any other POST that names a model reach its server.
     let embed = json!({"model": "chat-model", "input": ["a cat", "a dog"],
