@@ -130,6 +130,21 @@ async fn tenants_are_authenticated_kept_to_their_models_and_held_to_their_limits
         },
     )
     .await;
+    tenant(
+        &client,
+        "team-d",
+        InferenceTenantSpec {
+            models: vec!["chat".into()],
+            limits: TenantLimits {
+                concurrent_requests: Some(1),
+                tokens_per_minute: Some(100_000),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    keys(&client, &ns, "team-d-keys", "team-d", "sk-team-d").await;
     keys(&client, &ns, "team-a-keys", "team-a", "sk-team-a").await;
     keys(&client, &ns, "team-b-keys", "team-b", "sk-team-b").await;
     let mut config = config();
@@ -216,6 +231,68 @@ async fn tenants_are_authenticated_kept_to_their_models_and_held_to_their_limits
     // The tenant's key stays at the router: the pod that would accept it never sees it.
     let (status, body, _) = call(url.clone(), Some("sk-team-b"), completion("secure", 1)).await;
     assert_eq!(status, 401, "{body}");
+
+    // Team D: one request open at once, and a stream settled to the usage it reports.
+    let long = json!({"model": "chat", "prompt": "Count:", "max_tokens": 120, "temperature": 0,
+                      "ignore_eos": true, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let stream_url = url.clone();
+    let streaming = tokio::task::spawn_blocking(move || {
+        let r = ureq::post(&stream_url)
+            .set("Authorization", "Bearer sk-team-d")
+            .send_json(long)
+            .expect("the stream");
+        r.into_string().expect("the stream's text")
+    });
+    let tokens_d = || async {
+        let text = get_text(format!("{base}/metrics")).await;
+        metric_sum(
+            &text,
+            "ferrite_router_tenant_tokens_total",
+            &[("tenant", "team-d")],
+        )
+    };
+    eventually(
+        WAIT,
+        "a second request refused while the stream runs",
+        async || {
+            let (status, body, _) =
+                call(url.clone(), Some("sk-team-d"), completion("chat", 1)).await;
+            match status {
+                429 => {
+                    assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+                    Some(())
+                }
+                // The stream had not started yet.
+                _ => None,
+            }
+        },
+    )
+    .await;
+    let text = streaming.await.expect("the stream thread");
+    let usage: Value = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
+        .last()
+        .expect("the usage chunk");
+    let streamed = usage["total_tokens"].as_f64().expect("total_tokens");
+    // Charged what the stream used (and the single-token requests that passed meanwhile).
+    let before = tokens_d().await;
+    assert!(before >= streamed, "{before} < {streamed}");
+    let (status, body, _) = call(url.clone(), Some("sk-team-d"), completion("chat", 1)).await;
+    assert_eq!(status, 200, "the stream has ended: {body}");
+    let one = body["usage"]["total_tokens"].as_f64().expect("usage");
+    assert_eq!(tokens_d().await, before + one);
+    let text = get_text(format!("{base}/metrics")).await;
+    assert!(
+        metric_sum(
+            &text,
+            "ferrite_router_tenant_requests_total",
+            &[("tenant", "team-d"), ("outcome", "throttled_concurrent")]
+        ) >= 1.0
+    );
 
     // A deleted key Secret takes the key away at once.
     Api::<Secret>::namespaced(client.clone(), &ns)
