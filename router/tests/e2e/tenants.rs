@@ -272,10 +272,10 @@ async fn tenants_are_authenticated_kept_to_their_models_and_held_to_their_limits
     let text = streaming.await.expect("the stream thread");
     let usage: Value = text
         .lines()
+        .rev()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
-        .last()
+        .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
         .expect("the usage chunk");
     let streamed = usage["total_tokens"].as_f64().expect("total_tokens");
     // Charged what the stream used (and the single-token requests that passed meanwhile).
