@@ -1168,6 +1168,16 @@ fn reported_total(tail: &[u8]) -> Option<f64> {
     digits.parse::<u64>().ok().map(|n| n as f64)
 }
 
+impl Drop for Tracked {
+    /// A client that left mid-stream is charged what was streamed until then, not the whole
+    /// estimate.
+    fn drop(&mut self) {
+        if !self.ended {
+            self.settle();
+        }
+    }
+}
+
 /// What an event stream needs to fail cleanly when its replica goes away.
 struct BrokenStream {
     counter: prometheus::IntCounter,
@@ -1191,13 +1201,18 @@ impl BrokenStream {
 }
 
 impl Tracked {
-    /// The replica's body ended: nothing more to pass on, and its duration is known.
-    fn finish(&mut self) {
-        self.ended = true;
+    /// Settles a tenant's charge from what the body showed so far.
+    fn settle(&mut self) {
         let (events, preamble) = (self.open.seen(), self.open.preamble());
         if let Some(u) = self.usage.as_mut() {
             u.settle(events, preamble);
         }
+    }
+
+    /// The replica's body ended: nothing more to pass on, and its duration is known.
+    fn finish(&mut self) {
+        self.ended = true;
+        self.settle();
         if let Some(h) = self.duration.take() {
             h.observe(self.started.elapsed().as_secs_f64());
         }
