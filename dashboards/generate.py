@@ -341,6 +341,22 @@ def router_row():
             "an uneven spread shows affinity at work, or a hot prefix.",
             [(f'sum by (pod) (ferrite_router_in_flight_requests{{{ROUTER}, pod=~"$pod"}})', "{{pod}}")],
         ), 6, 8),
+        (timeseries(
+            "Tenants' requests by outcome",
+            "With tenants (--tenants): each tenant's requests for this model per second, by "
+            "outcome: admitted, forbidden (a model outside its list), throttled_requests, "
+            "throttled_tokens, throttled_concurrent (429 at a limit). Summed over router replicas.",
+            [(f"sum by (tenant, outcome) (rate(ferrite_router_tenant_requests_total{{{ROUTER}}}[$__rate_interval]))", "{{tenant}} {{outcome}}")],
+            unit="reqps",
+        ), 12, 8),
+        (timeseries(
+            "Tenants' tokens",
+            "Tokens each tenant's requests for this model used per second (prompt and "
+            "completion, settled to the replicas' reported usage): what InferenceTenant "
+            "tokensPerMinute limits. Summed over router replicas.",
+            [(f"sum by (tenant) (rate(ferrite_router_tenant_tokens_total{{{ROUTER}}}[$__rate_interval]))", "{{tenant}}")],
+            unit="short",
+        ), 12, 8),
     ]
 
 

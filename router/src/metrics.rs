@@ -133,14 +133,14 @@ impl Metrics {
             )?,
             tenant_requests: counter(
                 "ferrite_router_tenant_requests_total",
-                "Requests of each tenant by outcome: admitted, forbidden (a model outside its \
-                 list), throttled_requests, throttled_tokens, throttled_concurrent.",
-                &["tenant", "outcome"],
+                "Requests of each tenant by model and outcome: admitted, forbidden (a model \
+                 outside its list), throttled_requests, throttled_tokens, throttled_concurrent.",
+                &["tenant", "model_name", "outcome"],
             )?,
             tenant_tokens: counter(
                 "ferrite_router_tenant_tokens_total",
-                "Tokens charged to each tenant, settled to what its requests used.",
-                &["tenant"],
+                "Tokens charged to each tenant by model, settled to what its requests used.",
+                &["tenant", "model_name"],
             )?,
             split_requests: counter(
                 "ferrite_router_split_requests_total",
@@ -233,12 +233,12 @@ mod tests {
     fn series_of_tenants_and_services_that_are_gone_are_removed() {
         let m = Metrics::new().expect("metrics");
         m.tenant_requests
-            .with_label_values(&["a", "admitted"])
+            .with_label_values(&["a", "chat", "admitted"])
             .inc();
         m.tenant_requests
-            .with_label_values(&["b", "admitted"])
+            .with_label_values(&["b", "chat", "admitted"])
             .inc();
-        m.tenant_tokens.with_label_values(&["b"]).inc();
+        m.tenant_tokens.with_label_values(&["b", "chat"]).inc();
         m.split_requests
             .with_label_values(&["chat", "ns/old"])
             .inc();

@@ -316,6 +316,13 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
         return refusal;
     }
     let share = app.peers.as_ref().map_or(1.0, Peers::share);
+    // Tenants' series name the served model, never the client's string (an unknown name is
+    // "", as in the router's own request counts).
+    let served = app
+        .registry
+        .find(model)
+        .map(|s| s.model)
+        .unwrap_or_default();
     let charge = match &tenant {
         Some(t) => match app.quotas.admit(
             &t.name,
@@ -324,10 +331,10 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
             Instant::now(),
         ) {
             Ok(c) => {
-                count_tenant(&app, t, "admitted");
+                count_tenant(&app, t, &served, "admitted");
                 Some(c)
             }
-            Err(throttled) => return throttle(&app, t, &throttled),
+            Err(throttled) => return throttle(&app, t, &served, &throttled),
         },
         None => None,
     };
@@ -344,6 +351,7 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
     let charge = charge.map(|c| TenantCharge {
         charge: c,
         tenant: tenant.map(|t| t.name.clone()).unwrap_or_default(),
+        model: svc.model.clone(),
         prompt: parsed.work.prompt,
     });
     // The body's reservation (`admission.body`) is given back when this returns, with the
@@ -435,7 +443,7 @@ fn refuse_access(app: &App, tenant: &Tenant, model: &str) -> Option<Response> {
     if tenant.may_use(&svc.namespace, &svc.name, &svc.model, model) {
         return None;
     }
-    count_tenant(app, tenant, "forbidden");
+    count_tenant(app, tenant, &svc.model, "forbidden");
     Some(error(
         StatusCode::FORBIDDEN,
         "permission_error",
@@ -446,8 +454,13 @@ fn refuse_access(app: &App, tenant: &Tenant, model: &str) -> Option<Response> {
 
 /// 429 for a request over one of its tenant's limits, with `Retry-After` (unless it can never
 /// pass) and the `x-ratelimit-*` headers.
-fn throttle(app: &App, tenant: &Tenant, t: &Throttled) -> Response {
-    count_tenant(app, tenant, &format!("throttled_{}", t.limit.as_str()));
+fn throttle(app: &App, tenant: &Tenant, model: &str, t: &Throttled) -> Response {
+    count_tenant(
+        app,
+        tenant,
+        model,
+        &format!("throttled_{}", t.limit.as_str()),
+    );
     let message = match (t.limit, t.retry_after) {
         (quota::Limit::Tokens, None) => format!(
             "Request too large for tenant `{}`: it may take more tokens than its limit per \
@@ -488,10 +501,10 @@ fn add_rate_headers(h: &mut HeaderMap, state: &quota::State) {
     }
 }
 
-fn count_tenant(app: &App, tenant: &Tenant, outcome: &str) {
+fn count_tenant(app: &App, tenant: &Tenant, model: &str, outcome: &str) {
     app.metrics
         .tenant_requests
-        .with_label_values(&[&tenant.name, outcome])
+        .with_label_values(&[&tenant.name, model, outcome])
         .inc();
 }
 
@@ -499,6 +512,8 @@ fn count_tenant(app: &App, tenant: &Tenant, outcome: &str) {
 struct TenantCharge {
     charge: Charge,
     tenant: String,
+    /// The served model, the tokens series' other label.
+    model: String,
     /// The prompt's estimated tokens, which a stream's output is added to.
     prompt: f64,
 }
@@ -1150,7 +1165,7 @@ impl Drop for Usage {
     fn drop(&mut self) {
         let used = self.charge.charge.tokens();
         self.counter
-            .with_label_values(&[&self.charge.tenant])
+            .with_label_values(&[&self.charge.tenant, &self.charge.model])
             .inc_by(used.round() as u64);
     }
 }

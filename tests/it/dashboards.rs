@@ -610,6 +610,8 @@ fn each_dashboard_shows_what_the_monitoring_guide_lists() {
                 "ferrite_router_cold_start_seconds_bucket",
                 "ferrite_router_retries_total",
                 "ferrite_router_in_flight_requests",
+                "ferrite_router_tenant_requests_total",
+                "ferrite_router_tenant_tokens_total",
             ],
         ),
         (
@@ -840,7 +842,10 @@ fn complete(base: &str, i: usize, stream: bool) -> u16 {
     };
     let body = json!({"model": "smol", "prompt": prompt, "max_tokens": 8 + (i % 3) * 4, "n": n,
                       "ignore_eos": true, "temperature": 0.0, "stream": stream});
-    match ureq::post(&format!("{base}/v1/completions")).send_json(body) {
+    // The router's tenant key (the servers have no key, and ignore it).
+    let request = ureq::post(&format!("{base}/v1/completions"))
+        .set("Authorization", &format!("Bearer {TENANT_KEY}"));
+    match request.send_json(body) {
         Ok(r) => {
             let status = r.status();
             match r.into_string() {
@@ -851,6 +856,40 @@ fn complete(base: &str, i: usize, stream: bool) -> u16 {
         Err(ureq::Error::Status(code, _)) => code,
         Err(_) => 0,
     }
+}
+
+/// The API key of the router's one tenant in the live test.
+const TENANT_KEY: &str = "sk-dashboards";
+
+/// InferenceTenant `dashboards`, allowed every model of `ns`, its key in a Secret there.
+async fn tenant(client: &kube::Client, ns: &str) {
+    use ferrite_api::tenant::{InferenceTenant, InferenceTenantSpec, TENANT_LABEL};
+    // Its namespace before the rest of the test applies it, for the Secret.
+    let namespace: k8s_openapi::api::core::v1::Namespace =
+        serde_json::from_value(json!({"metadata": {"name": ns}})).expect("a Namespace");
+    kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .create(&Default::default(), &namespace)
+        .await
+        .expect("creating the namespace");
+    let spec = InferenceTenantSpec {
+        namespaces: vec![ns.to_string()],
+        ..Default::default()
+    };
+    kube::Api::<InferenceTenant>::all(client.clone())
+        .create(
+            &Default::default(),
+            &InferenceTenant::new("dashboards", spec),
+        )
+        .await
+        .expect("creating the tenant");
+    let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
+        "metadata": {"name": "dashboards-keys", "labels": {TENANT_LABEL: "dashboards"}},
+        "stringData": {"key": TENANT_KEY}}))
+    .expect("a Secret");
+    kube::Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns)
+        .create(&Default::default(), &secret)
+        .await
+        .expect("creating the key Secret");
 }
 
 fn exposition_names(text: &str) -> BTreeSet<String> {
@@ -906,6 +945,9 @@ fn start_router(cluster: &Cluster, ns: &str, port: u16, log: &Path) -> Guard {
         // The unreachable pod sits out 1 s after each refusal (default 10 s), so retries
         // keep coming within the short load window.
         "--set-aside-ms=1000".to_string(),
+        // Tenants: the load carries [`TENANT_KEY`], for the tenants' panels.
+        "--tenants".to_string(),
+        format!("--tenant-secrets-namespace={ns}"),
     ])
     .env("KUBECONFIG", cluster.admin_kubeconfig())
     .env_remove("KUBERNETES_SERVICE_HOST")
@@ -972,6 +1014,7 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
     let router_dir = TempDir::new("ferrite-dashboards-router");
     let router_log = router_dir.path().join("router.log");
     let router_port = free_port();
+    rt.block_on(tenant(&client, "ml"));
     let router = start_router(&cluster, "ml", router_port, &router_log);
     let router_base = format!("http://127.0.0.1:{router_port}");
     let router_log = move || std::fs::read_to_string(&router_log).unwrap_or_default();
