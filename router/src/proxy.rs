@@ -173,8 +173,24 @@ fn invalid(message: impl Into<String>, param: Option<&str>) -> Response {
 /// `GET /v1/models`: every model, with how many replicas are ready, then each adapter a
 /// service declares (and holds: the oldest declarer of a name) with `parent` set to its
 /// model, as vLLM lists them.
-pub async fn models(State(app): State<Arc<App>>) -> Response {
-    let services = app.registry.all();
+///
+/// With tenants, the request needs a tenant's key (401), and the list holds only the services
+/// the tenant may use: one tenant does not learn another's models.
+pub async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    let tenant = match authenticate(&app, &headers) {
+        Ok(t) => t,
+        Err(message) => return unauthorized(&app, message),
+    };
+    let mut services = app.registry.all();
+    if let Some(t) = &tenant {
+        services.retain(|s| {
+            t.may_use(&s.namespace, &s.name, &s.model, &s.model)
+                || s.adapters
+                    .iter()
+                    .chain(&s.aliases)
+                    .any(|a| t.models.contains(a))
+        });
+    }
     let adapters: Vec<Value> = services
         .iter()
         .flat_map(|s| s.adapters.iter().map(move |a| (s, a)))
@@ -277,13 +293,7 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
     let tenant = match authenticate(&app, &parts.headers) {
         Ok(t) => t,
         Err(message) => {
-            app.metrics.unauthorized.inc();
-            let response = error(
-                StatusCode::UNAUTHORIZED,
-                "authentication_error",
-                message,
-                None,
-            );
+            let response = unauthorized(&app, message);
             // Read and dropped, as a busy refusal's, so that the client reads the 401.
             ferrite_net::discard_body(
                 body,
@@ -434,6 +444,17 @@ fn authenticate(app: &App, headers: &HeaderMap) -> Result<Option<Arc<Tenant>>, &
         }
         None => Err("Incorrect API key provided."),
     }
+}
+
+/// The 401 for a request without a tenant's key, counted.
+fn unauthorized(app: &App, message: &str) -> Response {
+    app.metrics.unauthorized.inc();
+    error(
+        StatusCode::UNAUTHORIZED,
+        "authentication_error",
+        message,
+        None,
+    )
 }
 
 /// A 403 when `tenant` may not use the service serving `model` (an unknown model is left to

@@ -1099,6 +1099,7 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
     let cold_start = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(30);
     while !ureq::get(&format!("{router_base}/v1/models"))
+        .set("Authorization", &format!("Bearer {TENANT_KEY}"))
         .call()
         .ok()
         .and_then(|r| r.into_json::<Value>().ok())

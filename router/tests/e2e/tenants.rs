@@ -44,6 +44,61 @@ async fn call(
     .expect("request thread")
 }
 
+/// `GET /v1/models` with bearer `key`: status and JSON.
+async fn models(base: &str, key: Option<&str>) -> (u16, Value) {
+    let (url, key) = (format!("{base}/v1/models"), key.map(str::to_string));
+    tokio::task::spawn_blocking(move || {
+        let mut req = ureq::get(&url);
+        if let Some(k) = key {
+            req = req.set("Authorization", &format!("Bearer {k}"));
+        }
+        match req.call() {
+            Ok(r) | Err(ureq::Error::Status(_, r)) => {
+                (r.status(), r.into_json().unwrap_or(Value::Null))
+            }
+            Err(e) => panic!("{url}: {e}"),
+        }
+    })
+    .await
+    .expect("request thread")
+}
+
+/// The ids `/v1/models` lists for `key`, once `model` has a ready replica.
+async fn listed_once_ready(base: &str, key: &str, model: &str) -> Vec<String> {
+    eventually(WAIT, "the model ready in /v1/models", async || {
+        let (status, v) = models(base, Some(key)).await;
+        assert_eq!(status, 200, "{v}");
+        let data = v["data"].as_array()?;
+        data.iter()
+            .any(|m| m["id"] == model && m["ready_replicas"] == 1)
+            .then(|| {
+                data.iter()
+                    .filter_map(|m| m["id"].as_str().map(String::from))
+                    .collect()
+            })
+    })
+    .await
+}
+
+/// POSTs `body` with bearer `key` from a blocking thread until the router admits it (a
+/// tenant with one request open at once: the last request's slot is given back as its
+/// response ends on the router's side, which may be just after its client read it).
+fn post_when_admitted(url: &str, key: &str, body: &Value) -> ureq::Response {
+    (0..50)
+        .find_map(|_| {
+            let req = ureq::post(url).set("Authorization", &format!("Bearer {key}"));
+            match req.send_json(body.clone()) {
+                Ok(r) => Some(r),
+                Err(ureq::Error::Status(429, _)) => {
+                    std::thread::sleep(Duration::from_millis(100));
+                    None
+                }
+                Err(e) => panic!("{url}: {e}"),
+            }
+        })
+        .expect("admitted within 5 s")
+}
+
 async fn tenant(client: &kube::Client, name: &str, spec: InferenceTenantSpec) {
     Api::<InferenceTenant>::all(client.clone())
         .create(&PostParams::default(), &InferenceTenant::new(name, spec))
@@ -150,7 +205,14 @@ async fn tenants_are_authenticated_kept_to_their_models_and_held_to_their_limits
     let mut config = config();
     config.tenants = Some(ns.clone());
     let base = router_with(&client, &ns, config, false).await;
-    wait_ready_replicas(&base, "chat", 1).await;
+    // Each tenant sees only its own models; without a key, nothing.
+    assert_eq!(
+        listed_once_ready(&base, "sk-team-a", "chat").await,
+        ["chat"]
+    );
+    let all = listed_once_ready(&base, "sk-team-b", "chat").await;
+    assert_eq!(all, ["chat", "code", "secure"]);
+    assert_eq!(models(&base, None).await.0, 401);
     let url = format!("{base}/v1/completions");
 
     // No key, a wrong key: 401 in OpenAI's shape.
@@ -229,11 +291,16 @@ async fn tenants_are_authenticated_kept_to_their_models_and_held_to_their_limits
     );
     assert_eq!(
         metric_sum(&text, "ferrite_router_unauthorized_requests_total", &[]),
-        3.0
+        4.0
     );
 
     // The tenant's key stays at the router: the pod that would accept it never sees it.
-    let (status, body, _) = call(url.clone(), Some("sk-team-b"), completion("secure", 1)).await;
+    // (Team B's minute is spent just above: its bucket refills first.)
+    let (status, body) = eventually(WAIT, "team B admitted again", async || {
+        let (status, body, _) = call(url.clone(), Some("sk-team-b"), completion("secure", 1)).await;
+        (status != 429).then_some((status, body))
+    })
+    .await;
     assert_eq!(status, 401, "{body}");
 
     // Team D: one request open at once, and a stream settled to the usage it reports.
@@ -242,10 +309,7 @@ async fn tenants_are_authenticated_kept_to_their_models_and_held_to_their_limits
                       "stream_options": {"include_usage": true}});
     let stream_url = url.clone();
     let streaming = tokio::task::spawn_blocking(move || {
-        let r = ureq::post(&stream_url)
-            .set("Authorization", "Bearer sk-team-d")
-            .send_json(long)
-            .expect("the stream");
+        let r = post_when_admitted(&stream_url, "sk-team-d", &long);
         r.into_string().expect("the stream's text")
     });
     let tokens_d = || async {
@@ -317,23 +381,7 @@ async fn tenants_are_authenticated_kept_to_their_models_and_held_to_their_limits
         use std::io::BufRead;
         let body = json!({"model": "chat", "prompt": "Count:", "max_tokens": 400,
                           "temperature": 0, "ignore_eos": true, "stream": true});
-        // The last request's slot is given back as its response ends on the router's side,
-        // which may be just after the client has read it.
-        let r = (0..50)
-            .find_map(|_| {
-                match ureq::post(&leave_url)
-                    .set("Authorization", "Bearer sk-team-d")
-                    .send_json(body.clone())
-                {
-                    Ok(r) => Some(r),
-                    Err(ureq::Error::Status(429, _)) => {
-                        std::thread::sleep(Duration::from_millis(100));
-                        None
-                    }
-                    Err(e) => panic!("the stream: {e}"),
-                }
-            })
-            .expect("admitted within 5 s");
+        let r = post_when_admitted(&leave_url, "sk-team-d", &body);
         let mut lines = std::io::BufReader::new(r.into_reader()).lines();
         let mut events = 0;
         while events < 3 {
@@ -411,7 +459,7 @@ async fn two_router_replicas_together_admit_one_minute_of_a_tenant() {
     let a = router_with(&client, &ns, config.clone(), false).await;
     let b = router_with(&client, &ns, config, false).await;
     for base in [&a, &b] {
-        wait_ready_replicas(base, "chat", 1).await;
+        listed_once_ready(base, "sk-team-c", "chat").await;
     }
     let started = Instant::now();
     let mut admitted = [0u32; 2];
