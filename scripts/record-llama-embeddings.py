@@ -16,7 +16,6 @@ Usage: scripts/record-llama-embeddings.py [LLAMA_SERVER [MODEL]] [--out PATH]
 import argparse
 import json
 import os
-import subprocess
 import sys
 import urllib.request
 
@@ -43,12 +42,7 @@ def main():
     p.add_argument("model", nargs="?")
     p.add_argument("--out", default=OUT)
     args = p.parse_args()
-    server = args.server or subprocess.check_output(
-        [os.path.join(ROOT, "scripts/build-llama-server.sh")], text=True
-    ).strip().splitlines()[-1]
-    model = args.model or subprocess.check_output(
-        [os.path.join(ROOT, "scripts/fetch-model.sh")], text=True
-    ).strip()
+    server, model = greedy.peer_and_model(args.server, args.model)
     out = {"model": os.path.basename(model), "texts": [], "pooling": {}}
     for pooling in ["last", "mean"]:
         proc, base = greedy.start(server, model, ["--embeddings", "--pooling", pooling])

@@ -92,6 +92,18 @@ TEXTS = [
 ]
 
 
+def peer_and_model(server, model):
+    """SERVER and MODEL, or scripts/build-llama-server.sh's binary and scripts/fetch-model.sh's
+    model where they are not given."""
+    server = server or subprocess.check_output(
+        [os.path.join(ROOT, "scripts/build-llama-server.sh")], text=True
+    ).strip().splitlines()[-1]
+    model = model or subprocess.check_output(
+        [os.path.join(ROOT, "scripts/fetch-model.sh")], text=True
+    ).strip()
+    return server, model
+
+
 def start(server, model, extra):
     """llama-server on MODEL at a free loopback port with EXTRA flags, once /health answers:
     (process, base URL)."""
@@ -123,12 +135,7 @@ def main():
     p.add_argument("--lora", help="a GGUF LoRA adapter llama-server applies to every answer (--lora)")
     p.add_argument("--lora-name", help="the fixture's \"lora\" field: how the adapter was made")
     args = p.parse_args()
-    server = args.server or subprocess.check_output(
-        [os.path.join(ROOT, "scripts/build-llama-server.sh")], text=True
-    ).strip().splitlines()[-1]
-    model = args.model or subprocess.check_output(
-        [os.path.join(ROOT, "scripts/fetch-model.sh")], text=True
-    ).strip()
+    server, model = peer_and_model(args.server, args.model)
     out = args.out
     proc, base = start(server, model, ["--lora", args.lora] if args.lora else [])
     try:
