@@ -200,9 +200,44 @@ pub fn discard_body(body: axum::body::Body, limit: usize, timeout: Duration) {
     });
 }
 
+/// The token of an `Authorization: Bearer <token>` header, as sent (`None` without one).
+pub fn bearer(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+}
+
+/// Compares without an early exit, so response timing does not leak how much of a key matched.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for (i, &x) in a.iter().enumerate() {
+        diff |= (x ^ b.get(i).copied().unwrap_or(0)) as usize;
+    }
+    diff == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_comparison() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"secret"));
+    }
+
+    #[test]
+    fn the_bearer_token_is_read_as_sent() {
+        let mut h = axum::http::HeaderMap::new();
+        assert_eq!(bearer(&h), None);
+        h.insert("authorization", "Bearer sk-1 ".parse().expect("header"));
+        assert_eq!(bearer(&h), Some("sk-1 "));
+        h.insert("authorization", "Basic abc".parse().expect("header"));
+        assert_eq!(bearer(&h), None);
+    }
     use axum::routing::get;
     use std::time::Instant;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

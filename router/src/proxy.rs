@@ -319,33 +319,30 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
     let Some(model) = parsed.model.as_deref() else {
         return invalid("`model` is required", Some("model"));
     };
-    // Before any hold: a tenant may not wake a service it may not use.
-    if let Some(t) = &tenant
-        && let Some(refusal) = refuse_access(&app, t, model)
-    {
-        return refusal;
-    }
-    let share = app.peers.as_ref().map_or(1.0, Peers::share);
-    // Tenants' series name the served model, never the client's string (an unknown name is
-    // "", as in the router's own request counts).
-    let served = app
-        .registry
-        .find(model)
-        .map(|s| s.model)
-        .unwrap_or_default();
     let charge = match &tenant {
-        Some(t) => match app.quotas.admit(
-            &t.name,
-            t.limits.share(share),
-            parsed.work.total(),
-            Instant::now(),
-        ) {
-            Ok(c) => {
-                count_tenant(&app, t, &served, "admitted");
-                Some(c)
+        Some(t) => {
+            // One lookup for the access check and the series' model name (tenants off: none).
+            let found = app.registry.find(model);
+            // Before any hold: a tenant may not wake a service it may not use.
+            if let Some(refusal) = refuse_access(&app, t, model, found.as_ref()) {
+                return refusal;
             }
-            Err(throttled) => return throttle(&app, t, &served, &throttled),
-        },
+            // Tenants' series name the served model, never the client's string (an unknown
+            // name is "", as in the router's own request counts).
+            let served = found.map(|s| s.model).unwrap_or_default();
+            let share = app.peers.as_ref().map_or(1.0, Peers::share);
+            let limits = t.limits.share(share);
+            match app
+                .quotas
+                .admit(&t.name, limits, parsed.work.total(), Instant::now())
+            {
+                Ok(c) => {
+                    count_tenant(&app, t, &served, "admitted");
+                    Some(c)
+                }
+                Err(throttled) => return throttle(&app, t, &served, &throttled),
+            }
+        }
         None => None,
     };
     // A name several services share by weight: one of them, by the prefix key.
@@ -431,10 +428,7 @@ fn authenticate(app: &App, headers: &HeaderMap) -> Result<Option<Arc<Tenant>>, &
     let Some(tenants) = &app.tenants else {
         return Ok(None);
     };
-    let key = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+    let key = ferrite_net::bearer(headers)
         .map(str::trim)
         .filter(|k| !k.is_empty());
     match key.and_then(|k| tenants.directory().authenticate(k)) {
@@ -457,10 +451,15 @@ fn unauthorized(app: &App, message: &str) -> Response {
     )
 }
 
-/// A 403 when `tenant` may not use the service serving `model` (an unknown model is left to
-/// [`resolve`]'s 404).
-fn refuse_access(app: &App, tenant: &Tenant, model: &str) -> Option<Response> {
-    let svc = app.registry.find(model)?;
+/// A 403 when `tenant` may not use `svc`, the service serving `model` (an unknown model is
+/// left to [`resolve`]'s 404).
+fn refuse_access(
+    app: &App,
+    tenant: &Tenant,
+    model: &str,
+    svc: Option<&Service>,
+) -> Option<Response> {
+    let svc = svc?;
     if tenant.may_use(&svc.namespace, &svc.name, &svc.model, model) {
         return None;
     }
@@ -1166,7 +1165,7 @@ impl Usage {
 
     /// Settles the charge; `events` are the stream's events (0 for a whole body).
     fn settle(&mut self, events: u64, preamble: u64) {
-        let estimate = self.charge.charge.tokens();
+        let estimate = self.charge.charge.estimate();
         let used = if !self.succeeded {
             0.0
         } else if let Some(total) = reported_total(&self.tail) {

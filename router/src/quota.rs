@@ -258,6 +258,11 @@ impl Charge {
         self.used = Some(used.max(0.0));
     }
 
+    /// The tokens it was admitted for.
+    pub fn estimate(&self) -> f64 {
+        self.estimate
+    }
+
     /// The tokens it will be charged when dropped.
     pub fn tokens(&self) -> f64 {
         self.used.unwrap_or(self.estimate)
@@ -280,31 +285,27 @@ impl Drop for Charge {
 
 /// The `x-ratelimit-*` headers OpenAI's clients read, for `state`.
 pub fn headers(state: &State) -> Vec<(&'static str, String)> {
-    let mut out = Vec::new();
-    let mut add = |kind: &str, l: &Level| {
-        let (limit, remaining, reset) = match kind {
-            "requests" => (
-                "x-ratelimit-limit-requests",
-                "x-ratelimit-remaining-requests",
-                "x-ratelimit-reset-requests",
-            ),
-            _ => (
-                "x-ratelimit-limit-tokens",
-                "x-ratelimit-remaining-tokens",
-                "x-ratelimit-reset-tokens",
-            ),
-        };
-        out.push((limit, format!("{}", l.limit.round() as u64)));
-        out.push((remaining, format!("{}", l.remaining.floor() as u64)));
-        out.push((reset, duration(l.reset)));
-    };
-    if let Some(l) = &state.requests {
-        add("requests", l);
-    }
-    if let Some(l) = &state.tokens {
-        add("tokens", l);
-    }
-    out
+    const REQUESTS: [&str; 3] = [
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-reset-requests",
+    ];
+    const TOKENS: [&str; 3] = [
+        "x-ratelimit-limit-tokens",
+        "x-ratelimit-remaining-tokens",
+        "x-ratelimit-reset-tokens",
+    ];
+    [(REQUESTS, &state.requests), (TOKENS, &state.tokens)]
+        .into_iter()
+        .filter_map(|(names, level)| Some((names, level.as_ref()?)))
+        .flat_map(|([limit, remaining, reset], l)| {
+            [
+                (limit, format!("{}", l.limit.round() as u64)),
+                (remaining, format!("{}", l.remaining.floor() as u64)),
+                (reset, duration(l.reset)),
+            ]
+        })
+        .collect()
 }
 
 /// OpenAI's duration form: `1s`, `6m0s`, `120ms`.

@@ -111,7 +111,7 @@ impl Directory {
         let given = digest(key.as_bytes());
         let mut found = None;
         for (d, t) in &self.keys {
-            if constant_time_eq(d, &given) {
+            if ferrite_net::constant_time_eq(d, &given) {
                 found = Some(t.clone());
             }
         }
@@ -140,10 +140,6 @@ fn trim(v: &[u8]) -> &[u8] {
         .rposition(|b| !b.is_ascii_whitespace())
         .map_or(start, |e| e + 1);
     &v[start..end.max(start)]
-}
-
-fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The watched tenants and keys, and the directory built from them.

@@ -118,6 +118,38 @@ pub async fn router_in(
 /// POSTs `body` from a blocking thread (ureq), returning status, JSON and Retry-After.
 pub use ferrite_testkit::server::post_json as post;
 
+/// POSTs `body` with `headers` from a blocking thread: status, JSON body (null when it is
+/// not JSON) and the response's headers.
+pub async fn post_with(
+    url: &str,
+    headers: &[(&str, String)],
+    body: Value,
+) -> (u16, Value, std::collections::HashMap<String, String>) {
+    let url = url.to_string();
+    let headers: Vec<(String, String)> = headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
+    tokio::task::spawn_blocking(move || {
+        let mut req = ureq::post(&url).timeout(Duration::from_secs(120));
+        for (k, v) in &headers {
+            req = req.set(k, v);
+        }
+        let r = match req.send_json(body) {
+            Ok(r) | Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{url}: {e}"),
+        };
+        let names = r.headers_names();
+        let headers = names
+            .into_iter()
+            .filter_map(|n| Some((n.clone(), r.header(&n)?.to_string())))
+            .collect();
+        (r.status(), r.into_json().unwrap_or(Value::Null), headers)
+    })
+    .await
+    .expect("request thread")
+}
+
 pub async fn get(url: String) -> Value {
     serde_json::from_str(&get_text(url).await).expect("JSON")
 }

@@ -14,23 +14,7 @@ fn completion(prompt: &str) -> Value {
 
 /// POSTs a completion through the router with `headers`: the status.
 async fn send(url: &str, prompt: &str, headers: &[(&str, String)]) -> u16 {
-    let (url, body) = (url.to_string(), completion(prompt));
-    let headers: Vec<(String, String)> = headers
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.clone()))
-        .collect();
-    tokio::task::spawn_blocking(move || {
-        let mut req = ureq::post(&url).timeout(std::time::Duration::from_secs(60));
-        for (k, v) in &headers {
-            req = req.set(k, v);
-        }
-        match req.send_json(body) {
-            Ok(r) | Err(ureq::Error::Status(_, r)) => r.status(),
-            Err(e) => panic!("{url}: {e}"),
-        }
-    })
-    .await
-    .expect("request thread")
+    post_with(url, headers, completion(prompt)).await.0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

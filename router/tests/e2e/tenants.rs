@@ -23,25 +23,11 @@ async fn call(
     key: Option<&str>,
     body: Value,
 ) -> (u16, Value, HashMap<String, String>) {
-    let key = key.map(str::to_string);
-    tokio::task::spawn_blocking(move || {
-        let mut req = ureq::post(&url).timeout(Duration::from_secs(120));
-        if let Some(k) = key {
-            req = req.set("Authorization", &format!("Bearer {k}"));
-        }
-        let r = match req.send_json(body) {
-            Ok(r) | Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => panic!("{url}: {e}"),
-        };
-        let headers = r
-            .headers_names()
-            .into_iter()
-            .filter_map(|n| Some((n.clone(), r.header(&n)?.to_string())))
-            .collect();
-        (r.status(), r.into_json().unwrap_or(Value::Null), headers)
-    })
-    .await
-    .expect("request thread")
+    let auth: Vec<(&str, String)> = key
+        .map(|k| ("Authorization", format!("Bearer {k}")))
+        .into_iter()
+        .collect();
+    post_with(&url, &auth, body).await
 }
 
 /// `GET /v1/models` with bearer `key`: status and JSON.
