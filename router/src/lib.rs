@@ -4,6 +4,7 @@
 //! service with no ready replica are held while it scales from zero ([`proxy`]).
 
 pub mod candidates;
+pub mod flow;
 pub mod limits;
 pub mod load;
 pub mod members;
@@ -37,6 +38,7 @@ use crate::load::Loads;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 
+pub use flow::FlowConfig;
 pub use limits::LimitConfig;
 pub use members::EndpointsFrom;
 pub use proxy::{App, Config};
@@ -89,8 +91,15 @@ pub async fn start(
         registry, loads, metrics, config, kube, tenants, peers,
     ));
     tokio::spawn(housekeeping(Arc::downgrade(&app)));
+    if app.flows.is_some() {
+        tokio::spawn(proxy::pump(Arc::downgrade(&app), PUMP_TICK));
+    }
     Ok(app)
 }
+
+/// How often waiting requests are looked at when nothing else wakes them (a scrape may have
+/// found room).
+const PUMP_TICK: Duration = Duration::from_millis(50);
 
 /// Every minute: per-pod series of pods that are gone are removed, the rings of services
 /// that are gone dropped, and wake records of services not woken for an hour forgotten.
@@ -118,6 +127,9 @@ async fn housekeeping(app: std::sync::Weak<App>) {
             app.quotas.retain(&names);
         }
         app.rings.retain(&ids);
+        if let Some(flows) = &app.flows {
+            flows.forget_idle(std::time::Instant::now());
+        }
         app.wakes
             .forget_older_than(tokio::time::Instant::now(), Duration::from_secs(3600));
     }
@@ -156,6 +168,19 @@ async fn readyz(State(app): State<Arc<App>>) -> impl IntoResponse {
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> impl IntoResponse {
+    if let Some(flows) = &app.flows {
+        // Every service shows its queue, waiting or not (0 is a value to scale on too).
+        let queued: std::collections::HashMap<String, usize> = flows.queued().into_iter().collect();
+        // Reset first: a service that went takes its series with it.
+        app.metrics.queued.reset();
+        for s in app.registry.all() {
+            let n = queued.get(&s.id()).copied().unwrap_or(0);
+            app.metrics
+                .queued
+                .with_label_values(&[&s.namespace, &s.name, &s.model])
+                .set(n as i64);
+        }
+    }
     (
         [(
             axum::http::header::CONTENT_TYPE,

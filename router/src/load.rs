@@ -13,8 +13,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferrite_api::scrape::{PodTarget, Scraper};
-use ferrite_api::signal::PodSample;
+use ferrite_api::signal::{PodMetrics, PodSample};
 
+use crate::flow::{FlowConfig, Room};
 use crate::registry::Registry;
 use crate::work::Work;
 
@@ -35,13 +36,62 @@ struct PodLoad {
     /// Adapters it refused (it has not loaded them yet), each set aside for it until then;
     /// at most [`MAX_LACKING`].
     lacking: Vec<(String, Instant)>,
+    /// The last answered scrape: its own queue and KV-cache use, and how many of this
+    /// router's requests were open there when it began.
+    scraped: Option<PodMetrics>,
+    open_then: u64,
+    /// Requests it runs at once, learned from scrapes that found some waiting (then it runs
+    /// all it can): its batch slots or what its KV cache holds now.
+    capacity: Option<f64>,
+    /// The most it was seen running with some waiting: its batch slots, which a capacity
+    /// lowered by a full KV cache grows back to.
+    slots: f64,
 }
 
 /// Most adapters remembered as refused per replica: clients choose adapter names, so the list
 /// is bounded; past it the one set aside longest ago is forgotten.
 const MAX_LACKING: usize = 64;
 
+/// Learns a replica's capacity from a scrape: what it ran while others waited. While none
+/// wait and it runs all it was thought to hold, one more, up to the most it was ever seen
+/// running (its KV cache may have room again; past its batch slots it never has, and probing
+/// there would put a request in its queue).
+fn learn_capacity(p: &mut PodLoad, m: &PodMetrics) {
+    if m.waiting >= 1.0 && m.running >= 1.0 {
+        p.capacity = Some(m.running);
+        p.slots = p.slots.max(m.running);
+    } else if let Some(c) = p.capacity
+        && m.running >= c
+    {
+        p.capacity = Some((c + 1.0).min(p.slots).max(c));
+    }
+}
+
 impl PodLoad {
+    /// Requests it takes before it is saturated (`usize::MAX`: no bound seen yet).
+    fn room(&self, config: &FlowConfig) -> usize {
+        let Some(m) = self.scraped else {
+            return usize::MAX;
+        };
+        if m.kv_usage.is_some_and(|kv| kv >= config.kv_usage) {
+            return 0;
+        }
+        // This router's requests sent since the scrape (less those that ended).
+        let since = self.open as f64 - self.open_then as f64;
+        let slack = match self.capacity {
+            // Its queue once everything open there is running or waiting.
+            Some(c) => c + config.queue_depth - (self.others + self.open as f64),
+            // Unknown capacity: only a queue it already has grows.
+            None if m.waiting >= 1.0 => config.queue_depth - (m.waiting + since),
+            None => return usize::MAX,
+        };
+        if slack <= 0.0 {
+            0
+        } else {
+            slack.ceil() as usize
+        }
+    }
+
     /// Takes `work` off the open work. Summing floats up and down drifts: nothing open is
     /// exactly nothing.
     fn give_back(&mut self, work: f64) {
@@ -187,17 +237,48 @@ impl Loads {
     /// Records a scrape of `base_url` that began while this router had `open_then` requests
     /// open there: the scraped count includes those, so the rest is everyone else's. A
     /// failed scrape (`None`) keeps the last estimate.
-    fn scraped(&self, base_url: &str, value: Option<f64>, open_then: u64, adapters: Vec<String>) {
+    fn scraped(
+        &self,
+        base_url: &str,
+        value: Option<PodMetrics>,
+        open_then: u64,
+        adapters: Vec<String>,
+    ) {
         let mut inner = self.lock();
         let p = inner.pods.entry(base_url.to_string()).or_default();
-        if let Some(v) = value {
-            p.others = (v - open_then as f64).max(0.0);
+        if let Some(m) = value {
+            p.others = (m.waiting + m.running - open_then as f64).max(0.0);
+            learn_capacity(p, &m);
+            p.scraped = Some(m);
+            p.open_then = open_then;
             // Running or waiting there: it has them now.
             p.lacking.retain(|(a, _)| !adapters.contains(a));
             p.adapters = adapters;
             // It answered: back in.
             p.aside_until = None;
         }
+    }
+
+    /// How many more requests the replicas at `base_urls` take before each is saturated (its
+    /// own queue at `config.queue_depth`, or its KV cache at `config.kv_usage`), and how many
+    /// they run at once where known. A replica set aside takes none.
+    pub fn room(&self, base_urls: &[&str], config: &FlowConfig) -> Room {
+        let inner = self.lock();
+        let now = Instant::now();
+        let mut free = 0usize;
+        let mut capacity = Some(0usize);
+        for url in base_urls {
+            let Some(p) = inner.pods.get(*url) else {
+                // Never scraped yet: nothing says it is saturated.
+                return Room::UNBOUNDED;
+            };
+            capacity = capacity.zip(p.capacity).map(|(a, b)| a + b as usize);
+            if p.aside_until.is_some_and(|t| now < t) {
+                continue;
+            }
+            free = free.saturating_add(p.room(config));
+        }
+        Room { free, capacity }
     }
 
     fn open_now(&self, base_url: &str) -> u64 {
@@ -232,7 +313,7 @@ impl Loads {
             let results = scraper.scrape_all(&targets).await;
             for ((t, r), open_then) in targets.iter().zip(results).zip(open_then) {
                 let value = match r.sample {
-                    PodSample::Ready(m) => Some(m.waiting + m.running),
+                    PodSample::Ready(m) => Some(m),
                     _ => None,
                 };
                 if let Some(e) = r.error {
@@ -302,6 +383,15 @@ mod tests {
     use super::*;
     use crate::work::DEFAULT_MAX_TOKENS as U;
 
+    /// A scrape that found `n` requests running.
+    fn m(n: f64) -> PodMetrics {
+        PodMetrics {
+            waiting: 0.0,
+            running: n,
+            kv_usage: None,
+        }
+    }
+
     /// A request of `w` tokens, all of them output.
     fn w(w: f64) -> Work {
         Work {
@@ -314,21 +404,21 @@ mod tests {
     fn own_requests_count_at_once_and_others_come_from_the_scrape() {
         let loads = Loads::default();
         let a = "http://10.0.0.1:8000";
-        loads.scraped(a, Some(3.0), 0, Vec::new());
+        loads.scraped(a, Some(m(3.0)), 0, Vec::new());
         // Requests of the typical size: the counts read in units of U.
         let first = loads.open(a, w(U), 0);
         let second = loads.open(a, w(U), 0);
         assert_eq!(loads.get(a), 5.0 * U, "3 others + 2 of ours");
         // A scrape that began with both open counts them: the others are still 3.
-        loads.scraped(a, Some(5.0), 2, Vec::new());
+        loads.scraped(a, Some(m(5.0)), 2, Vec::new());
         assert_eq!(loads.get(a), 5.0 * U);
         drop(first);
         drop(second);
         assert_eq!(loads.get(a), 3.0 * U, "ours stop counting when they end");
-        loads.scraped(a, Some(0.0), 0, Vec::new());
+        loads.scraped(a, Some(m(0.0)), 0, Vec::new());
         assert_eq!(loads.get(a), 0.0);
         // A failed scrape keeps the last value, and gone replicas with nothing open go.
-        loads.scraped(a, Some(2.0), 0, Vec::new());
+        loads.scraped(a, Some(m(2.0)), 0, Vec::new());
         loads.scraped(a, None, 0, Vec::new());
         assert_eq!(loads.get(a), 2.0 * U);
         loads.retain(&[]);
@@ -336,16 +426,71 @@ mod tests {
     }
 
     #[test]
+    fn room_is_what_a_replica_takes_before_its_own_queue_or_kv_cache_fills() {
+        let loads = Loads::default();
+        let config = FlowConfig {
+            queue_depth: 2.0,
+            kv_usage: 0.8,
+            ..FlowConfig::default()
+        };
+        let (a, b) = ("http://10.0.0.1:8000", "http://10.0.0.2:8000");
+        // Never scraped, or never seen queueing: no bound known.
+        assert_eq!(loads.room(&[a], &config), Room::UNBOUNDED);
+        loads.scraped(a, Some(m(3.0)), 0, Vec::new());
+        assert_eq!(loads.room(&[a], &config).free, usize::MAX);
+        // It ran 4 while 1 waited: it runs 4 at once, and takes 4 + 2 - 5 = 1 more.
+        let queued = PodMetrics {
+            waiting: 1.0,
+            running: 4.0,
+            kv_usage: Some(0.5),
+        };
+        loads.scraped(a, Some(queued), 0, Vec::new());
+        let room = loads.room(&[a], &config);
+        assert_eq!((room.free, room.capacity), (1, Some(4)));
+        // A request of ours sent since counts at once.
+        let open = loads.open(a, w(U), 0);
+        assert_eq!(loads.room(&[a], &config).free, 0);
+        drop(open);
+        // A full KV cache takes nothing, whatever the queue.
+        let full = PodMetrics {
+            kv_usage: Some(0.85),
+            ..queued
+        };
+        loads.scraped(b, Some(full), 0, Vec::new());
+        let room = loads.room(&[a, b], &config);
+        assert_eq!((room.free, room.capacity), (1, Some(8)));
+        // A replica set aside takes nothing; its capacity still counts.
+        loads.set_aside(a, Duration::from_secs(10));
+        assert_eq!(loads.room(&[a, b], &config).free, 0);
+        // Running all it holds with none waiting: no more than its batch slots.
+        loads.scraped(b, Some(m(4.0)), 0, Vec::new());
+        assert_eq!(loads.room(&[b], &config).capacity, Some(4));
+        // A full KV cache held it to 2 with some waiting; once it runs those 2 with none
+        // waiting, it grows back a slot at a time, up to the 4 it was seen running.
+        let kv_bound = PodMetrics {
+            waiting: 3.0,
+            running: 2.0,
+            kv_usage: Some(0.5),
+        };
+        loads.scraped(b, Some(kv_bound), 0, Vec::new());
+        assert_eq!(loads.room(&[b], &config).capacity, Some(2));
+        for want in [3, 4, 4] {
+            loads.scraped(b, Some(m(want as f64)), 0, Vec::new());
+            assert_eq!(loads.room(&[b], &config).capacity, Some(want));
+        }
+    }
+
+    #[test]
     fn a_replica_holds_the_adapters_its_last_answered_scrape_listed() {
         let loads = Loads::default();
         let a = "http://10.0.0.1:8000";
         assert!(!loads.holds(a, "sql"));
-        loads.scraped(a, Some(1.0), 0, vec!["sql".into()]);
+        loads.scraped(a, Some(m(1.0)), 0, vec!["sql".into()]);
         assert!(loads.holds(a, "sql") && !loads.holds(a, "tone"));
         // A failed scrape keeps what the last one said.
         loads.scraped(a, None, 0, Vec::new());
         assert!(loads.holds(a, "sql"));
-        loads.scraped(a, Some(0.0), 0, Vec::new());
+        loads.scraped(a, Some(m(0.0)), 0, Vec::new());
         assert!(!loads.holds(a, "sql"));
     }
 
@@ -357,9 +502,9 @@ mod tests {
         assert!(loads.is_set_aside_for(a, "sql"));
         assert!(!loads.is_set_aside_for(a, "tone") && !loads.is_set_aside(a));
         // A scrape without it changes nothing; one that finds it running there ends it.
-        loads.scraped(a, Some(0.0), 0, Vec::new());
+        loads.scraped(a, Some(m(0.0)), 0, Vec::new());
         assert!(loads.is_set_aside_for(a, "sql"));
-        loads.scraped(a, Some(1.0), 0, vec!["sql".into()]);
+        loads.scraped(a, Some(m(1.0)), 0, vec!["sql".into()]);
         assert!(!loads.is_set_aside_for(a, "sql"));
         // It ends by itself too.
         loads.set_aside_for(a, "tone", Duration::ZERO);
@@ -383,7 +528,7 @@ mod tests {
         assert!(loads.is_set_aside(a));
         loads.scraped(a, None, 0, Vec::new());
         assert!(loads.is_set_aside(a), "a failed scrape leaves it aside");
-        loads.scraped(a, Some(0.0), 0, Vec::new());
+        loads.scraped(a, Some(m(0.0)), 0, Vec::new());
         assert!(!loads.is_set_aside(a));
     }
 
@@ -393,7 +538,7 @@ mod tests {
         let a = "http://10.0.0.2:8000";
         let r = loads.open(a, w(U), 0);
         // Sent, but not yet admitted when the replica answered the scrape.
-        loads.scraped(a, Some(0.0), 1, Vec::new());
+        loads.scraped(a, Some(m(0.0)), 1, Vec::new());
         assert_eq!(loads.get(a), U);
         drop(r);
         assert_eq!(loads.get(a), 0.0);
@@ -411,7 +556,7 @@ mod tests {
         let typical = loads.lock().typical;
         assert!(typical < 1128.0 && typical != U, "{typical}");
         // One request of someone else's on b counts as a typical one.
-        loads.scraped(b, Some(2.0), 1, Vec::new());
+        loads.scraped(b, Some(m(2.0)), 1, Vec::new());
         assert_eq!(loads.get(b), 80.0 + typical);
         drop(long);
         drop(short);

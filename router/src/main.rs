@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use ferrite_router::{Config, EndpointsFrom, LimitConfig};
+use ferrite_router::{Config, EndpointsFrom, FlowConfig, LimitConfig};
 
 #[derive(Debug, Parser)]
 #[command(about = "One OpenAI endpoint for every ferrite InferenceService")]
@@ -93,6 +93,30 @@ struct Args {
     /// it sees (without it, each enforces them whole).
     #[arg(long)]
     peers: Option<String>,
+    /// Send every request to a replica at once, even when all of its service's replicas are
+    /// saturated (off: such requests wait in the router, in priority order and fair across
+    /// tenants by tokens).
+    #[arg(long)]
+    no_flow_control: bool,
+    /// A replica is saturated at this many requests in its own waiting queue...
+    #[arg(long, default_value_t = FlowConfig::default().queue_depth)]
+    saturation_queue_depth: f64,
+    /// ...or at this KV-cache usage (0 to 1).
+    #[arg(long, default_value_t = FlowConfig::default().kv_usage)]
+    saturation_kv_cache_usage: f64,
+    /// Requests waiting in the router for saturated services, in all; past it the lowest
+    /// priority is shed with 429.
+    #[arg(long, default_value_t = FlowConfig::default().max_queued)]
+    max_queued: usize,
+    /// Requests waiting for any one service.
+    #[arg(long, default_value_t = FlowConfig::default().max_queued_per_service)]
+    max_queued_per_service: usize,
+    /// Seconds a request waits for a saturated service before a 503.
+    #[arg(long, default_value_t = FlowConfig::default().max_wait.as_secs())]
+    max_queue_wait_seconds: u64,
+    /// Seconds after its last request a tenant keeps a batch slot the others cannot take.
+    #[arg(long, default_value_t = FlowConfig::default().active_window.as_secs())]
+    fair_share_window_seconds: u64,
 }
 
 #[tokio::main]
@@ -128,6 +152,14 @@ async fn main() -> anyhow::Result<()> {
             ),
         },
         peers: args.peers,
+        flow: (!args.no_flow_control).then_some(FlowConfig {
+            queue_depth: args.saturation_queue_depth.max(0.0),
+            kv_usage: args.saturation_kv_cache_usage.clamp(0.0, 1.0),
+            max_queued: args.max_queued,
+            max_queued_per_service: args.max_queued_per_service,
+            max_wait: Duration::from_secs(args.max_queue_wait_seconds.max(1)),
+            active_window: Duration::from_secs(args.fair_share_window_seconds),
+        }),
     };
     let app = ferrite_router::start(
         client,

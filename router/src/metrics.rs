@@ -48,6 +48,11 @@ pub struct Metrics {
     pub unauthorized: prometheus::IntCounter,
     /// Requests for a name split by weight, by the service each went to.
     pub split_requests: IntCounterVec,
+    /// Requests waiting for a saturated service (flow control), per service: a signal to
+    /// scale on before the servers' own queues fill.
+    pub queued: IntGaugeVec,
+    /// Time requests waited for a saturated service, by model and tenant.
+    pub queue_duration: HistogramVec,
 }
 
 impl Metrics {
@@ -148,6 +153,26 @@ impl Metrics {
                  service (namespace/name) each went to.",
                 &["model_name", "inferenceservice"],
             )?,
+            queued: gauge(
+                "ferrite_router_queued_requests",
+                "Requests waiting in the router because every replica of their \
+                 InferenceService is saturated (flow control).",
+                &["namespace", "inferenceservice", "model_name"],
+            )?,
+            queue_duration: {
+                let h = HistogramVec::new(
+                    HistogramOpts::new(
+                        "ferrite_router_queue_duration_seconds",
+                        "Time requests waited in the router for a saturated InferenceService \
+                         (0 for those dispatched at once), by model and tenant (\"\" without \
+                         tenants).",
+                    )
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                    &["model_name", "tenant"],
+                )?;
+                registry.register(Box::new(h.clone()))?;
+                h
+            },
             unauthorized: {
                 let c = prometheus::IntCounter::new(
                     "ferrite_router_unauthorized_requests_total",

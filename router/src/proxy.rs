@@ -25,6 +25,7 @@ use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::candidates::candidates;
+use crate::flow::{self, Admit, Ask, Dispatched, FlowConfig, Flows};
 use crate::limits::{LimitConfig, Limits, Refusal};
 use crate::load::{Loads, Open};
 use crate::members::Endpoint;
@@ -63,6 +64,9 @@ pub struct Config {
     /// then enforces its share of every tenant's limits (one over the Ready replicas it sees);
     /// `None`: this replica enforces them whole.
     pub peers: Option<String>,
+    /// Flow control: requests for a service whose replicas are all saturated wait here, in
+    /// priority order and fair across tenants; `None`: they go to the replicas at once.
+    pub flow: Option<FlowConfig>,
 }
 
 /// Shared by every request.
@@ -92,6 +96,8 @@ pub struct App {
     pub quotas: Quotas,
     /// The router's replicas, whose number splits the limits.
     pub peers: Option<Peers>,
+    /// The queues of saturated services, with flow control on.
+    pub flows: Option<Arc<Flows>>,
 }
 
 impl std::fmt::Debug for App {
@@ -116,6 +122,7 @@ impl App {
             loads,
             metrics,
             limits: Limits::new(config.limits),
+            flows: config.flow.map(Flows::new),
             config,
             kube,
             wakes: Wakes::default(),
@@ -146,6 +153,19 @@ pub fn error(
         "code": status.as_u16(),
     }});
     (status, Json(body)).into_response()
+}
+
+/// A 429 for a service too busy to queue for (the openai SDK retries it after `secs`).
+fn too_busy(message: impl Into<String>, secs: u32) -> Response {
+    let mut r = error(
+        StatusCode::TOO_MANY_REQUESTS,
+        "rate_limit_error",
+        message,
+        None,
+    );
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    r
 }
 
 /// A 503 the client should retry after `secs`.
@@ -355,15 +375,120 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
         Err(response) => return response,
     };
     let body = served_body(body, &parsed, model, &svc);
+    // Waits here while every replica is saturated.
+    let dispatched = match dispatch(&app, &svc, tenant.as_deref(), parsed.work.total()).await {
+        Ok(d) => d,
+        Err(response) => return response,
+    };
     let charge = charge.map(|c| TenantCharge {
         charge: c,
         tenant: tenant.map(|t| t.name.clone()).unwrap_or_default(),
         model: svc.model.clone(),
         prompt: parsed.work.prompt,
     });
+    let slots = Slots {
+        _open: admission.open,
+        flow: dispatched,
+    };
     // The body's reservation (`admission.body`) is given back when this returns, with the
     // response head: the body is no longer needed once a replica answered.
-    attempt(&app, &svc, &parsed, &parts, body, admission.open, charge).await
+    attempt(&app, &svc, &parsed, &parts, body, slots, charge).await
+}
+
+/// What a request holds while it is open: its place among the router's open requests, and
+/// with flow control, its flow's dispatch.
+struct Slots {
+    _open: OwnedSemaphorePermit,
+    flow: Option<Dispatched>,
+}
+
+/// With flow control on: a dispatch for this request, at once when `svc` has room and
+/// nothing waits for it, else after waiting its turn; a 429 when the queue is full and this
+/// request is the one shed, a 503 when it waited too long.
+async fn dispatch(
+    app: &App,
+    svc: &Service,
+    tenant: Option<&Tenant>,
+    work: f64,
+) -> Result<Option<Dispatched>, Response> {
+    let Some(flows) = &app.flows else {
+        return Ok(None);
+    };
+    let id = svc.id();
+    let ask = Ask {
+        service: &id,
+        flow: tenant.map_or("", |t| t.name.as_str()),
+        priority: tenant.map_or(0, |t| t.priority),
+        cost: work,
+    };
+    let started = Instant::now();
+    let outcome = match flows.admit(ask, room(app, svc, flows.config()), started) {
+        Admit::Go(d) => Ok(d),
+        Admit::Wait(w) => w.until_dispatched().await,
+        Admit::Refused(r) => Err(r),
+    };
+    app.metrics
+        .queue_duration
+        .with_label_values(&[&svc.model, ask.flow])
+        .observe(started.elapsed().as_secs_f64());
+    let refusal = match outcome {
+        Ok(d) => return Ok(Some(d)),
+        Err(r) => r,
+    };
+    let (label, response) = match refusal {
+        flow::Refused::Shed => (
+            "shed",
+            too_busy(
+                format!(
+                    "The model `{}` is saturated and too many requests wait for it; retry later.",
+                    svc.model
+                ),
+                2,
+            ),
+        ),
+        flow::Refused::TimedOut => (
+            "queue_timeout",
+            unavailable(
+                format!(
+                    "The model `{}` stayed saturated for {}s while this request waited.",
+                    svc.model,
+                    flows.config().max_wait.as_secs()
+                ),
+                5,
+            ),
+        ),
+    };
+    count_request(app, svc, label);
+    if let Some(t) = tenant {
+        count_tenant(app, t, &svc.model, label);
+    }
+    Err(response)
+}
+
+/// What `svc`'s ready replicas take before they are saturated.
+fn room(app: &App, svc: &Service, config: &FlowConfig) -> flow::Room {
+    let urls: Vec<&str> = svc.endpoints.iter().map(|e| e.base_url.as_str()).collect();
+    app.loads.room(&urls, config)
+}
+
+/// Dispatches what each waiting service's room takes, whenever a request queues or ends (and
+/// every `tick`, as the scrapes move), for as long as `app` lives.
+pub async fn pump(app: std::sync::Weak<App>, tick: Duration) {
+    loop {
+        let Some(flows) = app.upgrade().and_then(|a| a.flows.clone()) else {
+            return;
+        };
+        tokio::select! {
+            _ = flows.wake.notified() => {}
+            _ = tokio::time::sleep(tick) => {}
+        }
+        let Some(app) = app.upgrade() else { return };
+        for id in flows.waiting_services() {
+            if let Some(svc) = app.registry.find(&id) {
+                flows.pump(&id, room(&app, &svc, flows.config()), Instant::now());
+            }
+        }
+    }
 }
 
 /// `body` as the replica serving `svc` takes it: a request that named an alias of the service
@@ -688,7 +813,7 @@ async fn attempt(
     parsed: &Parsed,
     parts: &axum::http::request::Parts,
     body: Bytes,
-    open_slot: OwnedSemaphorePermit,
+    mut slots: Slots,
     charge: Option<TenantCharge>,
 ) -> Response {
     let model = svc.model.as_str();
@@ -722,6 +847,9 @@ async fn attempt(
             break;
         };
         let open = app.loads.open(&ep.base_url, parsed.work, preamble);
+        if let Some(d) = slots.flow.as_mut() {
+            d.placed();
+        }
         let gauge = GaugeGuard::inc(app.metrics.in_flight.with_label_values(&[model, &ep.name]));
         let started = Instant::now();
         let url = format!("{}{}", ep.base_url, path);
@@ -773,7 +901,7 @@ async fn attempt(
         let tracking = Tracking {
             open,
             gauge,
-            open_slot,
+            slots,
             started,
             charge,
         };
@@ -794,13 +922,20 @@ fn pick<'a>(
     known: bool,
     tried: Option<&str>,
 ) -> Option<&'a Endpoint> {
-    let candidates = candidates(&svc.endpoints, tried, |e| {
+    let mut candidates = candidates(&svc.endpoints, tried, |e| {
         app.loads.is_set_aside(&e.base_url)
             || svc
                 .adapter
                 .as_deref()
                 .is_some_and(|a| app.loads.is_set_aside_for(&e.base_url, a))
     });
+    // With flow control, a saturated replica takes nothing while another has room.
+    if let Some(flows) = &app.flows {
+        let has_room = |e: &&Endpoint| app.loads.room(&[&e.base_url], flows.config()).free > 0;
+        if candidates.iter().any(has_room) {
+            candidates.retain(has_room);
+        }
+    }
     let replicas: Vec<Replica> = candidates
         .iter()
         .map(|e| Replica {
@@ -945,7 +1080,7 @@ fn count_request(app: &App, svc: &Service, outcome: &str) {
 struct Tracking {
     open: Open,
     gauge: GaugeGuard,
-    open_slot: OwnedSemaphorePermit,
+    slots: Slots,
     started: Instant,
     charge: Option<TenantCharge>,
 }
@@ -979,7 +1114,7 @@ fn relay(
         open: t.open,
         event_stream,
         _gauge: t.gauge,
-        _slot: t.open_slot,
+        _slots: t.slots,
         started: t.started,
         duration: Some(app.metrics.upstream_duration.with_label_values(&[model])),
         broken: event_stream.then(|| BrokenStream {
@@ -1127,8 +1262,9 @@ struct Tracked {
     open: Open,
     event_stream: bool,
     _gauge: GaugeGuard,
-    /// The request's place among those open: given back when the response ends.
-    _slot: OwnedSemaphorePermit,
+    /// The request's place among those open (and its flow's dispatch): given back when the
+    /// response ends.
+    _slots: Slots,
     started: Instant,
     duration: Option<Histogram>,
     /// Set for event streams: a replica lost mid-stream ends the stream with an error event.

@@ -7,7 +7,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use ferrite_router::{Config, EndpointsFrom, LimitConfig};
+use ferrite_router::{Config, EndpointsFrom, FlowConfig, LimitConfig};
 use ferrite_testkit::kube::Cluster;
 pub use ferrite_testkit::kube::standin::{create_isvc, install_crd, isvc_api, ready_pod};
 use ferrite_testkit::process::{eventually, free_port};
@@ -72,6 +72,7 @@ pub fn config() -> Config {
         set_aside: Duration::from_secs(10),
         tenants: None,
         peers: None,
+        flow: Some(FlowConfig::default()),
     }
 }
 

@@ -4,6 +4,7 @@
 
 mod balance;
 mod common;
+mod fairness;
 mod hostile;
 mod routing;
 mod splits;
