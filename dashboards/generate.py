@@ -25,9 +25,9 @@ ISVC = 'namespace=~"$namespace", inferenceservice=~"$inferenceservice"'
 # `namespace` labels never show up in the lists.
 ANCHOR = "vllm:num_requests_running"
 # The router's series (ferrite-router, scraped with honorLabels) are filtered by the model alone:
-# their `namespace` (and `pod`) target labels are the router pod's own. Two carry labels of the
-# model's own: ferrite_router_held_requests its InferenceService's `namespace`, and
-# ferrite_router_in_flight_requests the replica's `pod`.
+# their `namespace` (and `pod`) target labels are the router pod's own. Some carry labels of the
+# model's own: ferrite_router_held_requests and ferrite_router_queued_requests its
+# InferenceService's `namespace`, and ferrite_router_in_flight_requests the replica's `pod`.
 ROUTER = 'model_name=~"$model_name"'
 # Joins a per-pod series without `model_name` (process, DCGM) to the pods serving the model.
 MODEL_PODS = f"on (namespace, pod) group_left () (max by (namespace, pod) ({ANCHOR}{{{SEL}}}) * 0 + 1)"
@@ -342,10 +342,30 @@ def router_row():
             [(f'sum by (pod) (ferrite_router_in_flight_requests{{{ROUTER}, pod=~"$pod"}})', "{{pod}}")],
         ), 6, 8),
         (timeseries(
+            "Router queue",
+            "Requests the router holds because every replica of the model's InferenceService is "
+            "saturated (flow control: a replica's own queue or KV cache past the router's "
+            "thresholds), summed over router replicas. The operator's autoscaler counts them as "
+            "waiting on the pods.",
+            [(f'sum(ferrite_router_queued_requests{{namespace=~"$namespace", {ROUTER}}})', "queued")],
+        ), 12, 8),
+        (timeseries(
+            "Router queue wait by tenant (p95)",
+            "How long requests waited in the router's queue before going to a replica, p95 per "
+            "tenant (\"\" without tenants); 0 for those sent at once. A light tenant's wait "
+            "stays short while a heavy one's grows: the queue is fair by tokens.",
+            [(
+                f"histogram_quantile(0.95, sum by (le, tenant) (rate(ferrite_router_queue_duration_seconds_bucket{{{ROUTER}}}[$__rate_interval])))",
+                "{{tenant}}",
+            )],
+            unit="s",
+        ), 12, 8),
+        (timeseries(
             "Tenants' requests by outcome",
             "With tenants (--tenants): each tenant's requests for this model per second, by "
             "outcome: admitted, forbidden (a model outside its list), throttled_requests, "
-            "throttled_tokens, throttled_concurrent (429 at a limit). Summed over router replicas.",
+            "throttled_tokens, throttled_concurrent (429 at a limit), shed (429: the router's "
+            "queue was full), queue_timeout (503: waited too long). Summed over router replicas.",
             [(f"sum by (tenant, outcome) (rate(ferrite_router_tenant_requests_total{{{ROUTER}}}[$__rate_interval]))", "{{tenant}} {{outcome}}")],
             unit="reqps",
         ), 12, 8),

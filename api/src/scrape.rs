@@ -15,7 +15,7 @@ use kube::ResourceExt;
 use tokio::sync::Semaphore;
 
 use crate::exposition;
-use crate::signal::{KV_USAGE, PodMetrics, PodSample, RUNNING, WAITING};
+use crate::signal::{KV_USAGE, PodMetrics, PodSample, ROUTER_QUEUED, RUNNING, WAITING};
 use crate::vllm;
 
 /// Most adapter names kept from one pod's `vllm:lora_requests_info`.
@@ -211,6 +211,17 @@ impl Scraper {
 
     /// [`Scraper::scrape`], with the adapters the pod holds.
     async fn read(&self, base_url: &str) -> Result<(PodMetrics, Vec<String>), ScrapeError> {
+        self.read_with(base_url, Signals::default()).await
+    }
+
+    /// Requests waiting in a ferrite-router, per InferenceService (`namespace`, `name`): its
+    /// `/metrics` read within the same limits as a pod's.
+    pub async fn router_queues(&self, base_url: &str) -> Result<RouterQueues, ScrapeError> {
+        self.read_with(base_url, RouterQueues::default()).await
+    }
+
+    /// Reads `base_url`'s `/metrics` into `fold`.
+    async fn read_with<F: Fold>(&self, base_url: &str, fold: F) -> Result<F::Out, ScrapeError> {
         let url = format!("{}/metrics", base_url.trim_end_matches('/'));
         let uri: http::Uri = url.parse().map_err(|_| ScrapeError::Url(url.clone()))?;
         let request = http::Request::get(uri)
@@ -231,7 +242,7 @@ impl Scraper {
             if !response.status().is_success() {
                 return Err(ScrapeError::Status(response.status().as_u16()));
             }
-            read_signals(response.into_body(), &self.limits).await
+            read_folded(response.into_body(), &self.limits, fold).await
         };
         tokio::time::timeout(self.timeout, read)
             .await
@@ -239,16 +250,28 @@ impl Scraper {
     }
 }
 
-/// Reads an exposition as it arrives, within `limits`, keeping only the signals.
-async fn read_signals<B>(
+/// What a read keeps of an exposition, sample by sample: only what it needs, never the
+/// samples.
+trait Fold {
+    type Out;
+    /// Takes one sample.
+    fn add(&mut self, sample: &exposition::Sample);
+    /// Series kept so far, bounded by [`ScrapeLimits::max_series`].
+    fn series(&self) -> usize;
+    fn finish(self) -> Result<Self::Out, ScrapeError>;
+}
+
+/// Reads an exposition as it arrives, within `limits`, folding its samples into `fold`.
+async fn read_folded<B, F: Fold>(
     mut body: B,
     limits: &ScrapeLimits,
-) -> Result<(PodMetrics, Vec<String>), ScrapeError>
+    fold: F,
+) -> Result<F::Out, ScrapeError>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
 {
-    let mut lines = LineReader::new(*limits);
+    let mut lines = LineReader::new(*limits, fold);
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| ScrapeError::Body(e.to_string()))?;
         if let Ok(data) = frame.into_data() {
@@ -258,23 +281,23 @@ where
     lines.finish()
 }
 
-/// Splits the stream into lines and folds each into the signals, holding at most one line.
-struct LineReader {
+/// Splits the stream into lines and folds each, holding at most one line.
+struct LineReader<F> {
     limits: ScrapeLimits,
     pending: Vec<u8>,
     bytes: usize,
     lines: usize,
-    signals: Signals,
+    fold: F,
 }
 
-impl LineReader {
-    fn new(limits: ScrapeLimits) -> Self {
+impl<F: Fold> LineReader<F> {
+    fn new(limits: ScrapeLimits, fold: F) -> Self {
         Self {
             limits,
             pending: Vec::new(),
             bytes: 0,
             lines: 0,
-            signals: Signals::default(),
+            fold,
         }
     }
 
@@ -329,8 +352,8 @@ impl LineReader {
         })?;
         self.pending.clear();
         if let Some(sample) = sample {
-            self.signals.add(&sample);
-            if self.signals.series > self.limits.max_series {
+            self.fold.add(&sample);
+            if self.fold.series() > self.limits.max_series {
                 return Err(ScrapeError::TooLarge(format!(
                     "more than {} series of the signals",
                     self.limits.max_series
@@ -340,11 +363,43 @@ impl LineReader {
         Ok(())
     }
 
-    fn finish(mut self) -> Result<(PodMetrics, Vec<String>), ScrapeError> {
+    fn finish(mut self) -> Result<F::Out, ScrapeError> {
         if !self.pending.is_empty() {
             self.line()?;
         }
-        self.signals.finish()
+        self.fold.finish()
+    }
+}
+
+/// Requests waiting in one ferrite-router, by InferenceService (`namespace`, `name`), from
+/// its [`ROUTER_QUEUED`] gauge.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct RouterQueues {
+    pub queued: std::collections::HashMap<(String, String), f64>,
+}
+
+impl Fold for RouterQueues {
+    type Out = RouterQueues;
+
+    fn add(&mut self, s: &exposition::Sample) {
+        if s.name != ROUTER_QUEUED || !s.value.is_finite() {
+            return;
+        }
+        let (Some(ns), Some(name)) = (s.label("namespace"), s.label("inferenceservice")) else {
+            return;
+        };
+        *self
+            .queued
+            .entry((ns.to_string(), name.to_string()))
+            .or_default() += s.value.max(0.0);
+    }
+
+    fn series(&self) -> usize {
+        self.queued.len()
+    }
+
+    fn finish(self) -> Result<RouterQueues, ScrapeError> {
+        Ok(self)
     }
 }
 
@@ -361,7 +416,13 @@ struct Signals {
     series: usize,
 }
 
-impl Signals {
+impl Fold for Signals {
+    type Out = (PodMetrics, Vec<String>);
+
+    fn series(&self) -> usize {
+        self.series
+    }
+
     fn add(&mut self, s: &exposition::Sample) {
         let add = |acc: &mut Option<f64>, v: f64| *acc = Some(acc.unwrap_or(0.0) + v);
         if s.name == WAITING {
@@ -460,7 +521,7 @@ mod tests {
         chunk: usize,
         limits: ScrapeLimits,
     ) -> Result<PodMetrics, ScrapeError> {
-        let mut r = LineReader::new(limits);
+        let mut r = LineReader::new(limits, Signals::default());
         for c in text.chunks(chunk.max(1)) {
             r.feed(c)?;
         }
@@ -541,12 +602,45 @@ mod tests {
             signals.add(&sample);
         }
         assert_eq!(signals.finish().expect("signals").1.len(), MAX_ADAPTERS);
-        let mut r = LineReader::new(ScrapeLimits::default());
+        let mut r = LineReader::new(ScrapeLimits::default(), Signals::default());
         r.feed(b"vllm:num_requests_waiting 0\n").expect("feeds");
         assert!(
             r.finish().expect("signals").1.is_empty(),
             "no LoRA, no adapters"
         );
+    }
+
+    #[test]
+    fn a_routers_queues_are_read_per_service_within_the_limits() {
+        let text = "# TYPE ferrite_router_queued_requests gauge\n\
+                    ferrite_router_queued_requests{inferenceservice=\"chat\",model_name=\"c\",namespace=\"a\"} 3\n\
+                    ferrite_router_queued_requests{inferenceservice=\"chat\",model_name=\"c\",namespace=\"b\"} 0\n\
+                    ferrite_router_queued_requests{namespace=\"a\"} 9\n\
+                    ferrite_router_queued_requests{inferenceservice=\"x\",namespace=\"a\"} NaN\n\
+                    vllm:num_requests_waiting 7\n";
+        let mut r = LineReader::new(ScrapeLimits::default(), RouterQueues::default());
+        r.feed(text.as_bytes()).expect("feeds");
+        let q = r.finish().expect("queues").queued;
+        assert_eq!(q.get(&("a".into(), "chat".into())), Some(&3.0));
+        assert_eq!(q.get(&("b".into(), "chat".into())), Some(&0.0));
+        assert_eq!(
+            q.len(),
+            2,
+            "no service label, or no number: not counted: {q:?}"
+        );
+        // A router listing more services than the bound is a failed read, not memory.
+        let limits = ScrapeLimits {
+            max_series: 2,
+            ..ScrapeLimits::default()
+        };
+        let mut r = LineReader::new(limits, RouterQueues::default());
+        let many: String = (0..3)
+            .map(|i| format!("{ROUTER_QUEUED}{{namespace=\"n\",inferenceservice=\"s{i}\"}} 1\n"))
+            .collect();
+        assert!(matches!(
+            r.feed(many.as_bytes()),
+            Err(ScrapeError::TooLarge(_))
+        ));
     }
 
     #[test]

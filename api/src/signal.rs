@@ -16,6 +16,11 @@ pub const RUNNING: &str = vllm::NUM_REQUESTS_RUNNING;
 /// KV-cache usage: the current name, then the name vLLM used before v0.10.
 pub const KV_USAGE: [&str; 2] = [vllm::KV_CACHE_USAGE_PERC, vllm::GPU_CACHE_USAGE_PERC];
 
+/// Requests waiting in a ferrite-router for a saturated InferenceService (labels
+/// `namespace`, `inferenceservice`, `model_name`): the autoscaler counts them as waiting on the
+/// service's pods.
+pub const ROUTER_QUEUED: &str = "ferrite_router_queued_requests";
+
 /// One aggregate signal of an InferenceService.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Signal {

@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use ferrite_operator::adapters::sync::{AdapterSync, AdapterViews};
+use ferrite_operator::autoscale::routers::{RouterPods, RouterQueues};
 use ferrite_operator::autoscale::runner::{Autoscaler, Views};
 use ferrite_operator::autoscale::store::SignalStore;
 use ferrite_operator::cache::Caches;
@@ -23,6 +24,9 @@ use ferrite_operator::external_metrics::{
 use ferrite_operator::leader::{self, Leadership, LeaseSettings};
 use ferrite_operator::telemetry::{self, Health, Metrics};
 use tokio::sync::watch;
+
+/// How often the routers' queues are read: as often as the autoscaler's scrapes.
+const ROUTER_SCRAPE: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Parser)]
 #[command(version, about = "Kubernetes operator for ferrite InferenceServices")]
@@ -76,6 +80,17 @@ struct Args {
     /// InferenceService's LoRA adapters on its ready pods.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
     adapter_sync_seconds: u64,
+    /// The ferrite-router pods (a label selector in --router-namespace): the requests they
+    /// hold for saturated services (flow control) count as waiting on those services' pods,
+    /// so the autoscaler scales on them.
+    #[arg(long, env = "FERRITE_ROUTER_PODS")]
+    router_pods: Option<String>,
+    /// The routers' namespace; defaults to the operator pod's namespace.
+    #[arg(long, env = "FERRITE_ROUTER_NAMESPACE")]
+    router_namespace: Option<String>,
+    /// The port of the routers' /metrics.
+    #[arg(long, default_value_t = 8080)]
+    router_port: i32,
     /// Log as JSON lines instead of text.
     #[arg(long, env = "FERRITE_LOG_JSON")]
     log_json: bool,
@@ -262,7 +277,7 @@ async fn main() -> anyhow::Result<()> {
     tokio::spawn(adapters.clone().run(stopped(stop_rx.clone())));
     // The autoscaler follows the InferenceServices on its own; the controller only reads
     // what it publishes.
-    let autoscaler = Arc::new(Autoscaler::new(
+    let mut autoscaler = Autoscaler::new(
         client.clone(),
         Arc::new(SignalStore::new()),
         metrics.autoscaler.clone(),
@@ -270,7 +285,21 @@ async fn main() -> anyhow::Result<()> {
         ctx.caches.clone(),
         ctx.triggers.clone(),
         views,
-    ));
+    );
+    if let Some(selector) = &args.router_pods {
+        let pods = RouterPods {
+            namespace: args
+                .router_namespace
+                .clone()
+                .unwrap_or_else(|| args.lease_namespace.clone()),
+            selector: selector.clone(),
+            port: args.router_port,
+        };
+        tracing::info!(namespace = %pods.namespace, selector = %pods.selector, "counting the routers' queues");
+        autoscaler =
+            autoscaler.with_routers(RouterQueues::start(client.clone(), pods, ROUTER_SCRAPE));
+    }
+    let autoscaler = Arc::new(autoscaler);
     tokio::spawn(autoscaler.clone().follow(feeds.autoscaler));
     tokio::spawn(controller::dispatch(feeds.controller, ctx.clone()));
     let external = external_metrics(&args, &client, autoscaler.store(), stop_rx.clone()).await?;

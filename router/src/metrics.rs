@@ -154,7 +154,7 @@ impl Metrics {
                 &["model_name", "inferenceservice"],
             )?,
             queued: gauge(
-                "ferrite_router_queued_requests",
+                ferrite_api::signal::ROUTER_QUEUED,
                 "Requests waiting in the router because every replica of their \
                  InferenceService is saturated (flow control).",
                 &["namespace", "inferenceservice", "model_name"],

@@ -531,7 +531,8 @@ fn the_dashboards_follow_the_conventions() {
                     );
                 }
                 // The router's series: by model only, since their `namespace` is the router
-                // pod's own; held requests name their InferenceService's namespace (honorLabels).
+                // pod's own; held and queued requests name their InferenceService's namespace
+                // (honorLabels).
                 if metric.starts_with("ferrite_router_") {
                     let sel = at.unwrap_or_else(|| panic!("{}: bare {metric}", q.name()));
                     let sel = &sel[..sel.find('}').unwrap_or(sel.len())];
@@ -540,10 +541,12 @@ fn the_dashboards_follow_the_conventions() {
                         "{}: {metric} is not filtered by model_name",
                         q.name()
                     );
+                    let service_gauge = metric == "ferrite_router_held_requests"
+                        || metric == "ferrite_router_queued_requests";
                     assert_eq!(
                         sel.contains("namespace=~\"$namespace\""),
-                        metric == "ferrite_router_held_requests",
-                        "{}: {metric}: only held requests carry the model's namespace",
+                        service_gauge,
+                        "{}: {metric}: only held and queued requests carry the model's namespace",
                         q.name()
                     );
                 }
@@ -551,6 +554,7 @@ fn the_dashboards_follow_the_conventions() {
                 // router's gauges add up over router replicas.
                 let within = within.unwrap_or_default();
                 if metric == "ferrite_router_held_requests"
+                    || metric == "ferrite_router_queued_requests"
                     || metric == "ferrite_router_in_flight_requests"
                 {
                     assert_eq!(within, "sum", "{}: {metric} aggregated with", q.name());
@@ -571,7 +575,7 @@ fn the_dashboards_follow_the_conventions() {
                 }
                 if metric.ends_with("_bucket") && e.contains("histogram_quantile") {
                     assert!(
-                        e.contains("sum by (le) (rate("),
+                        e.contains("sum by (le) (rate(") || e.contains("sum by (le, "),
                         "{}: quantile not over sum by (le) of the rates: {e}",
                         q.name()
                     );
@@ -612,6 +616,8 @@ fn each_dashboard_shows_what_the_monitoring_guide_lists() {
                 "ferrite_router_in_flight_requests",
                 "ferrite_router_tenant_requests_total",
                 "ferrite_router_tenant_tokens_total",
+                "ferrite_router_queued_requests",
+                "ferrite_router_queue_duration_seconds_bucket",
             ],
         ),
         (
@@ -931,7 +937,7 @@ fn get_text(url: &str) -> String {
 
 /// The real ferrite-router binary (built beside this test: `cargo build -p ferrite-router`),
 /// with the cluster's admin kubeconfig, watching `ns` and serving on 127.0.0.1:`port`; it
-/// scrapes the replicas' load every 500 ms. Its log goes to `log`. Returns once `/readyz`
+/// scrapes the replicas' load every 500 ms and queues at one request waiting per replica. Its log goes to `log`. Returns once `/readyz`
 /// answers (its watch caches have listed).
 fn start_router(cluster: &Cluster, ns: &str, port: u16, log: &Path) -> Guard {
     let file = std::fs::File::create(log).expect("router log");
@@ -945,6 +951,10 @@ fn start_router(cluster: &Cluster, ns: &str, port: u16, log: &Path) -> Guard {
         // The unreachable pod sits out 1 s after each refusal (default 10 s), so retries
         // keep coming within the short load window.
         "--set-aside-ms=1000".to_string(),
+        // A replica is saturated once one request waits in its own queue (default 5), so the
+        // router holds requests while the direct load keeps both servers busy: the queue
+        // panels have data.
+        "--saturation-queue-depth=1".to_string(),
         // Tenants: the load carries [`TENANT_KEY`], for the tenants' panels.
         "--tenants".to_string(),
         format!("--tenant-secrets-namespace={ns}"),
@@ -1253,6 +1263,10 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
                         .is_some_and(|v| v >= 4.0)
                     && prom
                         .value(r#"sum(ferrite_router_upstream_duration_seconds_count{model_name="smol"})"#)
+                        .is_some_and(|v| v >= 1.0)
+                    // Flow control held a request while both servers were saturated.
+                    && prom
+                        .value(r#"max_over_time(sum(ferrite_router_queued_requests{model_name="smol"})[2m:])"#)
                         .is_some_and(|v| v >= 1.0),
             ];
             let secs = Some(load_started.elapsed().as_secs_f64());

@@ -64,6 +64,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: router
 {{- end }}
 
+{{- /* The router pods' label selector as one flag value (k=v,k=v). */}}
+{{- define "ferrite-operator.router.selector" -}}
+{{- $pairs := list }}
+{{- range $k, $v := include "ferrite-operator.router.selectorLabels" . | fromYaml }}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
 {{- define "ferrite-operator.router.labels" -}}
 helm.sh/chart: {{ include "ferrite-operator.chart" . }}
 {{ include "ferrite-operator.router.selectorLabels" . }}

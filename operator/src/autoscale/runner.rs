@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
 use super::algorithm::{Decision, Policy, ScalerState};
+use super::routers::{self, RouterQueues};
 use super::store::{Key, SignalStore, Snapshot};
 use crate::cache::{Caches, Touch, Triggers};
 use crate::config::FIELD_MANAGER;
@@ -89,6 +90,8 @@ pub struct Autoscaler {
     /// False on a standby replica: tasks scrape and feed the External Metrics API, but decide,
     /// write, record events and export per-InferenceService metrics only once it leads.
     acting: Arc<AtomicBool>,
+    /// Requests the routers hold for each service (none without `--router-pods`).
+    routers: RouterQueues,
 }
 
 impl std::fmt::Debug for Autoscaler {
@@ -121,7 +124,14 @@ impl Autoscaler {
             caches,
             triggers,
             acting: Arc::new(AtomicBool::new(false)),
+            routers: RouterQueues::default(),
         }
+    }
+
+    /// Counts the requests `routers` hold as waiting on each service's pods.
+    pub fn with_routers(mut self, routers: RouterQueues) -> Self {
+        self.routers = routers;
+        self
     }
 
     /// Whether this replica acts on its decisions (it leads) or only observes (it stands by).
@@ -219,6 +229,7 @@ impl Autoscaler {
             caches: self.caches.clone(),
             triggers: self.triggers.clone(),
             acting: self.acting.clone(),
+            routers: self.routers.clone(),
         }
     }
 }
@@ -243,6 +254,7 @@ struct TaskEnv {
     caches: Caches,
     triggers: Arc<Triggers>,
     acting: Arc<AtomicBool>,
+    routers: RouterQueues,
 }
 
 impl TaskEnv {
@@ -335,7 +347,9 @@ async fn evaluate(
                 .inc();
         }
     }
-    let samples: Vec<_> = results.iter().map(|r| r.sample).collect();
+    let mut samples: Vec<_> = results.iter().map(|r| r.sample).collect();
+    // What the routers hold for it waits on its pods as much as their own queues do.
+    routers::spread(&mut samples, env.routers.queued(&env.key));
     let signals = Signals::of(&samples);
     publish_signals(env, cfg, &signals);
 
