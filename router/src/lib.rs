@@ -17,6 +17,7 @@ pub mod proxy;
 pub mod quota;
 pub mod recent;
 pub mod registry;
+pub mod resume;
 pub mod ring;
 pub mod tenants;
 pub mod wake;

@@ -36,6 +36,8 @@ pub struct Metrics {
     pub in_flight: IntGaugeVec,
     /// Event streams cut short because their replica failed after the first byte.
     pub broken_streams: IntCounterVec,
+    /// Event streams resumed on another replica after theirs failed.
+    pub resumed_streams: IntCounterVec,
     /// Requests refused at a limit, by which (`busy`, `hold_full`).
     pub refused: IntCounterVec,
     /// Writes of a service's scale subresource to wake it from zero.
@@ -123,6 +125,11 @@ impl Metrics {
             broken_streams: counter(
                 "ferrite_router_broken_streams_total",
                 "Event streams ended with an error event because their replica failed mid-stream.",
+                &["model_name"],
+            )?,
+            resumed_streams: counter(
+                "ferrite_router_resumed_streams_total",
+                "Event streams continued on another replica after theirs failed mid-stream.",
                 &["model_name"],
             )?,
             refused: counter(

@@ -36,6 +36,7 @@ use crate::policy::{self, Replica, Request};
 use crate::quota::{self, Charge, Quotas, Throttled};
 use crate::recent::RecentKeys;
 use crate::registry::{Registry, Service};
+use crate::resume::{self, Transcript};
 use crate::ring::{Ring, Rings};
 use crate::tenants::{Tenant, Tenants};
 use crate::wake::{self, Wakes};
@@ -386,13 +387,30 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
         model: svc.model.clone(),
         prompt: parsed.work.prompt,
     });
+    // A stream that can be resumed on another replica keeps its body (and the body's place in
+    // the buffered-bytes budget) until it ends.
+    let mut admission = admission;
+    let seed = resume::Kind::of_path(parts.uri.path())
+        .filter(|k| api == Api::Generation && resume::resumable(*k, &body))
+        .map(|kind| ResumeSeed {
+            kind,
+            body: body.clone(),
+            _reservation: admission.body.take(),
+        });
     let slots = Slots {
         _open: admission.open,
         flow: dispatched,
     };
-    // The body's reservation (`admission.body`) is given back when this returns, with the
-    // response head: the body is no longer needed once a replica answered.
-    attempt(&app, &svc, &parsed, &parts, body, slots, charge).await
+    // Otherwise the body's reservation (`admission.body`) is given back when this returns,
+    // with the response head: the body is no longer needed once a replica answered.
+    attempt(&app, &svc, &parsed, &parts, body, slots, charge, seed).await
+}
+
+/// What a resumable stream keeps from its request.
+struct ResumeSeed {
+    kind: resume::Kind,
+    body: Bytes,
+    _reservation: Option<OwnedSemaphorePermit>,
 }
 
 /// What a request holds while it is open: its place among the router's open requests, and
@@ -807,22 +825,19 @@ fn degraded(model: &str, reason: &str) -> Response {
 
 /// Sends the request to a replica the policy picks; if that one did not start on it
 /// ([`retry_reason`]), once more to another.
+#[allow(clippy::too_many_arguments)]
 async fn attempt(
-    app: &App,
+    app: &Arc<App>,
     svc: &Service,
     parsed: &Parsed,
     parts: &axum::http::request::Parts,
     body: Bytes,
     mut slots: Slots,
     charge: Option<TenantCharge>,
+    seed: Option<ResumeSeed>,
 ) -> Response {
     let model = svc.model.as_str();
-    // An adapter's requests are affine among themselves: the replica's prefix cache keys its
-    // blocks by adapter, so the same prompt under another adapter shares nothing.
-    let key = match (&svc.adapter, &parsed.key) {
-        (Some(a), Some(k)) => Some(format!("{a}\u{1f}{k}")),
-        (_, k) => k.clone(),
-    };
+    let key = affinity_key(svc, parsed);
     // Asked once per request (a retry is the same request).
     let known = key.as_deref().is_some_and(|k| app.recent.seen(k));
     // A chat stream opens with the role event before its first token.
@@ -898,17 +913,44 @@ async fn attempt(
             Err(e) => return upstream_error(app, svc, ep, "replica unreachable", e),
         };
         count_request(app, svc, outcome(resp.status()));
+        let resumer = seed.map(|seed| {
+            Box::new(Resumer {
+                app: app.clone(),
+                svc: svc.clone(),
+                parsed: parsed.clone(),
+                method: parts.method.clone(),
+                path: path.to_string(),
+                headers: parts.headers.clone(),
+                body: seed.body,
+                _reservation: seed._reservation,
+                transcript: Transcript::new(seed.kind),
+                replica: ep.name.clone(),
+                base_url: ep.base_url.clone(),
+                pending: None,
+            })
+        });
         let tracking = Tracking {
             open,
             gauge,
             slots,
             started,
             charge,
+            resumer,
         };
         return relay(app, svc, ep, resp, tracking);
     }
     count_request(app, svc, "upstream_error");
     unavailable(format!("no replica of `{model}` answered"), 1)
+}
+
+/// The request's prefix-affinity key. An adapter's requests are affine among themselves: the
+/// replica's prefix cache keys its blocks by adapter, so the same prompt under another adapter
+/// shares nothing.
+fn affinity_key(svc: &Service, parsed: &Parsed) -> Option<String> {
+    match (&svc.adapter, &parsed.key) {
+        (Some(a), Some(k)) => Some(format!("{a}\u{1f}{k}")),
+        (_, k) => k.clone(),
+    }
 }
 
 /// The replica the service's policy picks among those not tried and not set aside, counted
@@ -1083,6 +1125,74 @@ struct Tracking {
     slots: Slots,
     started: Instant,
     charge: Option<TenantCharge>,
+    /// For a stream that can be resumed on another replica.
+    resumer: Option<Box<Resumer>>,
+}
+
+/// What resuming a stream on another replica needs, and where the stream stands.
+struct Resumer {
+    app: Arc<App>,
+    svc: Service,
+    parsed: Parsed,
+    method: Method,
+    path: String,
+    headers: HeaderMap,
+    body: Bytes,
+    _reservation: Option<OwnedSemaphorePermit>,
+    transcript: Transcript,
+    /// The replica streaming now.
+    replica: String,
+    base_url: String,
+    /// The request to another replica, while it is on its way.
+    pending: Option<Pin<Box<dyn Future<Output = Resubmitted> + Send>>>,
+}
+
+/// The new replica and its response, or why there is none.
+type Resubmitted = Result<(Endpoint, hyper::Response<Incoming>), String>;
+
+/// Sends the continuation `body` to a replica of `svc` other than `failed` (which sits out):
+/// its answer must be a 200 event stream.
+async fn resubmit(
+    app: Arc<App>,
+    svc: Service,
+    parsed: Parsed,
+    failed: (String, String),
+    request: (Method, String, HeaderMap),
+    body: Bytes,
+) -> Resubmitted {
+    let (failed_name, failed_url) = failed;
+    app.loads.set_aside(&failed_url, app.config.set_aside);
+    // The replicas as they are now: the failed one may be gone, another may have come.
+    let svc = app.registry.find(&svc.id()).unwrap_or(svc);
+    let key = affinity_key(&svc, &parsed);
+    let names: Vec<&str> = svc.endpoints.iter().map(|e| e.name.as_str()).collect();
+    let ring = app.rings.get(&svc.id(), &names);
+    let ep = pick(
+        &app,
+        &svc,
+        &ring,
+        &parsed,
+        key.as_deref(),
+        true,
+        Some(&failed_name),
+    )
+    .filter(|e| e.name != failed_name)
+    .cloned()
+    .ok_or("no other replica")?;
+    let (method, path, headers) = request;
+    let url = format!("{}{}", ep.base_url, path);
+    let resp = send(&app, &method, &url, &headers, body)
+        .await
+        .map_err(|e| e.to_string())?;
+    let stream = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    if resp.status() != StatusCode::OK || !stream {
+        return Err(format!("{} answered {}", ep.name, resp.status()));
+    }
+    Ok((ep, resp))
 }
 
 /// Passes the replica's response on, its body tracked until it ends.
@@ -1091,7 +1201,7 @@ fn relay(
     svc: &Service,
     ep: &Endpoint,
     resp: hyper::Response<Incoming>,
-    t: Tracking,
+    mut t: Tracking,
 ) -> Response {
     let model = svc.model.as_str();
     let (mut parts, incoming) = resp.into_parts();
@@ -1109,6 +1219,9 @@ fn relay(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
+    if !(event_stream && parts.status.is_success()) {
+        t.resumer = None;
+    }
     let tracked = Tracked {
         inner: incoming,
         open: t.open,
@@ -1124,6 +1237,8 @@ fn relay(
         }),
         ended: false,
         usage,
+        resumer: t.resumer,
+        events_before: 0,
     };
     Response::from_parts(parts, Body::new(tracked))
 }
@@ -1272,6 +1387,10 @@ struct Tracked {
     ended: bool,
     /// A tenant's request: what it used, read as the body passes.
     usage: Option<Usage>,
+    /// A stream that can be resumed on another replica if this one fails.
+    resumer: Option<Box<Resumer>>,
+    /// Events of replicas that failed before the one streaming now.
+    events_before: u64,
 }
 
 /// Reads what a tenant's request used from its response: the `usage.total_tokens` a replica
@@ -1372,9 +1491,74 @@ impl BrokenStream {
 }
 
 impl Tracked {
+    /// The error event that ends an event stream whose replica failed (counted), or `None`
+    /// for a body that is not an event stream.
+    fn broken_event(&mut self, cause: &dyn std::fmt::Display) -> Option<Frame<Bytes>> {
+        let b = self.broken.as_ref()?;
+        self.ended = true;
+        b.counter.inc();
+        tracing::warn!(replica = %b.replica, error = %cause, "replica failed mid-stream");
+        Some(Frame::data(b.event()))
+    }
+
+    /// Starts resuming the stream on another replica after `cause`, if it can be resumed.
+    fn try_resume(&mut self, cause: &hyper::Error) -> bool {
+        let Some(r) = self.resumer.as_mut() else {
+            return false;
+        };
+        if !r.transcript.can_resume() {
+            return false;
+        }
+        let Some(body) = r.transcript.resume_body(&r.body) else {
+            return false;
+        };
+        tracing::warn!(replica = %r.replica, error = %cause, tokens = r.transcript.tokens(),
+                       "replica failed mid-stream; resuming the stream on another");
+        let fut = resubmit(
+            r.app.clone(),
+            r.svc.clone(),
+            r.parsed.clone(),
+            (r.replica.clone(), r.base_url.clone()),
+            (r.method.clone(), r.path.clone(), r.headers.clone()),
+            Bytes::from(body),
+        );
+        r.pending = Some(Box::pin(fut));
+        true
+    }
+
+    /// Streams on from `ep`'s response: its load, its in-flight series, its body.
+    fn switch_to(&mut self, ep: Endpoint, resp: hyper::Response<Incoming>) {
+        let Some(r) = self.resumer.as_mut() else {
+            return;
+        };
+        r.transcript.resumed();
+        let model = r.svc.model.as_str();
+        r.app
+            .metrics
+            .resumed_streams
+            .with_label_values(&[model])
+            .inc();
+        tracing::info!(from = %r.replica, to = %ep.name, "stream resumed");
+        self.events_before += self.open.seen();
+        // The resumed stream's role event is not passed on: no preamble.
+        self.open = r.app.loads.open(&ep.base_url, r.parsed.work, 0);
+        self._gauge = GaugeGuard::inc(
+            r.app
+                .metrics
+                .in_flight
+                .with_label_values(&[model, &ep.name]),
+        );
+        if let Some(b) = self.broken.as_mut() {
+            b.replica = ep.name.clone();
+        }
+        r.replica = ep.name;
+        r.base_url = ep.base_url;
+        self.inner = resp.into_body();
+    }
+
     /// Settles a tenant's charge from what the body showed so far.
     fn settle(&mut self) {
-        let (events, preamble) = (self.open.seen(), self.open.preamble());
+        let (events, preamble) = (self.events_before + self.open.seen(), self.open.preamble());
         if let Some(u) = self.usage.as_mut() {
             u.settle(events, preamble);
         }
@@ -1408,42 +1592,75 @@ impl HttpBody for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        if self.ended {
-            return Poll::Ready(None);
-        }
-        let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
-        match frame {
-            None => {
-                self.finish();
-                Poll::Ready(None)
+        let this = &mut *self;
+        loop {
+            if this.ended {
+                return Poll::Ready(None);
             }
-            Some(Err(e)) if self.broken.is_some() => {
-                self.ended = true;
-                let event = self.broken.as_ref().map(|b| {
-                    b.counter.inc();
-                    tracing::warn!(replica = %b.replica, error = %e, "replica failed mid-stream");
-                    b.event()
-                });
-                Poll::Ready(event.map(|b| Ok(Frame::data(b))))
+            // A resume on its way: the next frames come from its replica.
+            if let Some(r) = this.resumer.as_mut()
+                && let Some(pending) = r.pending.as_mut()
+            {
+                let result = ready!(pending.as_mut().poll(cx));
+                r.pending = None;
+                match result {
+                    Ok((ep, resp)) => {
+                        this.switch_to(ep, resp);
+                        continue;
+                    }
+                    Err(why) => return Poll::Ready(this.broken_event(&why).map(Ok)),
+                }
             }
-            Some(Ok(frame)) => {
-                if self.event_stream
-                    && let Some(data) = frame.data_ref()
-                {
-                    let events = events_in(data);
-                    self.open.events(events);
+            let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+            return match frame {
+                None => {
+                    this.finish();
+                    // A last event the replica never ended goes on as it is.
+                    let rest = this.resumer.as_mut().map(|r| r.transcript.take_held());
+                    match rest.filter(|b| !b.is_empty()) {
+                        Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
+                        None => Poll::Ready(None),
+                    }
                 }
-                if let (Some(u), Some(data)) = (self.usage.as_mut(), frame.data_ref()) {
-                    u.keep(data);
+                Some(Err(e)) => {
+                    if this.try_resume(&e) {
+                        continue;
+                    }
+                    match this.broken_event(&e) {
+                        Some(event) => Poll::Ready(Some(Ok(event))),
+                        None => Poll::Ready(Some(Err(e))),
+                    }
                 }
-                // hyper reads a body of known length no further than its last byte, so
-                // its end shows here rather than as a final `None`.
-                if self.inner.is_end_stream() {
-                    self.finish();
+                Some(Ok(frame)) => {
+                    // A resumable stream's events go on whole, as its transcript reads them.
+                    let frame = match (this.resumer.as_mut(), frame.into_data()) {
+                        (Some(r), Ok(data)) => {
+                            let out = r.transcript.pass(&data);
+                            if out.is_empty() && !this.inner.is_end_stream() {
+                                continue;
+                            }
+                            Frame::data(out)
+                        }
+                        (_, Ok(data)) => Frame::data(data),
+                        (_, Err(frame)) => frame,
+                    };
+                    if this.event_stream
+                        && let Some(data) = frame.data_ref()
+                    {
+                        let events = events_in(data);
+                        this.open.events(events);
+                    }
+                    if let (Some(u), Some(data)) = (this.usage.as_mut(), frame.data_ref()) {
+                        u.keep(data);
+                    }
+                    // hyper reads a body of known length no further than its last byte, so
+                    // its end shows here rather than as a final `None`.
+                    if this.inner.is_end_stream() {
+                        this.finish();
+                    }
+                    Poll::Ready(Some(Ok(frame)))
                 }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            other => Poll::Ready(other),
+            };
         }
     }
 

@@ -1,6 +1,7 @@
 //! Responses through ferrite-router, on a real API server with real servers (harness in
 //! `common.rs`): streams pass through byte for byte and as they are made; a pod that leaves lets
-//! its streams finish, one that dies ends them with an error event; a client that gives up
+//! its streams finish; a stream whose replica dies goes on on another, and one that cannot ends
+//! with an error event; a client that gives up
 //! while its request is held leaves nothing behind; and the official `openai` client works
 //! through the router unchanged.
 
@@ -480,5 +481,153 @@ async fn the_openai_client_works_through_the_router() {
         "auth",
     ] {
         assert!(stdout.contains(&format!("{step} ok")), "{stdout}\n{stderr}");
+    }
+}
+
+/// The data of each event of a stream, parsed (`[DONE]` as the string).
+fn events(lines: &Lines) -> Vec<Value> {
+    lines
+        .iter()
+        .filter_map(|(_, l)| l.strip_prefix("data:"))
+        .map(|d| serde_json::from_str(d.trim()).unwrap_or_else(|_| Value::from(d.trim())))
+        .collect()
+}
+
+/// Which of `servers` is running a request now (by its `/metrics`).
+async fn running_on(servers: &[ferrite_testkit::server::Server]) -> usize {
+    eventually(WAIT, "the stream running on one replica", async || {
+        for (i, s) in servers.iter().enumerate() {
+            let text = get_text(format!("{}/metrics", s.base)).await;
+            if metric_sum(&text, "vllm:num_requests_running", &[]) >= 1.0 {
+                return Some(i);
+            }
+        }
+        None
+    })
+    .await
+}
+
+/// A replica killed mid-stream (its pod still listed Ready, as before the kubelet notices):
+/// the router resumes the stream on another with the text so far, and the client reads one
+/// stream: every event under one id, the greedy text an unbroken request gives, as many token
+/// events as `max_tokens`, and usage counting them all. Completions, then chat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_survives_the_death_of_its_replica() {
+    let Some((_cluster, client, ns, port)) = chat_service("resume", json!({})).await else {
+        return;
+    };
+    let mut servers: Vec<_> = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+        .iter()
+        .map(|ip| server(ip, port, "chat"))
+        .collect();
+    for (i, ip) in ["127.0.0.1", "127.0.0.2", "127.0.0.3"].iter().enumerate() {
+        ready_pod(&client, &ns, "chat", &format!("chat-{i}"), ip).await;
+    }
+    let base = router(&client, &ns).await;
+    wait_ready_replicas(&base, "chat", 3).await;
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"model": "chat", "prompt": "Once upon a time", "max_tokens": 64,
+                   "ignore_eos": true, "temperature": 0}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "chat", "max_tokens": 48, "ignore_eos": true, "temperature": 0,
+                   "messages": [{"role": "user", "content": "Tell me about lighthouses."}]}),
+        ),
+    ];
+    for (resumed, (path, request)) in cases.into_iter().enumerate() {
+        let chat = path.contains("chat");
+        let max = request["max_tokens"].as_u64().expect("max_tokens");
+        // What an unbroken request gives, straight from a replica.
+        let (status, whole, _) = post(format!("{}{path}", servers[0].base), request.clone()).await;
+        assert_eq!(status, 200, "{whole}");
+        let whole_text = if chat {
+            whole["choices"][0]["message"]["content"].clone()
+        } else {
+            whole["choices"][0]["text"].clone()
+        };
+        let mut streamed = request.clone();
+        streamed["stream"] = json!(true);
+        streamed["stream_options"] = json!({"include_usage": true});
+        let (task, started) = stream(format!("{base}{path}"), streamed, 10);
+        started.await.expect("ten events");
+        let victim = running_on(&servers).await;
+        drop(servers.remove(victim));
+        let (status, lines) = task.await.expect("stream");
+        assert_eq!(status, 200);
+        let got = text(&lines);
+        assert!(
+            got.ends_with("data: [DONE]\n\n"),
+            "{path}: not finished:\n{got}"
+        );
+        assert!(!got.contains("\"error\""), "{path}:\n{got}");
+        let evs = events(&lines);
+        let ids: std::collections::BTreeSet<String> = evs
+            .iter()
+            .filter_map(|e| e["id"].as_str().map(String::from))
+            .collect();
+        assert_eq!(ids.len(), 1, "{path}: one stream, one id: {ids:?}");
+        let choices: Vec<&Value> = evs
+            .iter()
+            .map(|e| &e["choices"][0])
+            .filter(|c| c.is_object())
+            .collect();
+        let piece = |c: &Value| {
+            if chat {
+                c["delta"]["content"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+            } else {
+                c["text"].as_str().unwrap_or_default().to_string()
+            }
+        };
+        let roles = choices
+            .iter()
+            .filter(|c| !c["delta"]["role"].is_null())
+            .count();
+        assert_eq!(roles, usize::from(chat), "{path}: one role event");
+        // The finish event comes on its own, with no text.
+        let tokens = choices
+            .iter()
+            .filter(|c| c["finish_reason"].is_null() && c["delta"]["role"].is_null())
+            .count();
+        assert_eq!(
+            tokens as u64, max,
+            "{path}: one event per token, {max} in all"
+        );
+        assert_eq!(
+            choices.len(),
+            tokens + roles + 1,
+            "{path}: and one finish event"
+        );
+        let joined: String = choices.iter().map(|c| piece(c)).collect();
+        assert_eq!(
+            Value::from(joined),
+            whole_text,
+            "{path}: the text of an unbroken run"
+        );
+        let usage = &evs
+            .iter()
+            .rev()
+            .find(|e| e["usage"].is_object())
+            .expect("usage")["usage"];
+        assert_eq!(usage["completion_tokens"], max, "{path}: {usage}");
+        assert_eq!(
+            usage["prompt_tokens"], whole["usage"]["prompt_tokens"],
+            "{path}: {usage}"
+        );
+        let metrics = get_text(format!("{base}/metrics")).await;
+        assert_eq!(
+            metric_sum(&metrics, "ferrite_router_resumed_streams_total", &[]),
+            (resumed + 1) as f64,
+            "{metrics}"
+        );
+        assert_eq!(
+            metric_sum(&metrics, "ferrite_router_broken_streams_total", &[]),
+            0.0
+        );
     }
 }

@@ -40,12 +40,10 @@ pub async fn chat_completions(
         call_format(serving),
     )?;
     let messages = std::mem::take(&mut req.messages);
-    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+    let ending = Ending::of(req.add_generation_prompt, req.continue_final_message)?;
     let template_tools = tools.as_ref().and_then(ToolUse::template_tools);
     let prompt = state
-        .blocking(move |s| {
-            chat_prompt(s, &messages, add_generation_prompt, template_tools.as_ref())
-        })
+        .blocking(move |s| chat_prompt(s, &messages, ending, template_tools.as_ref()))
         .await?;
     let requested = req.max_completion_tokens.or(req.max_tokens);
     let max_tokens =
@@ -293,25 +291,86 @@ pub fn template_messages(messages: &[Message]) -> Result<Vec<model::ChatMessage>
         .collect()
 }
 
+/// How a rendered conversation ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// With the assistant's turn opened, for a reply (`add_generation_prompt`, the default).
+    GenerationPrompt,
+    /// At the last message's end.
+    Closed,
+    /// Inside the last (assistant) message, which the reply continues
+    /// (`continue_final_message`, as vLLM: with `add_generation_prompt: false`).
+    ContinueFinal,
+}
+
+impl Ending {
+    /// From the request's two flags; both true is refused, as vLLM refuses it.
+    pub fn of(
+        add_generation_prompt: Option<bool>,
+        continue_final: Option<bool>,
+    ) -> Result<Ending, ApiError> {
+        match (
+            add_generation_prompt.unwrap_or(true),
+            continue_final.unwrap_or(false),
+        ) {
+            (true, true) => Err(ApiError::invalid_param(
+                "continue_final_message",
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to true.",
+            )),
+            (true, false) => Ok(Ending::GenerationPrompt),
+            (false, false) => Ok(Ending::Closed),
+            (false, true) => Ok(Ending::ContinueFinal),
+        }
+    }
+}
+
 /// Renders and tokenizes a conversation. The template already writes any BOS it wants, so no
 /// special tokens are added on top.
 pub fn chat_prompt(
     serving: &Serving,
     messages: &[Message],
-    add_generation_prompt: bool,
+    ending: Ending,
     tools: Option<&Value>,
 ) -> Result<Vec<u32>, ApiError> {
     let msgs = template_messages(messages)?;
     let template = serving.chat_template.as_ref().ok_or_else(|| {
         ApiError::bad_request("this model has no chat template; use /v1/completions")
     })?;
-    let text = template
-        .render_with_tools(&msgs, add_generation_prompt, tools)
+    let mut text = template
+        .render_with_tools(&msgs, ending == Ending::GenerationPrompt, tools)
         .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    if ending == Ending::ContinueFinal {
+        text = open_final(text, &msgs)?;
+    }
     serving
         .tokenizer
         .encode(&text, false)
         .map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize: {e}")))
+}
+
+/// The rendered conversation cut just after the last message's content, so that what the
+/// template closes it with (an end-of-turn token) is gone and generation continues the message.
+fn open_final(mut text: String, msgs: &[model::ChatMessage]) -> Result<String, ApiError> {
+    let last = msgs
+        .last()
+        .filter(|m| m.role == "assistant")
+        .ok_or_else(|| {
+            ApiError::invalid_param(
+                "continue_final_message",
+                "the last message must be the assistant's to continue it",
+            )
+        })?;
+    let end = text
+        .rfind(&last.content)
+        .map(|at| at + last.content.len())
+        .ok_or_else(|| {
+            ApiError::invalid_param(
+                "continue_final_message",
+                "the chat template does not write the last message's content as it is",
+            )
+        })?;
+    text.truncate(end);
+    Ok(text)
 }
 
 fn logprob_entry(tok: &Tokenizer, id: u32, logprob: f32) -> ChatTokenLogprob {

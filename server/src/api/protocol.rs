@@ -125,6 +125,8 @@ pub struct ChatCompletionRequest {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     pub add_generation_prompt: Option<bool>,
+    /// vLLM's: the last (assistant) message is left open and the reply continues it.
+    pub continue_final_message: Option<bool>,
     pub tools: Option<Vec<super::tools::Tool>>,
     pub tool_choice: Option<serde_json::Value>,
     pub parallel_tool_calls: Option<bool>,
@@ -142,6 +144,7 @@ pub struct TokenizeRequest {
     pub messages: Option<Vec<Message>>,
     pub add_special_tokens: Option<bool>,
     pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
     pub return_token_strs: Option<bool>,
 }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::response::Json;
 
-use super::chat::chat_prompt;
+use super::chat::{Ending, chat_prompt};
 use super::completions::token_text;
 use super::error::ApiError;
 use super::extract::JsonBody;
@@ -32,7 +32,8 @@ fn tokenized(serving: &Serving, req: &TokenizeRequest) -> Result<Tokenized, ApiE
             .encode(p, req.add_special_tokens.unwrap_or(true))
             .map_err(|e| ApiError::invalid_param("prompt", format!("cannot tokenize: {e}")))?,
         (None, Some(m)) => {
-            chat_prompt(serving, m, req.add_generation_prompt.unwrap_or(true), None)?
+            let ending = Ending::of(req.add_generation_prompt, req.continue_final_message)?;
+            chat_prompt(serving, m, ending, None)?
         }
         _ => {
             return Err(ApiError::bad_request(

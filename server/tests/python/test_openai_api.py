@@ -159,6 +159,45 @@ def test_models_tokenize_detokenize(client, server):
     assert httpx.post(f"{server.base}/tokenize", json={"prompt": "Hi"}).status_code == 401
 
 
+def test_continue_final_message_continues_the_assistants_turn(client, server):
+    """vLLM's `continue_final_message`: the last (assistant) message is left open, and greedy
+    generation from the first tokens of an answer gives the rest of that answer (what a router
+    resuming a broken stream relies on)."""
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    chunks = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices]
+    head = "".join(chunks[:8])
+    assert head and full.choices[0].message.content.startswith(head)
+    partial = CHAT + [{"role": "assistant", "content": head}]
+    rest = client.chat.completions.create(
+        model=MODEL, messages=partial, max_tokens=24 - 7, temperature=0,
+        extra_body={"ignore_eos": True, "continue_final_message": True,
+                    "add_generation_prompt": False})
+    assert head + rest.choices[0].message.content == full.choices[0].message.content
+    # The open turn, as /tokenize renders it: no end-of-turn after the partial content.
+    opened = httpx.post(f"{server.base}/tokenize", headers=AUTH, json={
+        "messages": partial, "continue_final_message": True,
+        "add_generation_prompt": False}).json()
+    closed = httpx.post(f"{server.base}/tokenize", headers=AUTH, json={
+        "messages": partial, "add_generation_prompt": False}).json()
+    assert opened["count"] < closed["count"]
+    text = httpx.post(f"{server.base}/detokenize", headers=AUTH,
+                      json={"tokens": opened["tokens"]}).json()["prompt"]
+    assert text.endswith(head), text
+    # Both flags, or a last message that is not the assistant's: 400 naming the flag.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=partial, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+    _error(e, 400, "continue_final_message")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    _error(e, 400, "continue_final_message")
+
+
 def _error(excinfo, status, param=None):
     e = excinfo.value
     assert e.status_code == status
