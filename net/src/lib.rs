@@ -7,6 +7,8 @@
 //! and task forever. The server and the router serve through this; body read timeouts are
 //! each service's own ([`read_body`]).
 
+pub mod tls;
+
 use std::future::Future;
 use std::pin::pin;
 use std::sync::Arc;
@@ -55,6 +57,31 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
     drain: Duration,
 ) -> std::io::Result<()> {
+    serve_with(listener, app, limits, None, shutdown, drain).await
+}
+
+/// [`serve`] over TLS with `config` (e.g. a [`tls::ServingCert`]'s): the handshake must end
+/// within the header read timeout, and counts against the connection limit like the rest.
+pub async fn serve_tls(
+    listener: TcpListener,
+    app: Router,
+    limits: ListenerLimits,
+    config: Arc<tokio_rustls::rustls::ServerConfig>,
+    shutdown: impl Future<Output = ()> + Send,
+    drain: Duration,
+) -> std::io::Result<()> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    serve_with(listener, app, limits, Some(acceptor), shutdown, drain).await
+}
+
+async fn serve_with(
+    listener: TcpListener,
+    app: Router,
+    limits: ListenerLimits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: impl Future<Output = ()> + Send,
+    drain: Duration,
+) -> std::io::Result<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
@@ -87,32 +114,22 @@ pub async fn serve(
             tracing::debug!(error = %e, "TCP_NODELAY");
         }
         let app = app.clone();
-        let mut stop = stop_rx.clone();
+        let stop = stop_rx.clone();
         let header_timeout = limits.header_read_timeout;
+        let tls = tls.clone();
         connections.spawn(async move {
             let _slot = slot;
-            let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-                app.clone().oneshot(req.map(axum::body::Body::new))
-            });
-            let mut builder = Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(header_timeout)
-                .keep_alive(true);
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            let mut conn = pin!(conn);
-            tokio::select! {
-                r = conn.as_mut() => {
-                    if let Err(e) = r {
-                        tracing::debug!(%peer, error = %e, "connection ended");
+            match tls {
+                None => connection(stream, app, header_timeout, stop, peer).await,
+                Some(acceptor) => {
+                    match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            connection(stream, app, header_timeout, stop, peer).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                     }
-                    return;
                 }
-                _ = stop.wait_for(|&s| s) => conn.as_mut().graceful_shutdown(),
-            }
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "connection ended while draining");
             }
         });
         // Reap finished connections as we go, so the set does not grow.
@@ -132,6 +149,41 @@ pub async fn serve(
         connections.abort_all();
     }
     Ok(())
+}
+
+/// Serves one connection until it ends, or until `stop` (then its requests finish).
+async fn connection<I>(
+    io: I,
+    app: Router,
+    header_timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+    peer: std::net::SocketAddr,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        app.clone().oneshot(req.map(axum::body::Body::new))
+    });
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .keep_alive(true);
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    let mut conn = pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => {
+            if let Err(e) = r {
+                tracing::debug!(%peer, error = %e, "connection ended");
+            }
+            return;
+        }
+        _ = stop.wait_for(|&s| s) => conn.as_mut().graceful_shutdown(),
+    }
+    if let Err(e) = conn.await {
+        tracing::debug!(%peer, error = %e, "connection ended while draining");
+    }
 }
 
 /// Why a body could not be read.

@@ -2,11 +2,13 @@
 //! on one port, and drains on SIGTERM.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use ferrite_net::tls::ServingCert;
 use ferrite_router::{Config, EndpointsFrom, FlowConfig, LimitConfig};
 
 #[derive(Debug, Parser)]
@@ -117,6 +119,17 @@ struct Args {
     /// Seconds after its last request a tenant keeps a batch slot the others cannot take.
     #[arg(long, default_value_t = FlowConfig::default().active_window.as_secs())]
     fair_share_window_seconds: u64,
+    /// Serve HTTPS with this PEM certificate chain (e.g. a mounted cert-manager Secret's
+    /// tls.crt), reread while it changes; with --tls-key-file.
+    #[arg(long, requires = "tls_key_file")]
+    tls_cert_file: Option<std::path::PathBuf>,
+    /// The certificate's PEM private key.
+    #[arg(long, requires = "tls_cert_file")]
+    tls_key_file: Option<std::path::PathBuf>,
+    /// Seconds between rereads of the certificate files: a renewed certificate is presented
+    /// from the next handshake on, without a restart.
+    #[arg(long, default_value_t = 10)]
+    tls_reload_seconds: u64,
 }
 
 #[tokio::main]
@@ -193,9 +206,23 @@ async fn main() -> anyhow::Result<()> {
     };
     // Open streams finish however long they take; the pod's grace period bounds them.
     let streams = Duration::from_secs(24 * 3600);
-    ferrite_net::serve(listener, ferrite_router::routes(app), limits, stop, streams)
-        .await
-        .context("serving")?;
+    let routes = ferrite_router::routes(app);
+    match (args.tls_cert_file, args.tls_key_file) {
+        (Some(cert), Some(key)) => {
+            let serving = ServingCert::from_files(&cert, &key, None)
+                .with_context(|| format!("loading the certificate {}", cert.display()))?;
+            let config = serving.server_config(None, &[b"h2", b"http/1.1"])?;
+            let every = Duration::from_secs(args.tls_reload_seconds.max(1));
+            tokio::spawn(serving.watch_files(cert, key, every, std::future::pending()));
+            tracing::info!("serving HTTPS");
+            ferrite_net::serve_tls(listener, routes, limits, Arc::new(config), stop, streams)
+                .await
+                .context("serving")?;
+        }
+        _ => ferrite_net::serve(listener, routes, limits, stop, streams)
+            .await
+            .context("serving")?,
+    }
     Ok(())
 }
 

@@ -236,6 +236,15 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             );
             assert_eq!(router.service["spec"]["type"], "ClusterIP");
             assert_eq!(router.service["spec"]["ports"][0]["port"], 8000);
+            // The operator counts what the router's pods hold (flow control) as waiting.
+            let selector = router.deployment["spec"]["selector"]["matchLabels"]
+                .as_object()
+                .expect("selector")
+                .iter()
+                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+                .collect::<Vec<_>>()
+                .join(",");
+            assert!(has_arg(&format!("--router-pods={selector}")), "{args:?}");
             assert_eq!(router.role_kind, "ClusterRole");
             assert_eq!(
                 router.rules,
@@ -302,6 +311,64 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             assert_eq!(meta["annotations"]["example.com/team"], "llm");
             // The operator keeps one replica: only the router's PDB.
             assert_eq!(find(docs, "PodDisruptionBudget").len(), 1);
+        }
+        "router-tls" => {
+            let router = router.expect("router");
+            assert!(
+                router
+                    .args
+                    .iter()
+                    .any(|a| a == "--tls-cert-file=/etc/ferrite/tls/tls.crt")
+                    && router
+                        .args
+                        .iter()
+                        .any(|a| a == "--tls-key-file=/etc/ferrite/tls/tls.key"),
+                "{:?}",
+                router.args
+            );
+            let pod = &router.deployment["spec"]["template"]["spec"];
+            assert_eq!(
+                pod["volumes"][0]["secret"]["secretName"],
+                "ferrite-router-tls"
+            );
+            let container = &pod["containers"][0];
+            assert_eq!(
+                container["volumeMounts"][0]["mountPath"],
+                "/etc/ferrite/tls"
+            );
+            for probe in ["livenessProbe", "readinessProbe"] {
+                assert_eq!(container[probe]["httpGet"]["scheme"], "HTTPS", "{probe}");
+            }
+            // cert-manager issues the Secret for the Service's names, from a self-signed issuer.
+            let cert = find(docs, "Certificate")
+                .into_iter()
+                .find(|c| c["metadata"]["name"] == "ferrite-router")
+                .expect("the router's Certificate");
+            assert_eq!(cert["spec"]["secretName"], "ferrite-router-tls");
+            assert!(
+                cert["spec"]["dnsNames"]
+                    .as_array()
+                    .expect("names")
+                    .contains(&json!(format!("ferrite-router.{NAMESPACE}.svc"))),
+                "{cert}"
+            );
+            assert_eq!(
+                cert["spec"]["issuerRef"]["name"],
+                "ferrite-router-selfsigned"
+            );
+            // Prometheus scrapes it over HTTPS, verifying the certificate.
+            let monitor = find_component(docs, "ServiceMonitor", "router");
+            let endpoint =
+                &monitor.first().expect("the router's ServiceMonitor")["spec"]["endpoints"][0];
+            assert_eq!(endpoint["scheme"], "https");
+            assert_eq!(
+                endpoint["tlsConfig"]["ca"]["secret"],
+                json!({"name": "ferrite-router-tls", "key": "ca.crt"})
+            );
+            assert_eq!(
+                endpoint["tlsConfig"]["serverName"],
+                format!("ferrite-router.{NAMESPACE}.svc")
+            );
         }
         "router-tenants" => {
             let router = router.expect("router");

@@ -58,6 +58,11 @@ ferrite-router's name: `ferrite-router` whatever the release is called (the READ
 {{- default "ferrite-router" .Values.router.fullnameOverride | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{- /* The Secret holding the router's serving certificate. */}}
+{{- define "ferrite-operator.router.tlsSecret" -}}
+{{- default (printf "%s-tls" (include "ferrite-operator.router.fullname" .)) .Values.router.tls.secretName }}
+{{- end }}
+
 {{- define "ferrite-operator.router.selectorLabels" -}}
 app.kubernetes.io/name: ferrite-router
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -141,6 +146,12 @@ the Prometheus Operator's API for it). Call with (list $enabled "monitoring.core
 {{- end }}
 {{- if and $router.enabled (eq (include "ferrite-operator.router.fullname" .) (include "ferrite-operator.fullname" .)) }}
 {{- fail "router.fullnameOverride must differ from the operator's name" }}
+{{- end }}
+{{- if and $router.tls.certManager.enabled (not $router.tls.enabled) }}
+{{- fail "router.tls.certManager.enabled needs router.tls.enabled: true" }}
+{{- end }}
+{{- if and $router.tls.enabled (not $router.tls.secretName) (not $router.tls.certManager.enabled) }}
+{{- fail "router.tls.enabled needs router.tls.secretName (a kubernetes.io/tls Secret) or router.tls.certManager.enabled: true" }}
 {{- end }}
 {{- end }}
 

@@ -10,21 +10,17 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::pin;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use ferrite_net::tls::{CertError, ServingCert};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
-use tokio_rustls::rustls::crypto::CryptoProvider;
-use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
-use tokio_rustls::rustls::sign::CertifiedKey;
 use tokio_rustls::rustls::{self, ServerConfig};
 
 use super::authn::ClientAuth;
@@ -79,100 +75,39 @@ impl TlsSettings {
 pub enum TlsError {
     #[error("set both the certificate and the key file, or neither (self-signed)")]
     Incomplete,
-    #[error("reading {path}: {source}")]
-    Read {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("parsing {path}: {source}")]
-    Pem {
-        path: PathBuf,
-        #[source]
-        source: rustls_pki_types::pem::Error,
-    },
-    #[error("{0} holds no certificate")]
-    NoCertificate(PathBuf),
+    #[error(transparent)]
+    Cert(#[from] CertError),
     #[error("a self-signed certificate needs at least one name")]
     NoNames,
     #[error("generating the self-signed certificate: {0}")]
     Generate(#[from] rcgen::Error),
     #[error("TLS configuration: {0}")]
     Rustls(#[from] rustls::Error),
-    #[error(transparent)]
-    Version(#[from] crate::certs::CertError),
-}
-
-/// The certificate presented to new handshakes and its PEM, replaced together when it is
-/// renewed.
-#[derive(Debug)]
-struct Current(RwLock<(Arc<CertifiedKey>, String)>);
-
-impl ResolvesServerCert for Current {
-    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        self.0.read().ok().map(|c| c.0.clone())
-    }
 }
 
 /// A ready TLS server configuration and the certificate it presents.
 #[derive(Debug, Clone)]
 pub struct ServerTls {
     config: Arc<ServerConfig>,
-    current: Arc<Current>,
-    provider: Arc<CryptoProvider>,
+    cert: ServingCert,
     clients: Arc<ClientAuth>,
 }
 
-/// A certificate chain and its key, parsed from PEM and checked (X.509 v3).
-fn parse_pair(
-    cert_pem: &str,
-    key_pem: &str,
-    cert_path: &Path,
-    key_path: &Path,
-) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
-    let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|source| TlsError::Pem {
-            path: cert_path.to_path_buf(),
-            source,
-        })?;
-    if chain.is_empty() {
-        return Err(TlsError::NoCertificate(cert_path.to_path_buf()));
-    }
-    crate::certs::check_pem(
-        cert_pem.as_bytes(),
-        &format!("the serving certificate {}", cert_path.display()),
-    )?;
-    let key =
-        PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|source| TlsError::Pem {
-            path: key_path.to_path_buf(),
-            source,
-        })?;
-    Ok((chain, key))
-}
-
-fn certified(
-    provider: &CryptoProvider,
-    chain: Vec<CertificateDer<'static>>,
-    key: PrivateKeyDer<'static>,
-) -> Result<Arc<CertifiedKey>, TlsError> {
-    let signer = provider.key_provider.load_private_key(key)?;
-    let certified = CertifiedKey::new(chain, signer);
-    certified.keys_match()?;
-    Ok(Arc::new(certified))
+/// The aggregator refuses X.509 v1 serving certificates: so does the operator, at load.
+fn x509_v3(pem: &[u8], what: &str) -> Result<(), String> {
+    crate::certs::check_pem(pem, what).map_err(|e| e.to_string())
 }
 
 impl ServerTls {
     pub fn new(settings: &TlsSettings) -> Result<Self, TlsError> {
-        let (cert_pem, chain, key) = match &settings.cert {
-            CertSource::Files { cert, key } => {
-                let cert_pem = read_to_string(cert)?;
-                let (chain, key_der) = parse_pair(&cert_pem, &read_to_string(key)?, cert, key)?;
-                (cert_pem, chain, key_der)
+        let cert = match &settings.cert {
+            CertSource::Files { cert, key } => ServingCert::from_files(cert, key, Some(x509_v3))?,
+            CertSource::SelfSigned { names } => {
+                let (cert_pem, key_pem) = self_signed(names)?;
+                ServingCert::from_pem(&cert_pem, &key_pem, Some(x509_v3))?
             }
-            CertSource::SelfSigned { names } => self_signed(names)?,
         };
-        Self::build(cert_pem, chain, key, settings.clients.clone())
+        Self::build(cert, settings.clients.clone())
     }
 
     /// From PEM text held in memory (the operator's own Secret).
@@ -181,35 +116,18 @@ impl ServerTls {
         key_pem: &str,
         clients: Arc<ClientAuth>,
     ) -> Result<Self, TlsError> {
-        let memory = Path::new("<in memory>");
-        let (chain, key) = parse_pair(cert_pem, key_pem, memory, memory)?;
-        Self::build(cert_pem.to_string(), chain, key, clients)
+        Self::build(
+            ServingCert::from_pem(cert_pem, key_pem, Some(x509_v3))?,
+            clients,
+        )
     }
 
-    fn build(
-        cert_pem: String,
-        chain: Vec<CertificateDer<'static>>,
-        key: PrivateKeyDer<'static>,
-        clients: Arc<ClientAuth>,
-    ) -> Result<Self, TlsError> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let current = Arc::new(Current(RwLock::new((
-            certified(&provider, chain, key)?,
-            cert_pem,
-        ))));
-        let builder = ServerConfig::builder_with_provider(provider.clone())
-            .with_safe_default_protocol_versions()?;
-        let builder = if clients.verifies_clients() {
-            builder.with_client_cert_verifier(clients.verifier())
-        } else {
-            builder.with_no_client_auth()
-        };
-        let mut config = builder.with_cert_resolver(current.clone());
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    fn build(cert: ServingCert, clients: Arc<ClientAuth>) -> Result<Self, TlsError> {
+        let verifier = clients.verifies_clients().then(|| clients.verifier());
+        let config = cert.server_config(verifier, &[b"http/1.1"])?;
         Ok(Self {
             config: Arc::new(config),
-            current,
-            provider,
+            cert,
             clients,
         })
     }
@@ -217,32 +135,21 @@ impl ServerTls {
     /// Presents `cert_pem`/`key_pem` from the next handshake on; the old certificate stays if
     /// the new one does not parse or does not match its key.
     pub fn replace(&self, cert_pem: &str, key_pem: &str, source: &Path) -> Result<(), TlsError> {
-        let (chain, key) = parse_pair(cert_pem, key_pem, source, source)?;
-        let certified = certified(&self.provider, chain, key)?;
-        if let Ok(mut c) = self.current.0.write() {
-            *c = (certified, cert_pem.to_string());
-        }
-        Ok(())
+        Ok(self.cert.replace(cert_pem, key_pem, source)?)
     }
 
     /// The PEM of the certificate (chain) presented now; for a self-signed one, what clients
     /// must trust.
     pub fn cert_pem(&self) -> String {
-        self.current
-            .0
-            .read()
-            .map(|c| c.1.clone())
-            .unwrap_or_default()
+        self.cert.cert_pem()
     }
 
     pub fn server_config(&self) -> Arc<ServerConfig> {
         self.config.clone()
     }
 
-    /// Rereads `cert` and `key` every `period` until `shutdown`, and presents them when their
-    /// contents change: a kubelet updates a mounted Secret by swapping a symlink, so comparing
-    /// contents (not modification times) catches every renewal. A pair that does not load (the
-    /// two files caught between writes) is retried at the next poll.
+    /// Rereads `cert` and `key` every `period` until `shutdown` and presents them when they
+    /// change ([`ServingCert::watch_files`]).
     pub async fn watch_files(
         self,
         cert: PathBuf,
@@ -250,47 +157,12 @@ impl ServerTls {
         period: Duration,
         shutdown: impl Future<Output = ()>,
     ) {
-        let mut loaded = (
-            std::fs::read(&cert).unwrap_or_default(),
-            std::fs::read(&key).unwrap_or_default(),
-        );
-        let mut shutdown = pin!(shutdown);
-        loop {
-            tokio::select! {
-                () = &mut shutdown => return,
-                () = tokio::time::sleep(period) => {}
-            }
-            let now = (
-                std::fs::read(&cert).unwrap_or_default(),
-                std::fs::read(&key).unwrap_or_default(),
-            );
-            if now == loaded {
-                continue;
-            }
-            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-            match self.replace(&text(&now.0), &text(&now.1), &cert) {
-                Ok(()) => {
-                    tracing::info!(cert = %cert.display(), "serving the renewed certificate");
-                    loaded = now;
-                }
-                Err(e) => {
-                    tracing::warn!(cert = %cert.display(), error = %e, "the changed certificate does not load yet; keeping the previous one");
-                }
-            }
-        }
+        self.cert.watch_files(cert, key, period, shutdown).await
     }
 }
 
-fn read_to_string(path: &Path) -> Result<String, TlsError> {
-    std::fs::read_to_string(path).map_err(|source| TlsError::Read {
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-type KeyMaterial = (String, Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
-
-fn self_signed(names: &[String]) -> Result<KeyMaterial, TlsError> {
+/// A self-signed certificate for `names`, and its key, as PEM.
+fn self_signed(names: &[String]) -> Result<(String, String), TlsError> {
     let first = names.first().ok_or(TlsError::NoNames)?;
     let mut params = rcgen::CertificateParams::new(names.to_vec())?;
     params
@@ -298,8 +170,7 @@ fn self_signed(names: &[String]) -> Result<KeyMaterial, TlsError> {
         .push(rcgen::DnType::CommonName, first.as_str());
     let key = rcgen::KeyPair::generate()?;
     let cert = params.self_signed(&key)?;
-    let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-    Ok((cert.pem(), vec![cert.der().clone()], key_der))
+    Ok((cert.pem(), key.serialize_pem()))
 }
 
 /// The names a Service is reached by in-cluster; the aggregator dials `<service>.<ns>.svc`.

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use ferrite_api::signal::Signals;
+use ferrite_net::tls::CertError;
 use ferrite_operator::autoscale::store::{Key, SignalStore, Snapshot};
 use ferrite_operator::external_metrics::{
     CertSource, ClientAuth, ExternalMetricValueList, RequestHeader, ServerTls, TlsError,
@@ -742,7 +743,10 @@ fn files_and_client_certificates() {
         },
         clients: ClientAuth::any_client(),
     });
-    assert!(matches!(missing, Err(TlsError::Read { .. })), "{missing:?}");
+    assert!(
+        matches!(missing, Err(TlsError::Cert(CertError::Read { .. }))),
+        "{missing:?}"
+    );
     let empty = ServerTls::new(&TlsSettings {
         cert: CertSource::Files {
             cert: write("empty.crt", ""),
@@ -751,7 +755,7 @@ fn files_and_client_certificates() {
         clients: ClientAuth::any_client(),
     });
     assert!(
-        matches!(empty, Err(TlsError::NoCertificate(_))),
+        matches!(empty, Err(TlsError::Cert(CertError::NoCertificate(_)))),
         "{empty:?}"
     );
     let no_names = ServerTls::new(&TlsSettings {

@@ -10,3 +10,4 @@ mod routing;
 mod splits;
 mod streams;
 mod tenants;
+mod tls;
