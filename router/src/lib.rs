@@ -9,6 +9,7 @@ pub mod limits;
 pub mod load;
 pub mod members;
 pub mod metrics;
+pub mod multipart;
 pub mod parse;
 pub mod peers;
 pub mod policy;
@@ -143,6 +144,9 @@ pub fn routes(app: Arc<App>) -> Router {
         .route("/v1/completions", post(proxy::forward))
         .route("/v1/chat/completions", post(proxy::forward))
         .route("/v1/embeddings", post(proxy::forward_pooling))
+        // Forms with a file: the `model` field read from the head, the file streamed on.
+        .route("/v1/audio/transcriptions", post(proxy::forward_upload))
+        .route("/v1/audio/translations", post(proxy::forward_upload))
         // Adapters are the InferenceService's to declare: a client must not load one (from a
         // URL it chose) onto a replica through the router.
         .route("/v1/load_lora_adapter", post(proxy::not_for_clients))

@@ -15,6 +15,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub struct LimitConfig {
     /// Largest request body, bytes.
     pub max_body: usize,
+    /// Largest `multipart/form-data` body (an audio file), bytes: streamed to the replica, not
+    /// held, so only its head counts against `max_buffered_bytes`.
+    pub max_upload: usize,
     /// Request bodies held in memory at once, bytes.
     pub max_buffered_bytes: usize,
     /// Requests open at once, from arrival until their response ends.
@@ -29,6 +32,8 @@ impl Default for LimitConfig {
     fn default() -> Self {
         LimitConfig {
             max_body: 2 << 20,
+            // OpenAI's limit for audio files.
+            max_upload: 25 << 20,
             max_buffered_bytes: 128 << 20,
             max_in_flight: 2048,
             max_held: 1024,
@@ -131,6 +136,33 @@ impl Limits {
         })
     }
 
+    /// Admits an upload whose body announces `content_length` bytes: its open-request slot,
+    /// and a reservation for the `head` bytes read before it is streamed on.
+    pub fn admit_upload(
+        &self,
+        content_length: Option<u64>,
+        head: usize,
+    ) -> Result<Admission, Refusal> {
+        if content_length.is_some_and(|n| n > self.config.max_upload as u64) {
+            return Err(Refusal::BodyTooLarge);
+        }
+        let open = self
+            .in_flight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Refusal::Busy)?;
+        let units = u32::try_from(head.div_ceil(UNIT).max(1)).unwrap_or(u32::MAX);
+        let body = self
+            .buffered
+            .clone()
+            .try_acquire_many_owned(units)
+            .map_err(|_| Refusal::Busy)?;
+        Ok(Admission {
+            open,
+            body: Some(body),
+        })
+    }
+
     /// A place to wait for `service` (`namespace/name`) to become ready.
     pub fn hold(&self, service: &str) -> Result<HeldSlot, Refusal> {
         let mut h = self.held.lock().map_err(|_| Refusal::HoldFull)?;
@@ -159,6 +191,7 @@ mod tests {
     fn limits() -> Limits {
         Limits::new(LimitConfig {
             max_body: 10 * UNIT,
+            max_upload: 100 * UNIT,
             max_buffered_bytes: 25 * UNIT,
             max_in_flight: 4,
             max_held: 3,

@@ -50,6 +50,11 @@ struct Args {
     /// it, requests are refused with 503 and Retry-After.
     #[arg(long, default_value_t = LimitConfig::default().max_buffered_bytes)]
     max_buffered_bytes: usize,
+    /// Largest multipart/form-data body (`/v1/audio/transcriptions`, `/translations`),
+    /// bytes: streamed to the replica as it arrives; its `model` field must come before the
+    /// file, within the first 64 KiB.
+    #[arg(long, default_value_t = LimitConfig::default().max_upload)]
+    max_upload_body: usize,
     /// Requests open at once, from arrival until their response ends; more get 503.
     #[arg(long, default_value_t = LimitConfig::default().max_in_flight)]
     max_in_flight: usize,
@@ -148,6 +153,7 @@ async fn main() -> anyhow::Result<()> {
         epsilon: args.epsilon.max(0.0),
         limits: LimitConfig {
             max_body: args.max_body,
+            max_upload: args.max_upload_body,
             max_buffered_bytes: args.max_buffered_bytes,
             max_in_flight: args.max_in_flight,
             max_held: args.max_held,

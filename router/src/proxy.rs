@@ -30,6 +30,7 @@ use crate::limits::{LimitConfig, Limits, Refusal};
 use crate::load::{Loads, Open};
 use crate::members::Endpoint;
 use crate::metrics::Metrics;
+use crate::multipart::{self, Head, Upload};
 use crate::parse::{self, Api, Parsed};
 use crate::peers::Peers;
 use crate::policy::{self, Replica, Request};
@@ -84,6 +85,8 @@ pub struct App {
     /// Set on SIGTERM: `/readyz` fails so no new traffic arrives while streams finish.
     pub draining: AtomicBool,
     client: HttpClient<HttpConnector, Full<Bytes>>,
+    /// For form uploads, streamed as they arrive.
+    upload_client: HttpClient<HttpConnector, Upload>,
     turn: AtomicU64,
     /// Draws for split names whose request has no prefix key.
     draws: AtomicU64,
@@ -118,6 +121,7 @@ impl App {
         peers: Option<Peers>,
     ) -> App {
         let client = ferrite_api::scrape::pod_client(config.connect_timeout);
+        let upload_client = ferrite_api::scrape::pod_client(config.connect_timeout);
         App {
             registry,
             loads,
@@ -129,6 +133,7 @@ impl App {
             wakes: Wakes::default(),
             draining: AtomicBool::new(false),
             client,
+            upload_client,
             turn: AtomicU64::new(0),
             draws: AtomicU64::new(0),
             recent: RecentKeys::default(),
@@ -291,6 +296,217 @@ pub async fn forward_other(State(app): State<Arc<App>>, req: axum::extract::Requ
     forward_as(app, req, Api::Other).await
 }
 
+/// `POST /v1/audio/transcriptions` and `/v1/audio/translations`: a `multipart/form-data` body
+/// whose `model` field comes before the file. Admitted within `--max-upload-body` → the head
+/// read up to the `model` field (bounded) → the service resolved, its tenant's access and
+/// limits checked, a dispatch → one replica, the head and then the rest of the body streamed to
+/// it as it arrives (no retry: the body is not kept).
+pub async fn forward_upload(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let head_limit = multipart::HEAD_LIMIT;
+    let admission = match app
+        .limits
+        .admit_upload(content_length(&parts.headers), head_limit)
+    {
+        Ok(a) => a,
+        Err(Refusal::BodyTooLarge) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                format!(
+                    "the request body is larger than {} bytes",
+                    app.limits.config.max_upload
+                ),
+                None,
+            );
+        }
+        Err(r) => return refused(&app, r),
+    };
+    let tenant = match authenticate(&app, &parts.headers) {
+        Ok(t) => t,
+        Err(message) => return unauthorized(&app, message),
+    };
+    let Some(boundary) = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(multipart::boundary)
+    else {
+        return invalid("the body must be multipart/form-data with a boundary", None);
+    };
+    let timeout = app.config.body_read_timeout;
+    let (head, rest, model) = match read_head(body, &boundary, timeout).await {
+        Ok(read) => read,
+        Err(response) => return response,
+    };
+    let parsed = Parsed {
+        model: Some(model.clone()),
+        model_at: None,
+        key: None,
+        // The audio's length is not known here: one request's worth.
+        work: crate::work::Work {
+            prompt: 1.0,
+            output: 0.0,
+        },
+    };
+    let charge = match &tenant {
+        Some(t) => match admit_tenant(&app, t, &model, &parsed) {
+            Ok(c) => Some(c),
+            Err(response) => return *response,
+        },
+        None => None,
+    };
+    let target = match split_member(&app, &model, &parsed, &parts.headers) {
+        Ok(t) => t,
+        Err(message) => return invalid(message, None),
+    };
+    let svc = match resolve(&app, target.as_deref().unwrap_or(&model)).await {
+        Ok(svc) => svc,
+        Err(response) => return response,
+    };
+    let mut dispatched = match dispatch(&app, &svc, tenant.as_deref(), parsed.work.total()).await {
+        Ok(d) => d,
+        Err(response) => return response,
+    };
+    let charge = charge.map(|c| TenantCharge {
+        charge: c,
+        tenant: tenant.map(|t| t.name.clone()).unwrap_or_default(),
+        model: svc.model.clone(),
+        prompt: parsed.work.prompt,
+    });
+    let names: Vec<&str> = svc.endpoints.iter().map(|e| e.name.as_str()).collect();
+    let ring = app.rings.get(&svc.id(), &names);
+    let Some(ep) = pick(&app, &svc, &ring, &parsed, None, false, None) else {
+        count_request(&app, &svc, "upstream_error");
+        return unavailable(format!("no replica of `{}` answered", svc.model), 1);
+    };
+    let open = app.loads.open(&ep.base_url, parsed.work, 0);
+    if let Some(d) = dispatched.as_mut() {
+        d.placed();
+    }
+    let model_name = svc.model.as_str();
+    let gauge = GaugeGuard::inc(
+        app.metrics
+            .in_flight
+            .with_label_values(&[model_name, &ep.name]),
+    );
+    let started = Instant::now();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or(parts.uri.path(), |p| p.as_str());
+    let upload = Upload::new(head, rest, app.limits.config.max_upload, timeout);
+    let mut request = hyper::Request::builder()
+        .method(parts.method.clone())
+        .uri(format!("{}{}", ep.base_url, path));
+    for (name, value) in forwarded(&app, &parts.headers) {
+        request = request.header(name, value);
+    }
+    let request = match request.body(upload) {
+        Ok(r) => r,
+        Err(e) => return upstream_error(&app, &svc, ep, "building the request", e),
+    };
+    // The head's reservation goes now: the rest is never held.
+    drop(admission.body);
+    let resp = match app.upload_client.request(request).await {
+        Ok(r) => r,
+        Err(e) => return upstream_error(&app, &svc, ep, "replica unreachable", e),
+    };
+    app.metrics
+        .upstream_headers
+        .with_label_values(&[model_name])
+        .observe(started.elapsed().as_secs_f64());
+    count_request(&app, &svc, outcome(resp.status()));
+    let tracking = Tracking {
+        open,
+        gauge,
+        slots: Slots {
+            _open: admission.open,
+            flow: dispatched,
+        },
+        started,
+        charge,
+        resumer: None,
+    };
+    relay(&app, &svc, ep, resp, tracking)
+}
+
+/// Reads a form's body up to its `model` field: the bytes read, the rest of the body, and the
+/// model; or the answer for a form without one in its head, or one that did not arrive.
+async fn read_head(
+    body: axum::body::Body,
+    boundary: &str,
+    timeout: Duration,
+) -> Result<(Bytes, axum::body::Body, String), Response> {
+    use http_body_util::BodyExt;
+    let mut body = body;
+    let mut head = Vec::new();
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        match multipart::find_model(&head, boundary) {
+            Head::Model(m) => return Ok((Bytes::from(head), body, m)),
+            Head::Missing(why) => return Err(invalid(why, Some("model"))),
+            Head::More => {}
+        }
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => {
+                return Err(error(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    "the request body did not arrive in time",
+                    None,
+                ));
+            }
+            Ok(None) => return Err(invalid("the form has no `model` field", Some("model"))),
+            Ok(Some(Err(_))) => return Err(invalid("could not read the request body", None)),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        if let Ok(data) = frame.into_data() {
+            head.extend_from_slice(&data);
+        }
+        if head.len() > multipart::HEAD_LIMIT {
+            // The frame that crossed the limit may still hold the field, near its start.
+            return match multipart::find_model(&head, boundary) {
+                Head::Model(m) => Ok((Bytes::from(head), body, m)),
+                _ => Err(invalid(
+                    "the `model` field must come first, within the first 64 KiB",
+                    Some("model"),
+                )),
+            };
+        }
+    }
+}
+
+/// A tenant's access to `model` and its limits for this request: the charge, or the 403/429.
+fn admit_tenant(
+    app: &App,
+    t: &Tenant,
+    model: &str,
+    parsed: &Parsed,
+) -> Result<Charge, Box<Response>> {
+    // One lookup for the access check and the series' model name (tenants off: none).
+    let found = app.registry.find(model);
+    // Before any hold: a tenant may not wake a service it may not use.
+    if let Some(refusal) = refuse_access(app, t, model, found.as_ref()) {
+        return Err(Box::new(refusal));
+    }
+    // Tenants' series name the served model, never the client's string (an unknown name is
+    // "", as in the router's own request counts).
+    let served = found.map(|s| s.model).unwrap_or_default();
+    let share = app.peers.as_ref().map_or(1.0, Peers::share);
+    let limits = t.limits.share(share);
+    match app
+        .quotas
+        .admit(&t.name, limits, parsed.work.total(), Instant::now())
+    {
+        Ok(c) => {
+            count_tenant(app, t, &served, "admitted");
+            Ok(c)
+        }
+        Err(throttled) => Err(Box::new(throttle(app, t, &served, &throttled))),
+    }
+}
+
 /// A request to an endpoint of kind `api`, as its steps: admit (bounded) → read and parse the
 /// body (bounded) → resolve the service (holding while it wakes) → attempt a replica, again on
 /// another only if the first provably did not take the request.
@@ -341,29 +557,10 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
         return invalid("`model` is required", Some("model"));
     };
     let charge = match &tenant {
-        Some(t) => {
-            // One lookup for the access check and the series' model name (tenants off: none).
-            let found = app.registry.find(model);
-            // Before any hold: a tenant may not wake a service it may not use.
-            if let Some(refusal) = refuse_access(&app, t, model, found.as_ref()) {
-                return refusal;
-            }
-            // Tenants' series name the served model, never the client's string (an unknown
-            // name is "", as in the router's own request counts).
-            let served = found.map(|s| s.model).unwrap_or_default();
-            let share = app.peers.as_ref().map_or(1.0, Peers::share);
-            let limits = t.limits.share(share);
-            match app
-                .quotas
-                .admit(&t.name, limits, parsed.work.total(), Instant::now())
-            {
-                Ok(c) => {
-                    count_tenant(&app, t, &served, "admitted");
-                    Some(c)
-                }
-                Err(throttled) => return throttle(&app, t, &served, &throttled),
-            }
-        }
+        Some(t) => match admit_tenant(&app, t, model, &parsed) {
+            Ok(c) => Some(c),
+            Err(response) => return *response,
+        },
         None => None,
     };
     // A name several services share by weight: one of them, by the prefix key.
@@ -1255,21 +1452,28 @@ async fn send(
     body: Bytes,
 ) -> Result<hyper::Response<Incoming>, SendError> {
     let mut req = hyper::Request::builder().method(method.clone()).uri(url);
-    // A tenant's key is the router's to check, and never reaches a pod.
-    let keep = |name: &header::HeaderName| app.tenants.is_none() || name != header::AUTHORIZATION;
-    for name in FORWARDED
-        .iter()
-        .chain([&header::HeaderName::from_static("x-request-id")])
-        .filter(|n| keep(n))
-    {
-        for v in headers.get_all(name) {
-            req = req.header(name, v);
-        }
+    for (name, value) in forwarded(app, headers) {
+        req = req.header(name, value);
     }
     let req = req
         .body(Full::new(body))
         .map_err(|e| SendError::Request(e.to_string()))?;
     app.client.request(req).await.map_err(SendError::Client)
+}
+
+/// The request headers passed to a replica: [`FORWARDED`] and `x-request-id`; a tenant's key
+/// is the router's to check, and never reaches a pod.
+fn forwarded<'a>(
+    app: &App,
+    headers: &'a HeaderMap,
+) -> impl Iterator<Item = (&'static header::HeaderName, &'a HeaderValue)> {
+    static REQUEST_ID: header::HeaderName = header::HeaderName::from_static("x-request-id");
+    let tenants = app.tenants.is_some();
+    FORWARDED
+        .iter()
+        .chain([&REQUEST_ID])
+        .filter(move |n| !tenants || **n != header::AUTHORIZATION)
+        .flat_map(move |name| headers.get_all(name).iter().map(move |v| (name, v)))
 }
 
 /// Why a request did not get a response from its replica.

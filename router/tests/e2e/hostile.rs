@@ -103,6 +103,7 @@ async fn limits_hold_and_wake_once() {
     let mut config = config();
     config.limits = LimitConfig {
         max_body: 1 << 20,
+        max_upload: 25 << 20,
         // Eight 1 MiB bodies and half a MiB for small ones.
         max_buffered_bytes: (8 << 20) + (512 << 10),
         max_in_flight: 1000,

@@ -11,3 +11,4 @@ mod splits;
 mod streams;
 mod tenants;
 mod tls;
+mod uploads;
