@@ -118,12 +118,16 @@ impl Limits {
         if content_length.is_some_and(|n| n > max) {
             return Err(Refusal::BodyTooLarge);
         }
+        self.reserve(content_length.unwrap_or(max).min(max) as usize)
+    }
+
+    /// An open-request slot and a reservation of `bytes` of body memory.
+    fn reserve(&self, bytes: usize) -> Result<Admission, Refusal> {
         let open = self
             .in_flight
             .clone()
             .try_acquire_owned()
             .map_err(|_| Refusal::Busy)?;
-        let bytes = content_length.unwrap_or(max).min(max) as usize;
         let units = u32::try_from(bytes.div_ceil(UNIT).max(1)).unwrap_or(u32::MAX);
         let body = self
             .buffered
@@ -146,21 +150,7 @@ impl Limits {
         if content_length.is_some_and(|n| n > self.config.max_upload as u64) {
             return Err(Refusal::BodyTooLarge);
         }
-        let open = self
-            .in_flight
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Refusal::Busy)?;
-        let units = u32::try_from(head.div_ceil(UNIT).max(1)).unwrap_or(u32::MAX);
-        let body = self
-            .buffered
-            .clone()
-            .try_acquire_many_owned(units)
-            .map_err(|_| Refusal::Busy)?;
-        Ok(Admission {
-            open,
-            body: Some(body),
-        })
+        self.reserve(head)
     }
 
     /// A place to wait for `service` (`namespace/name`) to become ready.

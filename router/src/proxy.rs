@@ -349,31 +349,14 @@ pub async fn forward_upload(State(app): State<Arc<App>>, req: axum::extract::Req
             output: 0.0,
         },
     };
-    let charge = match &tenant {
-        Some(t) => match admit_tenant(&app, t, &model, &parsed) {
-            Ok(c) => Some(c),
-            Err(response) => return *response,
-        },
-        None => None,
+    let Routed {
+        svc,
+        mut dispatched,
+        charge,
+    } = match route(&app, &model, &parsed, &parts.headers, tenant.as_deref()).await {
+        Ok(r) => r,
+        Err(response) => return *response,
     };
-    let target = match split_member(&app, &model, &parsed, &parts.headers) {
-        Ok(t) => t,
-        Err(message) => return invalid(message, None),
-    };
-    let svc = match resolve(&app, target.as_deref().unwrap_or(&model)).await {
-        Ok(svc) => svc,
-        Err(response) => return response,
-    };
-    let mut dispatched = match dispatch(&app, &svc, tenant.as_deref(), parsed.work.total()).await {
-        Ok(d) => d,
-        Err(response) => return response,
-    };
-    let charge = charge.map(|c| TenantCharge {
-        charge: c,
-        tenant: tenant.map(|t| t.name.clone()).unwrap_or_default(),
-        model: svc.model.clone(),
-        prompt: parsed.work.prompt,
-    });
     let names: Vec<&str> = svc.endpoints.iter().map(|e| e.name.as_str()).collect();
     let ring = app.rings.get(&svc.id(), &names);
     let Some(ep) = pick(&app, &svc, &ring, &parsed, None, false, None) else {
@@ -477,6 +460,47 @@ async fn read_head(
     }
 }
 
+/// Where a request goes once its `model` is known.
+struct Routed {
+    svc: Service,
+    /// Its dispatch, with flow control.
+    dispatched: Option<Dispatched>,
+    /// Its tenant's charge, with tenants.
+    charge: Option<TenantCharge>,
+}
+
+/// The steps from a request's `model` to its service, for JSON bodies and forms alike: the
+/// tenant's access and limits → the member of a split → the service, held while it wakes →
+/// the dispatch, waiting while it is saturated. Or the answer that ends the request.
+async fn route(
+    app: &App,
+    model: &str,
+    parsed: &Parsed,
+    headers: &HeaderMap,
+    tenant: Option<&Tenant>,
+) -> Result<Routed, Box<Response>> {
+    let charge = match tenant {
+        Some(t) => Some(admit_tenant(app, t, model, parsed)?),
+        None => None,
+    };
+    // A name several services share by weight: one of them, by the prefix key.
+    let target = split_member(app, model, parsed, headers).map_err(|m| invalid(m, None))?;
+    let svc = resolve(app, target.as_deref().unwrap_or(model)).await?;
+    // Waits here while every replica is saturated.
+    let dispatched = dispatch(app, &svc, tenant, parsed.work.total()).await?;
+    let charge = charge.map(|c| TenantCharge {
+        charge: c,
+        tenant: tenant.map(|t| t.name.clone()).unwrap_or_default(),
+        model: svc.model.clone(),
+        prompt: parsed.work.prompt,
+    });
+    Ok(Routed {
+        svc,
+        dispatched,
+        charge,
+    })
+}
+
 /// A tenant's access to `model` and its limits for this request: the charge, or the 403/429.
 fn admit_tenant(
     app: &App,
@@ -556,34 +580,15 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
     let Some(model) = parsed.model.as_deref() else {
         return invalid("`model` is required", Some("model"));
     };
-    let charge = match &tenant {
-        Some(t) => match admit_tenant(&app, t, model, &parsed) {
-            Ok(c) => Some(c),
-            Err(response) => return *response,
-        },
-        None => None,
-    };
-    // A name several services share by weight: one of them, by the prefix key.
-    let target = match split_member(&app, model, &parsed, &parts.headers) {
-        Ok(t) => t,
-        Err(message) => return invalid(message, None),
-    };
-    let svc = match resolve(&app, target.as_deref().unwrap_or(model)).await {
-        Ok(svc) => svc,
-        Err(response) => return response,
+    let Routed {
+        svc,
+        dispatched,
+        charge,
+    } = match route(&app, model, &parsed, &parts.headers, tenant.as_deref()).await {
+        Ok(r) => r,
+        Err(response) => return *response,
     };
     let body = served_body(body, &parsed, model, &svc);
-    // Waits here while every replica is saturated.
-    let dispatched = match dispatch(&app, &svc, tenant.as_deref(), parsed.work.total()).await {
-        Ok(d) => d,
-        Err(response) => return response,
-    };
-    let charge = charge.map(|c| TenantCharge {
-        charge: c,
-        tenant: tenant.map(|t| t.name.clone()).unwrap_or_default(),
-        model: svc.model.clone(),
-        prompt: parsed.work.prompt,
-    });
     // A stream that can be resumed on another replica keeps its body (and the body's place in
     // the buffered-bytes budget) until it ends.
     let mut admission = admission;

@@ -43,6 +43,27 @@ pub async fn chat_service(
     Some((cluster, client, ns, port))
 }
 
+/// [`chat_service`] with the InferenceTenant CRD installed too.
+pub async fn tenant_chat_service(prefix: &str) -> Option<(Cluster, kube::Client, String, u16)> {
+    let found = chat_service(prefix, serde_json::json!({})).await?;
+    ferrite_testkit::kube::standin::install_tenant_crd(&found.1).await;
+    Some(found)
+}
+
+/// InferenceServices `names` on the default model, each at its own free port (returned in
+/// the same order).
+pub async fn services(client: &kube::Client, ns: &str, names: &[&str]) -> Vec<u16> {
+    let mut ports = Vec::new();
+    for name in names {
+        let port = free_port();
+        let spec = serde_json::json!({"model": {"source": "/models/smol.gguf"},
+                                      "runtime": {"port": port}});
+        create_isvc(client, ns, name, spec).await;
+        ports.push(port);
+    }
+    ports
+}
+
 /// A ferrite-server on the default model at `host:port`, serving it as `model`, with a KV
 /// cache small enough for several on one machine.
 pub fn server(host: &str, port: u16, model: &str) -> Server {

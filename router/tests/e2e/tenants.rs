@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use super::common::*;
 use ferrite_api::tenant::{InferenceTenant, InferenceTenantSpec, TENANT_LABEL, TenantLimits};
 use ferrite_testkit::kube::standin::install_tenant_crd;
-use ferrite_testkit::process::{eventually, free_port};
+use ferrite_testkit::process::eventually;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use kube::Api;
@@ -118,20 +118,8 @@ async fn tenants_are_authenticated_kept_to_their_models_and_held_to_their_limits
         return;
     };
     install_tenant_crd(&client).await;
-    let (chat_port, code_port, secure_port) = (free_port(), free_port(), free_port());
-    for (name, port) in [
-        ("chat", chat_port),
-        ("code", code_port),
-        ("secure", secure_port),
-    ] {
-        create_isvc(
-            &client,
-            &ns,
-            name,
-            json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"port": port}}),
-        )
-        .await;
-    }
+    let ports = services(&client, &ns, &["chat", "code", "secure"]).await;
+    let (chat_port, code_port, secure_port) = (ports[0], ports[1], ports[2]);
     let _chat = server("127.0.0.1", chat_port, "chat");
     let _code = server("127.0.0.1", code_port, "code");
     // A server whose own key is team B's: if the router passed tenants' keys on, it would
@@ -405,18 +393,9 @@ async fn tenants_are_authenticated_kept_to_their_models_and_held_to_their_limits
 /// however its requests spread between them, with no store between the two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_router_replicas_together_admit_one_minute_of_a_tenant() {
-    let Some((_cluster, client, ns)) = cluster_with_crd("tenants-two").await else {
+    let Some((_cluster, client, ns, port)) = tenant_chat_service("tenants-two").await else {
         return;
     };
-    install_tenant_crd(&client).await;
-    let port = free_port();
-    create_isvc(
-        &client,
-        &ns,
-        "chat",
-        json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"port": port}}),
-    )
-    .await;
     let _chat = server("127.0.0.1", port, "chat");
     ready_pod(&client, &ns, "chat", "chat-0", "127.0.0.1").await;
     tenant(

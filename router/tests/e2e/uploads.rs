@@ -9,8 +9,7 @@
 //! `multipart::Upload`'s unit test.
 
 use super::common::*;
-use ferrite_testkit::process::free_port;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const BOUNDARY: &str = "ferrite-test-boundary";
 
@@ -56,16 +55,8 @@ async fn forms_are_routed_by_their_model_field_and_their_files_streamed_on() {
     let Some((_cluster, client, ns)) = cluster_with_crd("uploads").await else {
         return;
     };
-    let (chat_port, code_port) = (free_port(), free_port());
-    for (name, port) in [("chat", chat_port), ("code", code_port)] {
-        create_isvc(
-            &client,
-            &ns,
-            name,
-            json!({"model": {"source": "/models/smol.gguf"}, "runtime": {"port": port}}),
-        )
-        .await;
-    }
+    let ports = services(&client, &ns, &["chat", "code"]).await;
+    let (chat_port, code_port) = (ports[0], ports[1]);
     let _chat = server("127.0.0.1", chat_port, "chat");
     let _code = server("127.0.0.1", code_port, "code");
     ready_pod(&client, &ns, "chat", "chat-0", "127.0.0.1").await;
