@@ -412,7 +412,7 @@ async fn external_metrics(
             )?;
             let tls = ServerTls::new(&settings)?;
             if let CertSource::Files { cert, key } = settings.cert {
-                tokio::spawn(tls.clone().watch_files(
+                tokio::spawn(tls.serving_cert().watch_files(
                     cert,
                     key,
                     CERT_FILE_POLL,

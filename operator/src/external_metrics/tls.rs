@@ -148,16 +148,9 @@ impl ServerTls {
         self.config.clone()
     }
 
-    /// Rereads `cert` and `key` every `period` until `shutdown` and presents them when they
-    /// change ([`ServingCert::watch_files`]).
-    pub async fn watch_files(
-        self,
-        cert: PathBuf,
-        key: PathBuf,
-        period: Duration,
-        shutdown: impl Future<Output = ()>,
-    ) {
-        self.cert.watch_files(cert, key, period, shutdown).await
+    /// The certificate presented: [`ServingCert::watch_files`] keeps it current.
+    pub fn serving_cert(&self) -> ServingCert {
+        self.cert.clone()
     }
 }
 
