@@ -140,6 +140,19 @@ async fn housekeeping(app: std::sync::Weak<App>) {
 /// The HTTP routes: the OpenAI API (generation, embeddings, and any other `POST` naming a
 /// model), health, and metrics.
 pub fn routes(app: Arc<App>) -> Router {
+    api_routes(app.clone()).merge(metrics_routes(app))
+}
+
+/// `/metrics` alone, for a port of its own (`--metrics-addr`): the series name every tenant,
+/// which the tenants' own API port must not show.
+pub fn metrics_routes(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .with_state(app)
+}
+
+/// The OpenAI API and health, without `/metrics`.
+pub fn api_routes(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/completions", post(proxy::forward))
         .route("/v1/chat/completions", post(proxy::forward))
@@ -157,7 +170,6 @@ pub fn routes(app: Arc<App>) -> Router {
         .route("/v1/models", get(proxy::models))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
         .fallback(proxy::no_route)
         .with_state(app)
 }

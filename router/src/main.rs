@@ -135,6 +135,10 @@ struct Args {
     /// from the next handshake on, without a restart.
     #[arg(long, default_value_t = 10)]
     tls_reload_seconds: u64,
+    /// Serve /metrics on this address (plain HTTP) instead of the API port, so clients of the
+    /// API do not read it: with tenants its series name every tenant.
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
 }
 
 #[tokio::main]
@@ -212,7 +216,26 @@ async fn main() -> anyhow::Result<()> {
     };
     // Open streams finish however long they take; the pod's grace period bounds them.
     let streams = Duration::from_secs(24 * 3600);
-    let routes = ferrite_router::routes(app);
+    let routes = match args.metrics_addr {
+        Some(addr) => {
+            let metrics = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding {addr}"))?;
+            tracing::info!(%addr, "serving /metrics");
+            let routes = ferrite_router::metrics_routes(app.clone());
+            let limits = ferrite_net::ListenerLimits::default();
+            tokio::spawn(async move {
+                let stop = std::future::pending();
+                if let Err(e) =
+                    ferrite_net::serve(metrics, routes, limits, stop, Duration::ZERO).await
+                {
+                    tracing::warn!(error = %e, "serving /metrics");
+                }
+            });
+            ferrite_router::api_routes(app)
+        }
+        None => ferrite_router::routes(app),
+    };
     match (args.tls_cert_file, args.tls_key_file) {
         (Some(cert), Some(key)) => {
             let serving = ServingCert::from_files(&cert, &key, None)

@@ -381,6 +381,35 @@ fn check_value_set(tag: &str, docs: &[Value]) {
         }
         "router-tenants" => {
             let router = router.expect("router");
+            // /metrics (which names every tenant) on a port and a Service of its own; the
+            // operator reads the routers' queues there.
+            assert!(
+                router
+                    .args
+                    .iter()
+                    .any(|a| a == "--metrics-addr=0.0.0.0:9090"),
+                "{:?}",
+                router.args
+            );
+            let ports = &router.deployment["spec"]["template"]["spec"]["containers"][0]["ports"];
+            assert!(
+                ports
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|p| p["name"] == "metrics" && p["containerPort"] == 9090),
+                "{ports}"
+            );
+            let metrics_svc = find(docs, "Service")
+                .into_iter()
+                .find(|s| s["metadata"]["name"] == "ferrite-router-metrics")
+                .expect("the router's metrics Service");
+            assert_eq!(metrics_svc["spec"]["ports"][0]["targetPort"], "metrics");
+            assert_eq!(
+                router.service["spec"]["ports"].as_array().map(Vec::len),
+                Some(1)
+            );
+            assert!(has_arg("--router-port=9090"), "{args:?}");
             assert!(
                 router.args.iter().any(|a| a == "--tenants"),
                 "{:?}",
@@ -905,7 +934,29 @@ fn check_router<'a>(tag: &str, docs: &'a [Value]) -> RenderedRouter<'a> {
     let service_monitor = monitors.first().copied();
     if let (Some(sm), Some(op)) = (service_monitor, operator_monitors.first()) {
         let endpoint = &sm["spec"]["endpoints"][0];
-        assert_eq!(endpoint["port"], "http", "{tag}");
+        // With tenants /metrics is on its own port and Service (it names every tenant).
+        let (port, component) = if tenants {
+            ("metrics", "router-metrics")
+        } else {
+            ("http", "router")
+        };
+        assert_eq!(endpoint["port"], port, "{tag}");
+        assert_eq!(
+            sm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"], component,
+            "{tag}: the ServiceMonitor selects the Service with that port"
+        );
+        let selected = find(docs, "Service").into_iter().find(|s| {
+            s["metadata"]["labels"]["app.kubernetes.io/component"] == component
+                && s["spec"]["ports"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|p| p["name"] == port)
+        });
+        assert!(
+            selected.is_some(),
+            "{tag}: a Service of {component} with port {port}"
+        );
         assert_eq!(endpoint["path"], "/metrics", "{tag}");
         assert_eq!(endpoint["honorLabels"], true, "{tag}");
         for key in ["interval", "scrapeTimeout"] {

@@ -78,6 +78,13 @@ app.kubernetes.io/component: router
 {{- join "," $pairs }}
 {{- end }}
 
+{{- /* The labels of the router's metrics Service (with tenants), which its ServiceMonitor selects. */}}
+{{- define "ferrite-operator.router.metricsServiceLabels" -}}
+app.kubernetes.io/name: ferrite-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router-metrics
+{{- end }}
+
 {{- define "ferrite-operator.router.labels" -}}
 helm.sh/chart: {{ include "ferrite-operator.chart" . }}
 {{ include "ferrite-operator.router.selectorLabels" . }}

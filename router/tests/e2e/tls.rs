@@ -2,7 +2,8 @@
 //! with a real ferrite-server behind it: a client that trusts the certificate gets its
 //! completion, plain HTTP gets nothing, and when the files are replaced (as a kubelet updates a
 //! mounted cert-manager Secret) new connections are served with the new certificate, with no
-//! restart, while a stream open across the change finishes.
+//! restart, while a stream open across the change finishes. With `--metrics-addr`, `/metrics`
+//! is served there and not on the API port.
 
 use std::path::Path;
 use std::time::Duration;
@@ -54,6 +55,7 @@ async fn the_router_serves_https_and_takes_a_renewed_certificate_without_a_resta
     let first = certificate();
     install(dir.path(), &first);
     let addr_port = free_port();
+    let metrics_port = free_port();
     let mut cmd =
         std::process::Command::new(ferrite_testkit::server::workspace_binary("ferrite-router"));
     cmd.env("KUBECONFIG", cluster.admin_kubeconfig())
@@ -68,6 +70,7 @@ async fn the_router_serves_https_and_takes_a_renewed_certificate_without_a_resta
             dir.path().join("tls.key").display()
         ))
         .arg("--tls-reload-seconds=1")
+        .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     let _router = Guard::spawn("ferrite-router", cmd).expect("spawn");
@@ -82,6 +85,32 @@ async fn the_router_serves_https_and_takes_a_renewed_certificate_without_a_resta
         .await
         .expect("request thread");
     assert!(!answered, "plain HTTP answered on the HTTPS port");
+    // /metrics on its own port only (with tenants its series name every tenant).
+    let (api_metrics, metrics) = {
+        let trusted = first.0.clone();
+        let api = format!("https://127.0.0.1:{addr_port}/metrics");
+        let own = format!("http://127.0.0.1:{metrics_port}/metrics");
+        tokio::task::spawn_blocking(move || {
+            let status = match ferrite_testkit::tls::agent(&trusted).get(&api).call() {
+                Ok(r) => r.status(),
+                Err(ureq::Error::Status(code, _)) => code,
+                Err(e) => panic!("{api}: {e}"),
+            };
+            let text = ureq::get(&own)
+                .call()
+                .expect("metrics")
+                .into_string()
+                .expect("text");
+            (status, text)
+        })
+        .await
+        .expect("request thread")
+    };
+    assert_eq!(api_metrics, 404);
+    assert!(
+        metrics.contains("ferrite_router_requests_total"),
+        "{metrics}"
+    );
 
     // A stream opened with the first certificate, read after the renewal.
     let stream_url = url.clone();
