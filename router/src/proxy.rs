@@ -161,30 +161,32 @@ pub fn error(
     (status, Json(body)).into_response()
 }
 
-/// A 429 for a service too busy to queue for (the openai SDK retries it after `secs`).
-fn too_busy(message: impl Into<String>, secs: u32) -> Response {
-    let mut r = error(
-        StatusCode::TOO_MANY_REQUESTS,
-        "rate_limit_error",
-        message,
-        None,
-    );
+/// An error the client should retry after `secs` (`Retry-After`).
+fn retry_after(status: StatusCode, kind: &str, message: impl Into<String>, secs: u64) -> Response {
+    let mut r = error(status, kind, message, None);
     r.headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from(secs));
     r
 }
 
+/// A 429 for a service too busy to queue for (the openai SDK retries it after `secs`).
+fn too_busy(message: impl Into<String>, secs: u64) -> Response {
+    retry_after(
+        StatusCode::TOO_MANY_REQUESTS,
+        "rate_limit_error",
+        message,
+        secs,
+    )
+}
+
 /// A 503 the client should retry after `secs`.
-fn unavailable(message: impl Into<String>, secs: u32) -> Response {
-    let mut r = error(
+fn unavailable(message: impl Into<String>, secs: u64) -> Response {
+    retry_after(
         StatusCode::SERVICE_UNAVAILABLE,
         "service_unavailable",
         message,
-        None,
-    );
-    r.headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-    r
+        secs,
+    )
 }
 
 fn invalid(message: impl Into<String>, param: Option<&str>) -> Response {
@@ -843,17 +845,16 @@ fn throttle(app: &App, tenant: &Tenant, model: &str, t: &Throttled) -> Response 
             }
         ),
     };
-    let mut r = error(
-        StatusCode::TOO_MANY_REQUESTS,
-        "rate_limit_error",
-        message,
-        None,
-    );
-    if let Some(after) = t.retry_after {
-        let secs = after.as_secs_f64().ceil().max(1.0) as u64;
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-    }
+    let mut r = match t.retry_after {
+        Some(after) => too_busy(message, after.as_secs_f64().ceil().max(1.0) as u64),
+        // It can never pass: no point retrying.
+        None => error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            message,
+            None,
+        ),
+    };
     add_rate_headers(r.headers_mut(), &t.state);
     r
 }
