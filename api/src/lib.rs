@@ -11,7 +11,9 @@
 //!   [`labels`], [`conditions`], [`served`] (who holds a served name), [`signal`], [`tenant`]
 //!   (the InferenceTenant types the router authenticates and limits by);
 //! - with `scrape`: [`exposition`] and [`scrape`], the bounded streaming reader of the pods'
-//!   `/metrics`.
+//!   `/metrics`;
+//! - with `keys`: [`keys`], the API keys `spec.auth` names, read from their Secrets (the
+//!   operator's adapter sync and a router with tenants send them to the pods).
 
 pub mod hash;
 pub mod source;
@@ -35,3 +37,6 @@ pub mod tenant;
 pub mod exposition;
 #[cfg(feature = "scrape")]
 pub mod scrape;
+
+#[cfg(feature = "keys")]
+pub mod keys;

@@ -18,6 +18,7 @@ use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher::{self, watcher};
@@ -58,6 +59,9 @@ pub struct Caches {
     monitors: Arc<OnceLock<Store<PartialObjectMeta<ServiceMonitor>>>>,
     /// Started on first use: only an operator that makes NetworkPolicies watches them.
     network_policies: Arc<OnceLock<Store<PartialObjectMeta<NetworkPolicy>>>>,
+    /// Started on first use: only an operator that grants the router API keys watches these.
+    roles: Arc<OnceLock<Store<PartialObjectMeta<Role>>>>,
+    role_bindings: Arc<OnceLock<Store<PartialObjectMeta<RoleBinding>>>>,
     /// How to start the ServiceMonitor watch; absent in tests that fill the stores by hand.
     starter: Option<Starter>,
 }
@@ -101,6 +105,8 @@ pub struct Writers {
     pub claims: Writer<PartialObjectMeta<PersistentVolumeClaim>>,
     pub monitors: Writer<PartialObjectMeta<ServiceMonitor>>,
     pub network_policies: Writer<PartialObjectMeta<NetworkPolicy>>,
+    pub roles: Writer<PartialObjectMeta<Role>>,
+    pub role_bindings: Writer<PartialObjectMeta<RoleBinding>>,
 }
 
 #[cfg(feature = "test-support")]
@@ -124,6 +130,8 @@ impl Writers {
         done(&mut self.claims);
         done(&mut self.monitors);
         done(&mut self.network_policies);
+        done(&mut self.roles);
+        done(&mut self.role_bindings);
     }
 }
 
@@ -358,6 +366,8 @@ impl Caches {
             claims,
             monitors: Arc::new(OnceLock::new()),
             network_policies: Arc::new(OnceLock::new()),
+            roles: Arc::new(OnceLock::new()),
+            role_bindings: Arc::new(OnceLock::new()),
             starter: Some(starter),
         };
         let feeds = Feeds {
@@ -384,6 +394,12 @@ impl Caches {
         let (network_policies, w_network_policies) = reflector::store();
         let policies = OnceLock::new();
         let _ = policies.set(network_policies);
+        let (roles, w_roles) = reflector::store();
+        let roles_cell = OnceLock::new();
+        let _ = roles_cell.set(roles);
+        let (role_bindings, w_role_bindings) = reflector::store();
+        let bindings_cell = OnceLock::new();
+        let _ = bindings_cell.set(role_bindings);
         let caches = Caches {
             isvcs,
             deployments,
@@ -395,6 +411,8 @@ impl Caches {
             claims,
             monitors: Arc::new(cell),
             network_policies: Arc::new(policies),
+            roles: Arc::new(roles_cell),
+            role_bindings: Arc::new(bindings_cell),
             starter: None,
         };
         let writers = Writers {
@@ -408,6 +426,8 @@ impl Caches {
             claims: w_claims,
             monitors: w_monitors,
             network_policies: w_network_policies,
+            roles: w_roles,
+            role_bindings: w_role_bindings,
         };
         (caches, writers)
     }
@@ -440,6 +460,19 @@ impl Caches {
     ) -> Option<Store<PartialObjectMeta<NetworkPolicy>>> {
         self.lazy(&self.network_policies, "NetworkPolicy", wait)
             .await
+    }
+
+    /// The Role cache (the router's API-key grants), started on first use.
+    pub async fn roles(&self, wait: Duration) -> Option<Store<PartialObjectMeta<Role>>> {
+        self.lazy(&self.roles, "Role", wait).await
+    }
+
+    /// The RoleBinding cache (the router's API-key grants), started on first use.
+    pub async fn role_bindings(
+        &self,
+        wait: Duration,
+    ) -> Option<Store<PartialObjectMeta<RoleBinding>>> {
+        self.lazy(&self.role_bindings, "RoleBinding", wait).await
     }
 
     /// A metadata cache of the operator's children of kind `K`, started the first time it is

@@ -32,6 +32,34 @@ pub struct OperatorConfig {
     /// With `Some`, each InferenceService gets a NetworkPolicy admitting only these peers to
     /// its pods (see `build::network_policy`).
     pub network_policy_peers: Option<Vec<k8s_openapi::api::networking::v1::NetworkPolicyPeer>>,
+    /// With `Some`, ferrite-router's ServiceAccount: each InferenceService with `spec.auth`
+    /// gets a Role letting it read that one Secret, so that a router with tenants (which
+    /// keeps the tenant's key) sends the service's own (see `build::router_key`).
+    pub router_service_account: Option<ServiceAccountRef>,
+}
+
+/// A ServiceAccount by namespace and name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceAccountRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::str::FromStr for ServiceAccountRef {
+    type Err = String;
+
+    /// `NAMESPACE/NAME`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once('/') {
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                Ok(ServiceAccountRef {
+                    namespace: ns.into(),
+                    name: name.into(),
+                })
+            }
+            _ => Err(format!("{s:?} is not NAMESPACE/NAME")),
+        }
+    }
 }
 
 /// One resource profile (see `build::profile`), as the chart's `resourceProfiles.<name>` values give it.
@@ -78,6 +106,7 @@ impl Default for OperatorConfig {
             resource_profiles: BTreeMap::new(),
             monitor_labels: BTreeMap::new(),
             network_policy_peers: None,
+            router_service_account: None,
         }
     }
 }

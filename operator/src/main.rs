@@ -50,6 +50,12 @@ struct Args {
     /// as the chart renders for the router, the operator and Prometheus.
     #[arg(long, env = "FERRITE_NETWORK_POLICY_PEERS", value_parser = network_policy_peers)]
     network_policy_peers: Option<Peers>,
+    /// ferrite-router's ServiceAccount (`NAMESPACE/NAME`), when it runs with tenants: each
+    /// InferenceService with `spec.auth` gets a Role and RoleBinding letting that account
+    /// read the one Secret holding its API key, which the router then sends in place of the
+    /// tenant's. Needs `get` on Secrets (rbac.readApiKeySecrets) to grant it.
+    #[arg(long, env = "FERRITE_ROUTER_SERVICE_ACCOUNT")]
+    router_service_account: Option<ferrite_operator::config::ServiceAccountRef>,
     /// ferrite-server image for CPU pods.
     #[arg(long, env = "FERRITE_SERVER_IMAGE")]
     ferrite_image: Option<String>,
@@ -154,6 +160,7 @@ fn config(args: &Args) -> anyhow::Result<OperatorConfig> {
     }
     c.monitor_labels = args.monitor_labels.iter().cloned().collect();
     c.network_policy_peers = args.network_policy_peers.clone().map(|p| p.0);
+    c.router_service_account = args.router_service_account.clone();
     if let Some(path) = &args.resource_profiles {
         c.resource_profiles = load_resource_profiles(path)?;
         tracing::info!(
@@ -271,7 +278,10 @@ async fn main() -> anyhow::Result<()> {
         ctx.caches.clone(),
         ctx.triggers.clone(),
         adapter_views,
-        ferrite_operator::adapters::keys::ApiKeys::new(client.clone()),
+        ferrite_api::keys::ApiKeys::new(
+            client.clone(),
+            "the chart grants it with rbac.readApiKeySecrets (default true)",
+        ),
         Duration::from_secs(args.adapter_sync_seconds),
     ));
     tokio::spawn(adapters.clone().run(stopped(stop_rx.clone())));

@@ -304,7 +304,7 @@ pub async fn forward_other(State(app): State<Arc<App>>, req: axum::extract::Requ
 /// limits checked, a dispatch → one replica, the head and then the rest of the body streamed to
 /// it as it arrives (no retry: the body is not kept).
 pub async fn forward_upload(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let head_limit = multipart::HEAD_LIMIT;
     let admission = match app
         .limits
@@ -355,7 +355,7 @@ pub async fn forward_upload(State(app): State<Arc<App>>, req: axum::extract::Req
         svc,
         mut dispatched,
         charge,
-    } = match route(&app, &model, &parsed, &parts.headers, tenant.as_deref()).await {
+    } = match route(&app, &model, &parsed, &mut parts.headers, tenant.as_deref()).await {
         Ok(r) => r,
         Err(response) => return *response,
     };
@@ -384,7 +384,7 @@ pub async fn forward_upload(State(app): State<Arc<App>>, req: axum::extract::Req
     let mut request = hyper::Request::builder()
         .method(parts.method.clone())
         .uri(format!("{}{}", ep.base_url, path));
-    for (name, value) in forwarded(&app, &parts.headers) {
+    for (name, value) in forwarded(&parts.headers) {
         request = request.header(name, value);
     }
     let request = match request.body(upload) {
@@ -401,6 +401,9 @@ pub async fn forward_upload(State(app): State<Arc<App>>, req: axum::extract::Req
         .upstream_headers
         .with_label_values(&[model_name])
         .observe(started.elapsed().as_secs_f64());
+    if let Some(refused) = refused_key(&app, &svc, resp.status()) {
+        return refused;
+    }
     count_request(&app, &svc, outcome(resp.status()));
     let tracking = Tracking {
         open,
@@ -473,12 +476,13 @@ struct Routed {
 
 /// The steps from a request's `model` to its service, for JSON bodies and forms alike: the
 /// tenant's access and limits → the member of a split → the service, held while it wakes →
-/// the dispatch, waiting while it is saturated. Or the answer that ends the request.
+/// the credential its pods get → the dispatch, waiting while it is saturated. Or the answer
+/// that ends the request.
 async fn route(
     app: &App,
     model: &str,
     parsed: &Parsed,
-    headers: &HeaderMap,
+    headers: &mut HeaderMap,
     tenant: Option<&Tenant>,
 ) -> Result<Routed, Box<Response>> {
     let charge = match tenant {
@@ -488,6 +492,7 @@ async fn route(
     // A name several services share by weight: one of them, by the prefix key.
     let target = split_member(app, model, parsed, headers).map_err(|m| invalid(m, None))?;
     let svc = resolve(app, target.as_deref().unwrap_or(model)).await?;
+    credential(app, &svc, headers).await?;
     // Waits here while every replica is saturated.
     let dispatched = dispatch(app, &svc, tenant, parsed.work.total()).await?;
     let charge = charge.map(|c| TenantCharge {
@@ -501,6 +506,60 @@ async fn route(
         dispatched,
         charge,
     })
+}
+
+/// The `Authorization` a replica of `svc` gets. Without tenants, the client's: it holds the
+/// service's key, if the service has one. With tenants, never the client's (a tenant's key is
+/// the router's to check): the service's own key where `spec.auth` names one, else none.
+async fn credential(
+    app: &App,
+    svc: &Service,
+    headers: &mut HeaderMap,
+) -> Result<(), Box<Response>> {
+    let Some(tenants) = &app.tenants else {
+        return Ok(());
+    };
+    headers.remove(header::AUTHORIZATION);
+    let Some(secret) = &svc.api_key else {
+        return Ok(());
+    };
+    match tenants.service_keys.get(&svc.namespace, secret).await {
+        Ok(key) => {
+            headers.insert(header::AUTHORIZATION, key.header().clone());
+            Ok(())
+        }
+        Err(e) => {
+            tracing::warn!(service = %svc.id(), error = %e, "no API key to send the service");
+            count_request(app, svc, "upstream_error");
+            Err(Box::new(unavailable(
+                format!(
+                    "`{}` cannot be reached through this router: its API key: {e}",
+                    svc.model
+                ),
+                5,
+            )))
+        }
+    }
+}
+
+/// A replica's 401 to the key the router sent for its service (the Secret was rotated since
+/// it was read): not the tenant's to fix, so a 503; the key is read again for the next request.
+fn refused_key(app: &App, svc: &Service, status: StatusCode) -> Option<Response> {
+    let (Some(tenants), Some(secret)) = (&app.tenants, &svc.api_key) else {
+        return None;
+    };
+    if status != StatusCode::UNAUTHORIZED {
+        return None;
+    }
+    tenants.service_keys.forget(&svc.namespace, secret);
+    count_request(app, svc, "upstream_error");
+    Some(unavailable(
+        format!(
+            "`{}` refused the router's copy of its API key; it is read again",
+            svc.model
+        ),
+        1,
+    ))
 }
 
 /// A tenant's access to `model` and its limits for this request: the charge, or the 403/429.
@@ -537,7 +596,7 @@ fn admit_tenant(
 /// body (bounded) → resolve the service (holding while it wakes) → attempt a replica, again on
 /// another only if the first provably did not take the request.
 async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Response {
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let admission = match app.limits.admit(content_length(&parts.headers)) {
         Ok(a) => a,
         Err(r) => {
@@ -586,7 +645,7 @@ async fn forward_as(app: Arc<App>, req: axum::extract::Request, api: Api) -> Res
         svc,
         dispatched,
         charge,
-    } = match route(&app, model, &parsed, &parts.headers, tenant.as_deref()).await {
+    } = match route(&app, model, &parsed, &mut parts.headers, tenant.as_deref()).await {
         Ok(r) => r,
         Err(response) => return *response,
     };
@@ -996,7 +1055,7 @@ async fn resolve(app: &App, model: &str) -> Result<Service, Response> {
         }
     };
     match hold(app, svc.clone()).await {
-        Held::Ready(s) => Ok(s),
+        Held::Ready(s) => Ok(*s),
         Held::Degraded(reason) => {
             outcome("degraded");
             Err(degraded(&svc.model, &reason))
@@ -1115,6 +1174,9 @@ async fn attempt(
             Ok(resp) => resp,
             Err(e) => return upstream_error(app, svc, ep, "replica unreachable", e),
         };
+        if let Some(refused) = refused_key(app, svc, resp.status()) {
+            return refused;
+        }
         count_request(app, svc, outcome(resp.status()));
         let resumer = seed.map(|seed| {
             Box::new(Resumer {
@@ -1458,7 +1520,7 @@ async fn send(
     body: Bytes,
 ) -> Result<hyper::Response<Incoming>, SendError> {
     let mut req = hyper::Request::builder().method(method.clone()).uri(url);
-    for (name, value) in forwarded(app, headers) {
+    for (name, value) in forwarded(headers) {
         req = req.header(name, value);
     }
     let req = req
@@ -1467,18 +1529,15 @@ async fn send(
     app.client.request(req).await.map_err(SendError::Client)
 }
 
-/// The request headers passed to a replica: [`FORWARDED`] and `x-request-id`; a tenant's key
-/// is the router's to check, and never reaches a pod.
-fn forwarded<'a>(
-    app: &App,
-    headers: &'a HeaderMap,
-) -> impl Iterator<Item = (&'static header::HeaderName, &'a HeaderValue)> {
+/// The request headers passed to a replica: [`FORWARDED`] and `x-request-id`. With tenants,
+/// `Authorization` is the service's own key by now, never the tenant's ([`credential`]).
+fn forwarded(
+    headers: &HeaderMap,
+) -> impl Iterator<Item = (&'static header::HeaderName, &HeaderValue)> {
     static REQUEST_ID: header::HeaderName = header::HeaderName::from_static("x-request-id");
-    let tenants = app.tenants.is_some();
     FORWARDED
         .iter()
         .chain([&REQUEST_ID])
-        .filter(move |n| !tenants || **n != header::AUTHORIZATION)
         .flat_map(move |name| headers.get_all(name).iter().map(move |v| (name, v)))
 }
 
@@ -1501,7 +1560,7 @@ impl SendError {
 
 /// How a hold ended.
 enum Held {
-    Ready(Service),
+    Ready(Box<Service>),
     /// The service turned Degraded while requests waited: no point waiting on.
     Degraded(String),
     TimedOut(Duration),
@@ -1527,7 +1586,7 @@ async fn hold(app: &App, svc: Service) -> Held {
     let outcome = loop {
         if let Some(s) = app.registry.find(&id) {
             if !s.endpoints.is_empty() {
-                break Held::Ready(s);
+                break Held::Ready(Box::new(s));
             }
             if let Some(reason) = s.degraded {
                 break Held::Degraded(reason);

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferrite_api::conditions;
-use ferrite_api::crd::{InferenceService, RoutingPolicy};
+use ferrite_api::crd::{InferenceService, RoutingPolicy, SecretKeyRef};
 use ferrite_api::served::{served_name, served_name_holder, split_group};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -45,6 +45,8 @@ pub struct Service {
     pub adapter: Option<String>,
     /// Its aliases (`spec.model.aliases`).
     pub aliases: Vec<String>,
+    /// The Secret holding its API key (`spec.auth`), which a router with tenants sends.
+    pub api_key: Option<SecretKeyRef>,
 }
 
 impl Service {
@@ -235,6 +237,11 @@ impl Registry {
                 .map(|a| a.name.clone())
                 .collect(),
             aliases: isvc.spec.model.aliases.clone(),
+            api_key: isvc
+                .spec
+                .auth
+                .as_ref()
+                .map(|a| a.api_key_secret_ref.clone()),
             adapter: None,
             namespace: ns,
             name,

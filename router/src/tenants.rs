@@ -6,6 +6,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
+use ferrite_api::keys::ApiKeys;
 use ferrite_api::tenant::{InferenceTenant, TENANT_LABEL};
 use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::reflector::{self, Store};
@@ -142,12 +143,19 @@ fn trim(v: &[u8]) -> &[u8] {
     &v[start..end.max(start)]
 }
 
+/// How the router may read a service's key Secret: no standing right, a grant per service.
+const GRANTED_BY: &str = "the operator grants the router `get` on it when run with \
+     --router-service-account (the chart does with router.tenants.enabled and \
+     rbac.readApiKeySecrets)";
+
 /// The watched tenants and keys, and the directory built from them.
 #[derive(Clone)]
 pub struct Tenants {
     tenants: Store<InferenceTenant>,
     secrets: Store<Secret>,
     directory: Arc<RwLock<Arc<Directory>>>,
+    /// The API keys of services with `spec.auth`, sent in place of the tenant's.
+    pub service_keys: Arc<ApiKeys>,
 }
 
 impl std::fmt::Debug for Tenants {
@@ -169,6 +177,7 @@ impl Tenants {
             watcher::Config::default(),
             changed.clone(),
         );
+        let service_keys = ApiKeys::new(client.clone(), GRANTED_BY);
         let secrets = reflect(
             "Secret",
             Api::<Secret>::namespaced(client, secrets_namespace),
@@ -179,6 +188,7 @@ impl Tenants {
             tenants,
             secrets,
             directory: Arc::default(),
+            service_keys,
         };
         let rebuild = t.clone();
         tokio::spawn(async move {

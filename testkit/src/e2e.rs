@@ -555,15 +555,24 @@ pub struct Router {
     pub guard: Guard,
     /// `http://127.0.0.1:port`: its `--addr`, moved to loopback.
     pub base: String,
+    /// Its `--metrics-addr` (with tenants), moved to loopback; else [`Router::base`].
+    pub metrics_base: String,
     pub log: PathBuf,
     _dir: TempDir,
 }
 
 impl Router {
     /// Starts the router binary with the rendered router Deployment's arguments (its `--addr`
-    /// on a free loopback port), environment and ServiceAccount.
+    /// and any `--metrics-addr` on free loopback ports), environment and ServiceAccount.
     pub async fn launch(cluster: &Cluster, release: &Release) -> Router {
         let port = free_port();
+        let metrics_port = free_port();
+        let own_metrics =
+            router_deployment(&release.docs)["spec"]["template"]["spec"]["containers"][0]["args"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|a| a.as_str().is_some_and(|a| a.starts_with("--metrics-addr=")));
         let (guard, log, dir) = run_container(
             cluster,
             &release.docs,
@@ -573,6 +582,8 @@ impl Router {
             |a| {
                 if a.starts_with("--addr=") {
                     format!("--addr=127.0.0.1:{port}")
+                } else if a.starts_with("--metrics-addr=") {
+                    format!("--metrics-addr=127.0.0.1:{metrics_port}")
                 } else {
                     a.to_string()
                 }
@@ -580,9 +591,11 @@ impl Router {
             &[],
         )
         .await;
+        let metrics_port = if own_metrics { metrics_port } else { port };
         Router {
             guard,
             base: format!("http://127.0.0.1:{port}"),
+            metrics_base: format!("http://127.0.0.1:{metrics_port}"),
             log,
             _dir: dir,
         }
@@ -889,10 +902,26 @@ pub fn requests(cluster: &Cluster, user: &str) -> (Vec<(String, String, String)>
 /// beyond them (discovery aside); `log` is the process's, for the message. Returns how many
 /// distinct (verb, group, resource) uses it made.
 pub fn assert_exact_rbac(cluster: &Cluster, docs: &[Value], sa: &str, log: &str) -> usize {
+    assert_exact_rbac_with(cluster, docs, sa, log, &[])
+}
+
+/// [`assert_exact_rbac`], with `also` (verb, group, resource) granted elsewhere (a Role the
+/// operator makes), which must be used too.
+pub fn assert_exact_rbac_with(
+    cluster: &Cluster,
+    docs: &[Value],
+    sa: &str,
+    log: &str,
+    also: &[(&str, &str, &str)],
+) -> usize {
     let (seen, refused) = requests(cluster, &format!("system:serviceaccount:{NAMESPACE}:{sa}"));
     assert!(refused.is_empty(), "refused requests: {refused:#?}\n{log}");
     let used: BTreeSet<(String, String, String)> = seen.into_iter().collect();
-    let granted = granted(docs, sa);
+    let mut granted = granted(docs, sa);
+    granted.extend(
+        also.iter()
+            .map(|(v, g, r)| (v.to_string(), g.to_string(), r.to_string())),
+    );
     let unused: Vec<_> = granted.iter().filter(|g| !used.contains(g)).collect();
     assert!(
         unused.is_empty(),

@@ -291,9 +291,16 @@ pub fn start_server_at(host: &str, port: u16, extra: &[&str]) -> Server {
 
 /// [`start_server`], started and healthy (off the async runtime), and its port on 127.0.0.1.
 pub async fn ready_server() -> (Server, u16) {
+    ready_server_with(&[]).await
+}
+
+/// [`ready_server`] with `extra` flags.
+pub async fn ready_server_with(extra: &[&str]) -> (Server, u16) {
     let port = free_port();
+    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
     let s = tokio::task::spawn_blocking(move || {
-        let mut s = start_server_at("127.0.0.1", port, &[]);
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let mut s = start_server_at("127.0.0.1", port, &extra);
         s.wait_ready();
         s
     })

@@ -410,6 +410,25 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 Some(1)
             );
             assert!(has_arg("--router-port=9090"), "{args:?}");
+            // The router sends a spec.auth service its own key: the operator grants it `get` on
+            // that Secret alone, per service, so it may write Roles and RoleBindings.
+            let account = &router.deployment["spec"]["template"]["spec"]["serviceAccountName"];
+            let account = format!(
+                "--router-service-account={NAMESPACE}/{}",
+                account.as_str().expect("the router's ServiceAccount")
+            );
+            assert!(has_arg(&account), "{args:?}");
+            let operator_rules = &find(docs, "ClusterRole")
+                .into_iter()
+                .find(|r| r["rules"][0]["resources"] == json!(["inferenceservices"]))
+                .expect("the operator's ClusterRole")["rules"];
+            assert!(
+                operator_rules.as_array().into_iter().flatten().any(|r| {
+                    r["apiGroups"] == json!(["rbac.authorization.k8s.io"])
+                        && r["resources"] == json!(["roles", "rolebindings"])
+                }),
+                "{operator_rules}"
+            );
             assert!(
                 router.args.iter().any(|a| a == "--tenants"),
                 "{:?}",

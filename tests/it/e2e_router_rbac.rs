@@ -21,12 +21,12 @@ use std::time::Duration;
 
 use ferrite_testkit::chart::router_args;
 use ferrite_testkit::e2e::{
-    Operator, Router, assert_exact_rbac, audited, bind_pods, get_isvc, install, isvc, isvc_api,
-    pods_ready,
+    Operator, Router, assert_exact_rbac, assert_exact_rbac_with, audited, bind_pods, get_isvc,
+    install, isvc, isvc_api, pods_ready,
 };
 use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
-use ferrite_testkit::server::{post_json, ready_server};
+use ferrite_testkit::server::{post_json, ready_server, ready_server_with};
 use kube::api::{Patch, PatchParams};
 use serde_json::{Value, json};
 
@@ -229,4 +229,125 @@ async fn a_namespaced_read_only_router_needs_no_more_than_its_role() {
         false,
     )
     .await;
+}
+
+/// A key as a client sends it.
+fn bearer(key: &str) -> String {
+    format!("Bearer {key}")
+}
+
+/// POST a completion for `model` to `base` with `key`: (status, body).
+async fn complete_with_key(base: String, model: &str, key: &str) -> (u16, String) {
+    let key = bearer(key);
+    let body = json!({"model": model, "prompt": "The capital of France is", "max_tokens": 4,
+                      "temperature": 0});
+    tokio::task::spawn_blocking(move || {
+        match ureq::post(&format!("{base}/v1/completions"))
+            .set("Authorization", &key)
+            .timeout(Duration::from_secs(30))
+            .send_json(body)
+        {
+            Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+            Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap_or_default()),
+            Err(e) => (0, e.to_string()),
+        }
+    })
+    .await
+    .expect("request thread")
+}
+
+/// The chart with tenants on, the operator and router run as its ServiceAccounts: a service
+/// whose server wants its own key (`spec.auth`) is reached through the router with a tenant's
+/// key, the router sending the service's key in its place. The router reads that Secret
+/// through the Role the operator made for the service (get, that one name), no rule of the
+/// chart's: the audit log shows the router never refused and using exactly the chart's rules
+/// plus that get. The tenant's key alone is refused by the server, so the answer shows the
+/// swap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_with_tenants_sends_a_guarded_service_its_own_key() {
+    const SERVICE_KEY: &str = "service-key-0123456789";
+    const TENANT_KEY: &str = "tenant-key-abcdefghij";
+    let Some(cluster) = Cluster::start_with(audited()).await else {
+        return;
+    };
+    let client = cluster.client().await;
+    let tag = "router-keys";
+    let ns = cluster.namespace(tag).await;
+    // A service that is up: nothing to wake (the wake's grant is the first test's).
+    let values = json!({"router": {"tenants": {"enabled": true}, "endpointsFrom": "pods",
+                                   "scaleFromZero": false}});
+    let release = install(&cluster, &values, tag).await;
+    let _operator = Operator::launch(&cluster, &release, "op-0", &[]).await;
+    let (_server, port) = ready_server_with(&["--api-key", SERVICE_KEY]).await;
+    let mut applier = ferrite_testkit::e2e::Applier::new(client.clone()).await;
+    applier
+        .apply(&json!({"apiVersion": "v1", "kind": "Secret",
+                       "metadata": {"name": "smol-key", "namespace": ns},
+                       "stringData": {"api-key": SERVICE_KEY}}))
+        .await;
+    applier
+        .apply(&json!({"apiVersion": "v1", "kind": "Secret",
+                       "metadata": {"name": "team-a-key", "namespace": "ferrite-system",
+                                    "labels": {"ferrite.dev/tenant": "team-a"}},
+                       "stringData": {"key": TENANT_KEY}}))
+        .await;
+    applier
+        .apply(
+            &json!({"apiVersion": "ferrite.dev/v1alpha1", "kind": "InferenceTenant",
+                       "metadata": {"name": "team-a"}, "spec": {"models": ["smol"]}}),
+        )
+        .await;
+    ferrite_testkit::e2e::create(
+        &client,
+        &isvc(
+            &ns,
+            "smol",
+            json!({"model": {"source": "/models/smol.gguf"}, "replicas": 1,
+                   "runtime": {"port": port},
+                   "auth": {"apiKeySecretRef": {"name": "smol-key"}}}),
+        ),
+    )
+    .await;
+    eventually(WAIT, "smol's pod", async || {
+        (pods_ready(&client, &ns, "smol", "127.0.0.1").await > 0).then_some(())
+    })
+    .await;
+    // The operator's grant: get on that one Secret, for the router's account.
+    let roles: kube::Api<k8s_openapi::api::rbac::v1::Role> =
+        kube::Api::namespaced(client.clone(), &ns);
+    let role = eventually(WAIT, "the router's grant", async || {
+        roles.get_opt("smol-router-key").await.ok().flatten()
+    })
+    .await;
+    let rule = &role.rules.expect("rules")[0];
+    assert_eq!(rule.resource_names, Some(vec!["smol-key".to_string()]));
+    assert_eq!(rule.verbs, ["get"]);
+
+    let mut router = Router::launch(&cluster, &release).await;
+    let base = router.base.clone();
+    let server = format!("http://127.0.0.1:{port}");
+    let (status, body) = complete_with_key(server, "smol", TENANT_KEY).await;
+    assert_eq!(status, 401, "the server refuses the tenant's key: {body}");
+    let answered = eventually(WAIT, "a completion through the router", async || {
+        let (status, body) = complete_with_key(base.clone(), "smol", TENANT_KEY).await;
+        (status == 200).then_some(body)
+    })
+    .await;
+    let answer: Value = serde_json::from_str(&answered).expect("JSON");
+    assert!(answer["choices"][0]["text"].is_string(), "{answer}");
+    let (status, body) = complete_with_key(base.clone(), "smol", "not-a-tenant-key").await;
+    assert_eq!(status, 401, "{body}");
+
+    let (status, router) = tokio::task::spawn_blocking(move || (router.terminate(), router))
+        .await
+        .expect("terminate");
+    assert!(status.success(), "{}", router.log());
+    let used = assert_exact_rbac_with(
+        &cluster,
+        &release.docs,
+        &release.router_service_account(),
+        &router.log(),
+        &[("get", "", "secrets")],
+    );
+    eprintln!("{tag}: {used} distinct (verb, group, resource) uses by the router, all granted");
 }

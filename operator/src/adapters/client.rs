@@ -11,8 +11,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{Value, json};
 
-use super::keys::ApiKey;
 use crate::build::adapters::{Resident, Wanted};
+use ferrite_api::keys::ApiKey;
 
 /// Largest answer read from a pod: a model list of a thousand adapters is well under it.
 const MAX_BODY: usize = 1 << 20;

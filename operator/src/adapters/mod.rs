@@ -3,5 +3,4 @@
 //! and what status says are pure, in `build::adapters`.
 
 pub mod client;
-pub mod keys;
 pub mod sync;

@@ -14,11 +14,11 @@ use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 
 use super::client::PodApi;
-use super::keys::{ApiKey, ApiKeys};
 use crate::autoscale::store::Key;
 use crate::build::adapters::{self as plan, Outcome, Replica, Wanted};
 use crate::cache::{Caches, Triggers};
 use ferrite_api::crd::{AdapterStatus, InferenceService};
+use ferrite_api::keys::{ApiKey, ApiKeys};
 use ferrite_api::scrape::{PodTarget, pod_targets};
 
 /// InferenceServices synced at once.
@@ -143,7 +143,7 @@ impl AdapterSync {
             .iter()
             .filter_map(|i| {
                 let secret = &i.spec.auth.as_ref()?.api_key_secret_ref;
-                Some(super::keys::slot(&i.namespace()?, secret))
+                Some(ferrite_api::keys::slot(&i.namespace()?, secret))
             })
             .collect();
         self.keys.retain(|slot| secrets.contains(slot));

@@ -13,6 +13,7 @@ pub mod monitor;
 pub mod network_policy;
 pub mod profile;
 pub mod quantity;
+pub mod router_key;
 pub mod service;
 
 use std::borrow::Cow;
@@ -56,6 +57,12 @@ pub struct Desired {
     pub hpa: Option<HorizontalPodAutoscaler>,
     /// Only when the operator runs with `--network-policy-peers`.
     pub network_policy: Option<k8s_openapi::api::networking::v1::NetworkPolicy>,
+    /// ferrite-router's `get` on the Secret `spec.auth` names: only with `spec.auth` and the
+    /// operator run with `--router-service-account`.
+    pub router_key: Option<(
+        k8s_openapi::api::rbac::v1::Role,
+        k8s_openapi::api::rbac::v1::RoleBinding,
+    )>,
     /// The label selector of the pods, for status.selector (the scale subresource).
     pub selector: String,
     /// In-cluster base URL of the API.
@@ -390,11 +397,17 @@ pub fn desired(
         .network_policy_peers
         .as_deref()
         .map(|peers| network_policy::network_policy(owner, isvc.port(), peers));
+    let router_key = config
+        .router_service_account
+        .as_ref()
+        .zip(isvc.spec.auth.as_ref())
+        .map(|(router, auth)| router_key::router_key(owner, auth, router));
     let selector = selector(&owner.name);
     let url = url(isvc);
     Ok(Desired {
         hpa,
         network_policy,
+        router_key,
         deployment,
         service,
         pdb,

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PartialObjectMeta, Patch};
 use kube::runtime::controller::Action;
@@ -140,6 +141,14 @@ struct Cluster {
     monitors: Option<Store<PartialObjectMeta<ServiceMonitor>>>,
     /// The NetworkPolicy cache, when the operator makes them.
     network_policies: Option<Store<PartialObjectMeta<NetworkPolicy>>>,
+    /// The Role and RoleBinding caches, when the operator grants the router API keys.
+    router_keys: Option<RouterKeyStores>,
+}
+
+/// The caches of the router's API-key grants (see `build::router_key`).
+struct RouterKeyStores {
+    roles: Store<PartialObjectMeta<Role>>,
+    bindings: Store<PartialObjectMeta<RoleBinding>>,
 }
 
 /// Dereference: the optional APIs the cluster serves, and their caches.
@@ -167,12 +176,28 @@ async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
         ),
         None => None,
     };
+    let router_keys = match ctx.config.router_service_account {
+        Some(_) => Some(RouterKeyStores {
+            roles: ctx
+                .caches
+                .roles(MONITOR_CACHE_WAIT)
+                .await
+                .ok_or(Error::Cache("Role"))?,
+            bindings: ctx
+                .caches
+                .role_bindings(MONITOR_CACHE_WAIT)
+                .await
+                .ok_or(Error::Cache("RoleBinding"))?,
+        }),
+        None => None,
+    };
     Ok(Cluster {
         caps: ClusterCapabilities {
             service_monitor_crd,
         },
         monitors,
         network_policies,
+        router_keys,
     })
 }
 
@@ -243,6 +268,7 @@ async fn apply_step(
         uid: &id.uid,
         monitors: cluster.monitors.as_ref(),
         network_policies: cluster.network_policies.as_ref(),
+        router_keys: cluster.router_keys.as_ref(),
     };
     match children.apply_all(desired, events).await {
         Ok(deployment) => Ok(Applied {
@@ -458,6 +484,8 @@ struct Children<'a> {
     monitors: Option<&'a Store<PartialObjectMeta<ServiceMonitor>>>,
     /// The NetworkPolicy cache, when the operator makes them.
     network_policies: Option<&'a Store<PartialObjectMeta<NetworkPolicy>>>,
+    /// The Role and RoleBinding caches, when the operator grants the router API keys.
+    router_keys: Option<&'a RouterKeyStores>,
 }
 
 impl Children<'_> {
@@ -507,6 +535,17 @@ impl Children<'_> {
         // Only an operator that makes NetworkPolicies watches, applies or prunes them.
         if let Some(store) = self.network_policies {
             self.converge(desired.network_policy, cached_meta(store, ns, name), events)
+                .await?;
+        }
+        // Only an operator told the router's ServiceAccount grants it keys, or prunes grants.
+        if let Some(stores) = self.router_keys {
+            let key = build::router_key::name_of(name);
+            let (role, binding) = desired.router_key.unzip();
+            // The Role first: a binding to a missing Role grants nothing, and is refused
+            // nothing either.
+            self.converge(role, cached_meta(&stores.roles, ns, &key), events)
+                .await?;
+            self.converge(binding, cached_meta(&stores.bindings, ns, &key), events)
                 .await?;
         }
 

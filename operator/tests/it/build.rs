@@ -943,6 +943,65 @@ fn a_network_policy_admits_only_the_configured_peers_to_the_pods_port() {
     assert_eq!(closed.policy_types, Some(vec!["Ingress".to_string()]));
 }
 
+/// With `--router-service-account`, a service with `spec.auth` grants the router `get` on its
+/// key's Secret and nothing else; a service without one grants nothing.
+#[test]
+fn a_router_is_granted_only_the_secret_spec_auth_names() {
+    let router = OperatorConfig {
+        router_service_account: Some("ferrite-system/ferrite-router".parse().expect("a ref")),
+        ..config()
+    };
+    let plain = json!({"model": {"source": "/m.gguf"}});
+    assert!(
+        build(&isvc(plain), &router, NO_MONITOR_CRD)
+            .expect("builds")
+            .router_key
+            .is_none()
+    );
+    let guarded = json!({"model": {"source": "/m.gguf"},
+                         "auth": {"apiKeySecretRef": {"name": "chat-key", "key": "k"}}});
+    assert!(
+        built(guarded.clone(), NO_MONITOR_CRD).router_key.is_none(),
+        "only when the operator is told the router's account"
+    );
+    let (role, binding) = build(&isvc(guarded), &router, NO_MONITOR_CRD)
+        .expect("builds")
+        .router_key
+        .expect("a grant");
+    for meta in [&role.metadata, &binding.metadata] {
+        assert_eq!(meta.name.as_deref(), Some("chat-router-key"));
+        assert_eq!(meta.namespace.as_deref(), Some("ml"));
+        assert_eq!(
+            meta.owner_references.as_ref().expect("owned")[0].uid,
+            "1234-abcd"
+        );
+    }
+    let rules = role.rules.expect("rules");
+    assert_eq!(rules.len(), 1);
+    assert_eq!(rules[0].api_groups, Some(vec![String::new()]));
+    assert_eq!(rules[0].resources, Some(vec!["secrets".to_string()]));
+    assert_eq!(rules[0].resource_names, Some(vec!["chat-key".to_string()]));
+    assert_eq!(rules[0].verbs, ["get"]);
+    assert_eq!(binding.role_ref.kind, "Role");
+    assert_eq!(binding.role_ref.name, "chat-router-key");
+    let subject = &binding.subjects.expect("subjects")[0];
+    assert_eq!(
+        (
+            subject.kind.as_str(),
+            subject.name.as_str(),
+            subject.namespace.as_deref()
+        ),
+        ("ServiceAccount", "ferrite-router", Some("ferrite-system"))
+    );
+    for bad in ["ferrite-router", "/x", "ns/", "a/b/c"] {
+        assert!(
+            bad.parse::<ferrite_operator::config::ServiceAccountRef>()
+                .is_err(),
+            "{bad}"
+        );
+    }
+}
+
 #[test]
 fn model_sha256_reaches_ferrite_server_and_vllm_is_refused() {
     let sha = "0123456789abcdef".repeat(4);

@@ -1,9 +1,10 @@
-//! The API keys of InferenceServices with `spec.auth`, read from the Secret each names so that
-//! the adapter sync can call their pods' load/unload API, which the key guards like every other
-//! `/v1` path (ferrite-server and vLLM alike).
+//! The API keys of InferenceServices with `spec.auth`, read from the Secret each names: the
+//! operator's adapter sync calls their pods' load/unload API with it, and a router with
+//! tenants (which keeps each tenant's own key) sends it with every request, as the key guards
+//! every `/v1` path (ferrite-server and vLLM alike).
 //!
 //! Only the Secret and key the InferenceService names, in its own namespace, are read: the same
-//! value its pods already receive in their environment, so the operator learns nothing a pod of
+//! value its pods already receive in their environment, so a reader learns nothing a pod of
 //! that service does not. A key is kept for [`KEY_TTL`] and forgotten early when a pod refuses
 //! it (the Secret was rotated), so a settled service costs one read per TTL.
 
@@ -15,7 +16,7 @@ use http::HeaderValue;
 use k8s_openapi::api::core::v1::Secret;
 use kube::Api;
 
-use ferrite_api::crd::SecretKeyRef;
+use crate::crd::SecretKeyRef;
 
 /// How long a key read from its Secret is used before it is read again.
 pub const KEY_TTL: Duration = Duration::from_secs(300);
@@ -50,11 +51,8 @@ impl std::fmt::Debug for ApiKey {
 pub enum KeyError {
     #[error("Secret {0} (spec.auth.apiKeySecretRef) does not exist")]
     NoSecret(String),
-    #[error(
-        "the operator may not read Secret {0}; the chart grants it with rbac.readApiKeySecrets \
-         (default true)"
-    )]
-    Forbidden(String),
+    #[error("may not read Secret {0}; {1}")]
+    Forbidden(String, &'static str),
     #[error("Secret {0} has no key {1:?}")]
     NoKey(String, String),
     #[error("the value of key {1:?} in Secret {0} is empty or not a valid header value")]
@@ -68,7 +66,7 @@ impl KeyError {
     pub fn reason(&self) -> &'static str {
         match self {
             KeyError::NoSecret(_) => "ApiKeySecretNotFound",
-            KeyError::Forbidden(_) => "ApiKeySecretForbidden",
+            KeyError::Forbidden(..) => "ApiKeySecretForbidden",
             KeyError::NoKey(..) | KeyError::Unusable(..) => "ApiKeyMissing",
             KeyError::Api(..) => "ApiKeyUnreadable",
         }
@@ -81,6 +79,8 @@ pub type Slot = (String, String, String);
 /// Keys read from Secrets, each with when it was read.
 pub struct ApiKeys {
     client: kube::Client,
+    /// What grants the reader `get` on the Secrets, for the message when it may not.
+    granted_by: &'static str,
     read: Mutex<HashMap<Slot, (ApiKey, Instant)>>,
 }
 
@@ -91,9 +91,11 @@ impl std::fmt::Debug for ApiKeys {
 }
 
 impl ApiKeys {
-    pub fn new(client: kube::Client) -> Arc<ApiKeys> {
+    /// Reads with `client`; `granted_by` says how that client is let read a service's Secret.
+    pub fn new(client: kube::Client, granted_by: &'static str) -> Arc<ApiKeys> {
         Arc::new(ApiKeys {
             client,
+            granted_by,
             read: Mutex::default(),
         })
     }
@@ -109,7 +111,9 @@ impl ApiKeys {
         let found = match api.get(&secret.name).await {
             Ok(s) => s,
             Err(kube::Error::Api(e)) if e.code == 404 => return Err(KeyError::NoSecret(name)),
-            Err(kube::Error::Api(e)) if e.code == 403 => return Err(KeyError::Forbidden(name)),
+            Err(kube::Error::Api(e)) if e.code == 403 => {
+                return Err(KeyError::Forbidden(name, self.granted_by));
+            }
             Err(e) => return Err(KeyError::Api(name, e.to_string())),
         };
         let key = key_in(&found, &slot.2).map_err(|e| match e {
@@ -222,12 +226,12 @@ mod tests {
     fn each_failure_has_its_reason() {
         let n = || "ns/keys".to_string();
         assert_eq!(KeyError::NoSecret(n()).reason(), "ApiKeySecretNotFound");
-        assert_eq!(KeyError::Forbidden(n()).reason(), "ApiKeySecretForbidden");
+        let forbidden = KeyError::Forbidden(n(), "the chart grants it with rbac.readApiKeySecrets");
+        assert_eq!(forbidden.reason(), "ApiKeySecretForbidden");
         assert_eq!(KeyError::NoKey(n(), "k".into()).reason(), "ApiKeyMissing");
-        assert!(
-            KeyError::Forbidden(n())
-                .to_string()
-                .contains("rbac.readApiKeySecrets")
+        assert_eq!(
+            forbidden.to_string(),
+            "may not read Secret ns/keys; the chart grants it with rbac.readApiKeySecrets"
         );
     }
 
