@@ -4,6 +4,7 @@
 //! service with no ready replica are held while it scales from zero ([`proxy`]).
 
 pub mod candidates;
+pub mod demand;
 pub mod flow;
 pub mod limits;
 pub mod load;
@@ -43,6 +44,7 @@ use crate::registry::Registry;
 pub use flow::FlowConfig;
 pub use limits::LimitConfig;
 pub use members::EndpointsFrom;
+pub use peers::PeerConfig;
 pub use proxy::{App, Config};
 
 /// Why the router could not start.
@@ -69,13 +71,19 @@ pub async fn start(
 ) -> Result<Arc<App>, StartError> {
     let registry = Registry::start(client.clone(), namespace, from);
     registry.ready().await?;
+    let demand = Arc::new(demand::Demand::default());
     let (tenants, peers) = match &config.tenants {
         Some(ns) => {
             let t = tenants::Tenants::start(client.clone(), ns);
             t.ready().await?;
             let peers = match &config.peers {
-                Some(selector) => {
-                    let p = peers::Peers::start(client.clone(), ns, selector);
+                Some(peer_config) => {
+                    let p = peers::Peers::start(
+                        client.clone(),
+                        ns,
+                        peer_config.clone(),
+                        demand.clone(),
+                    );
                     p.ready().await?;
                     Some(p)
                 }
@@ -144,11 +152,22 @@ pub fn routes(app: Arc<App>) -> Router {
 }
 
 /// `/metrics` alone, for a port of its own (`--metrics-addr`): the series name every tenant,
-/// which the tenants' own API port must not show.
+/// which the tenants' own API port must not show. The tenants' rates for the other replicas
+/// ([`peers`]) are served beside it, for the same reason.
 pub fn metrics_routes(app: Arc<App>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
+        .route(peers::DEMAND_PATH, get(tenant_demand))
         .with_state(app)
+}
+
+/// This replica's tenants' rates as last published (tokens a second), a JSON object.
+async fn tenant_demand(State(app): State<Arc<App>>) -> impl IntoResponse {
+    let rates = match &app.peers {
+        Some(p) => p.published(),
+        None => app.demand.rates(std::time::Instant::now()),
+    };
+    axum::Json(rates)
 }
 
 /// The OpenAI API and health, without `/metrics`.

@@ -96,10 +96,19 @@ struct Args {
     #[arg(long, env = "POD_NAMESPACE")]
     tenant_secrets_namespace: Option<String>,
     /// With --tenants: the label selector of this router's pods in that namespace. Each
-    /// replica then enforces its share of every tenant's limits, one over the Ready replicas
-    /// it sees (without it, each enforces them whole).
+    /// replica then enforces a share of every tenant's limits, following the tenant's traffic
+    /// each replica sees, read from the others every second (without it, each enforces them
+    /// whole).
     #[arg(long)]
     peers: Option<String>,
+    /// This replica's pod name, to tell itself among --peers (without it the limits are split
+    /// evenly).
+    #[arg(long, env = "POD_NAME")]
+    pod_name: Option<String>,
+    /// The port the other replicas serve their tenants' rates on (default: --metrics-addr's
+    /// port, else --addr's).
+    #[arg(long)]
+    peer_port: Option<u16>,
     /// Send every request to a replica at once, even when all of its service's replicas are
     /// saturated (off: such requests wait in the router, in priority order and fair across
     /// tenants by tokens).
@@ -174,7 +183,14 @@ async fn main() -> anyhow::Result<()> {
                  tenants' key Secrets are"
             ),
         },
-        peers: args.peers,
+        peers: args.peers.map(|selector| ferrite_router::PeerConfig {
+            selector,
+            pod_name: args.pod_name,
+            port: args
+                .peer_port
+                .or(args.metrics_addr.map(|a| a.port()))
+                .unwrap_or(args.addr.port()),
+        }),
         flow: (!args.no_flow_control).then_some(FlowConfig {
             queue_depth: args.saturation_queue_depth.max(0.0),
             kv_usage: args.saturation_kv_cache_usage.clamp(0.0, 1.0),

@@ -1,40 +1,99 @@
 //! The router's replicas, as each sees them: the Ready pods matching `--peers` in its own
-//! namespace. A tenant's limits are split evenly among them ([`Peers::share`]), so that
-//! several replicas together admit about what one would, with no store between them; the
-//! split follows replicas as they come and go.
+//! namespace. Each replica enforces a share of every tenant's limits ([`Peers::share`]), so
+//! that several replicas together admit about what one would, with no store between them.
+//! The shares follow each tenant's traffic: every second a replica publishes the rate each
+//! tenant asks of it ([`crate::demand`]) at `/internal/tenant-demand` and reads the other
+//! replicas' (at their pod IPs, `--peer-port`); a replica not heard from lately, or one that
+//! does not know which pod it is, falls back to the even split `1/N`.
 
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::client::legacy::connect::HttpConnector;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 
+use crate::demand::{self, Demand};
 use crate::registry::reflect;
 
-/// The watched router pods.
+/// Where the replicas are and how to reach them.
+#[derive(Debug, Clone)]
+pub struct PeerConfig {
+    /// The label selector of the router's pods.
+    pub selector: String,
+    /// This replica's pod name (`POD_NAME`); without it the split stays even.
+    pub pod_name: Option<String>,
+    /// The port every replica serves `/internal/tenant-demand` on.
+    pub port: u16,
+}
+
+/// How often rates are published and read.
+pub const TICK: Duration = Duration::from_secs(1);
+
+/// A replica's rates older than this are not used: the split falls back to even.
+const STALE: Duration = Duration::from_secs(3);
+
+/// The most a replica's answer may hold: rates are a name and a number per tenant.
+const MAX_ANSWER: usize = 4 << 20;
+
+/// The path of the rates.
+pub const DEMAND_PATH: &str = "/internal/tenant-demand";
+
+/// The watched router pods and what was last heard from each.
 #[derive(Clone)]
 pub struct Peers {
     pods: Store<Pod>,
+    me: Option<String>,
+    demand: Arc<Demand>,
+    /// This replica's rates as last published (what the others read).
+    published: Arc<RwLock<BTreeMap<String, f64>>>,
+    /// The others' rates, by pod name, and when they were read.
+    heard: Arc<RwLock<HashMap<String, Heard>>>,
 }
+
+/// A replica's rates (tenant to tokens a second) and when they were read.
+type Heard = (HashMap<String, f64>, Instant);
 
 impl std::fmt::Debug for Peers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Peers")
             .field("ready", &self.count())
+            .field("me", &self.me)
             .finish()
     }
 }
 
 impl Peers {
-    /// Watches the pods matching the label selector `selector` in `namespace`.
-    pub fn start(client: Client, namespace: &str, selector: &str) -> Peers {
+    /// Watches the pods of `config` in `namespace`, and every [`TICK`] publishes `demand` and
+    /// reads the other replicas'.
+    pub fn start(
+        client: Client,
+        namespace: &str,
+        config: PeerConfig,
+        demand: Arc<Demand>,
+    ) -> Peers {
         let (changed, _) = tokio::sync::watch::channel(0u64);
         let pods = reflect(
             "Pod",
             Api::<Pod>::namespaced(client, namespace),
-            watcher::Config::default().labels(selector),
-            std::sync::Arc::new(changed),
+            watcher::Config::default().labels(&config.selector),
+            Arc::new(changed),
         );
-        Peers { pods }
+        let peers = Peers {
+            pods,
+            me: config.pod_name,
+            demand,
+            published: Arc::default(),
+            heard: Arc::default(),
+        };
+        tokio::spawn(exchange(peers.clone(), config.port));
+        peers
     }
 
     pub async fn ready(&self) -> Result<(), reflector::store::WriterDropped> {
@@ -44,18 +103,139 @@ impl Peers {
     /// Ready replicas, this one included (at least 1: a replica that cannot see itself yet
     /// still counts).
     pub fn count(&self) -> usize {
+        self.ready_pods().len().max(1)
+    }
+
+    /// This replica's share of `tenant`'s limits: in proportion to the tenant's traffic each
+    /// replica sees, with a floor ([`demand::share`]); even when a replica's rates are not
+    /// known lately.
+    pub fn share(&self, tenant: &str) -> f64 {
+        let pods = self.ready_pods();
+        let Some(me) = self
+            .me
+            .as_deref()
+            .filter(|me| pods.iter().any(|p| p.0 == *me))
+        else {
+            return 1.0 / pods.len().max(1) as f64;
+        };
+        let now = Instant::now();
+        let heard = read(&self.heard);
+        let others: Vec<Option<f64>> = pods
+            .iter()
+            .filter(|(name, _)| name != me)
+            .map(|(name, _)| {
+                let (rates, at) = heard.get(name)?;
+                (now.saturating_duration_since(*at) <= STALE)
+                    .then(|| rates.get(tenant).copied().unwrap_or(0.0))
+            })
+            .collect();
+        let own = read(&self.published).get(tenant).copied().unwrap_or(0.0);
+        demand::share(own, &others)
+    }
+
+    /// What each tenant asks of this replica.
+    pub fn demand(&self) -> Arc<Demand> {
+        self.demand.clone()
+    }
+
+    /// This replica's rates as last published.
+    pub fn published(&self) -> BTreeMap<String, f64> {
+        read(&self.published).clone()
+    }
+
+    /// Ready router pods: name and IP.
+    fn ready_pods(&self) -> Vec<(String, Option<String>)> {
         self.pods
             .state()
             .iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none() && is_ready(p))
-            .count()
-            .max(1)
+            .map(|p| {
+                let ip = p.status.as_ref().and_then(|s| s.pod_ip.clone());
+                (p.metadata.name.clone().unwrap_or_default(), ip)
+            })
+            .collect()
     }
+}
 
-    /// This replica's share of every tenant's limits.
-    pub fn share(&self) -> f64 {
-        1.0 / self.count() as f64
+fn read<T: Clone>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    // Plain maps of numbers: a panic elsewhere cannot leave them inconsistent.
+    lock.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Every [`TICK`]: publish this replica's rates, read the others' (at once, each bounded in
+/// time and size), forget replicas that are gone. Stops when the caches are dropped.
+async fn exchange(peers: Peers, port: u16) {
+    let client = ferrite_api::scrape::pod_client(TICK / 2);
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        *write(&peers.published) = peers.demand.rates(Instant::now());
+        let pods = peers.ready_pods();
+        let others = pods
+            .iter()
+            .filter(|(name, _)| peers.me.as_deref() != Some(name.as_str()))
+            .filter_map(|(name, ip)| Some((name.clone(), ip.clone()?)));
+        let reads = others.map(|(name, ip)| {
+            let client = client.clone();
+            async move { (name, fetch(&client, &ip, port).await) }
+        });
+        let answers = futures::future::join_all(reads).await;
+        let now = Instant::now();
+        let mut heard = write(&peers.heard);
+        for (name, answer) in answers {
+            match answer {
+                Ok(rates) => {
+                    heard.insert(name, (rates, now));
+                }
+                Err(e) => tracing::debug!(peer = %name, error = %e, "no tenant rates"),
+            }
+        }
+        heard.retain(|name, _| pods.iter().any(|p| p.0 == *name));
     }
+}
+
+/// One replica's rates: a JSON object of tenant to tokens a second. Another pod's answer is
+/// not trusted beyond its shape: bounded, and a rate that is not a finite number ≥ 0 counts
+/// as none (a replica's claim can only lower this one's share, never raise the total).
+async fn fetch(
+    client: &HttpClient<HttpConnector, Empty<Bytes>>,
+    ip: &str,
+    port: u16,
+) -> Result<HashMap<String, f64>, String> {
+    let host = if ip.contains(':') {
+        format!("[{ip}]")
+    } else {
+        ip.to_string()
+    };
+    let uri = format!("http://{host}:{port}{DEMAND_PATH}");
+    let request = hyper::Request::get(&uri)
+        .body(Empty::new())
+        .map_err(|e| e.to_string())?;
+    let read = async {
+        let resp = client.request(request).await.map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("{uri}: {}", resp.status()));
+        }
+        Limited::new(resp.into_body(), MAX_ANSWER)
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .map_err(|e| e.to_string())
+    };
+    let body = tokio::time::timeout(TICK / 2, read)
+        .await
+        .map_err(|_| format!("{uri}: no answer within {:?}", TICK / 2))??;
+    let rates: HashMap<String, serde_json::Value> =
+        serde_json::from_slice(&body).map_err(|e| format!("{uri}: {e}"))?;
+    Ok(rates
+        .into_iter()
+        .filter_map(|(t, v)| Some((t, v.as_f64().filter(|r| r.is_finite() && *r >= 0.0)?)))
+        .collect())
 }
 
 fn is_ready(p: &Pod) -> bool {

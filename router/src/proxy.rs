@@ -25,6 +25,7 @@ use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::candidates::candidates;
+use crate::demand::Demand;
 use crate::flow::{self, Admit, Ask, Dispatched, FlowConfig, Flows};
 use crate::limits::{LimitConfig, Limits, Refusal};
 use crate::load::{Loads, Open};
@@ -32,7 +33,7 @@ use crate::members::Endpoint;
 use crate::metrics::Metrics;
 use crate::multipart::{self, Head, Upload};
 use crate::parse::{self, Api, Parsed};
-use crate::peers::Peers;
+use crate::peers::{PeerConfig, Peers};
 use crate::policy::{self, Replica, Request};
 use crate::quota::{self, Charge, Quotas, Throttled};
 use crate::recent::RecentKeys;
@@ -62,10 +63,10 @@ pub struct Config {
     /// request then needs a tenant's key, may use only the tenant's models, and is held to
     /// its limits; `None`: no authentication here (a cluster with a gateway of its own).
     pub tenants: Option<String>,
-    /// With tenants: the label selector of this router's pods in that namespace. Each replica
-    /// then enforces its share of every tenant's limits (one over the Ready replicas it sees);
-    /// `None`: this replica enforces them whole.
-    pub peers: Option<String>,
+    /// With tenants: this router's replicas. Each then enforces its share of every tenant's
+    /// limits, following the tenant's traffic on each ([`crate::peers`]); `None`: this replica
+    /// enforces them whole.
+    pub peers: Option<PeerConfig>,
     /// Flow control: requests for a service whose replicas are all saturated wait here, in
     /// priority order and fair across tenants; `None`: they go to the replicas at once.
     pub flow: Option<FlowConfig>,
@@ -98,8 +99,10 @@ pub struct App {
     pub tenants: Option<Tenants>,
     /// Each tenant's limits.
     pub quotas: Quotas,
-    /// The router's replicas, whose number splits the limits.
+    /// The router's replicas, among which the limits are split.
     pub peers: Option<Peers>,
+    /// What each tenant asks of this replica, which sets its share.
+    pub demand: Arc<Demand>,
     /// The queues of saturated services, with flow control on.
     pub flows: Option<Arc<Flows>>,
 }
@@ -140,6 +143,7 @@ impl App {
             rings: Rings::default(),
             tenants,
             quotas: Quotas::default(),
+            demand: peers.as_ref().map_or_else(Arc::default, Peers::demand),
             peers,
         }
     }
@@ -578,12 +582,12 @@ fn admit_tenant(
     // Tenants' series name the served model, never the client's string (an unknown name is
     // "", as in the router's own request counts).
     let served = found.map(|s| s.model).unwrap_or_default();
-    let share = app.peers.as_ref().map_or(1.0, Peers::share);
+    let now = Instant::now();
+    // Asked, whether admitted or not: it is what this replica's share follows.
+    app.demand.record(&t.name, parsed.work.total(), now);
+    let share = app.peers.as_ref().map_or(1.0, |p| p.share(&t.name));
     let limits = t.limits.share(share);
-    match app
-        .quotas
-        .admit(&t.name, limits, parsed.work.total(), Instant::now())
-    {
+    match app.quotas.admit(&t.name, limits, parsed.work.total(), now) {
         Ok(c) => {
             count_tenant(app, t, &served, "admitted");
             Ok(c)

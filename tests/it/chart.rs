@@ -445,6 +445,13 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 ns["valueFrom"]["fieldRef"]["fieldPath"],
                 "metadata.namespace"
             );
+            let name = env
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|e| e["name"] == "POD_NAME")
+                .expect("POD_NAME: which of the --peers it is");
+            assert_eq!(name["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name");
             assert_eq!(
                 router.rules,
                 router_rules(true, Members::EndpointSlices, true)

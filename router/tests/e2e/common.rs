@@ -114,6 +114,18 @@ pub async fn router_in(
     config: Config,
     wake: bool,
 ) -> String {
+    router_bound(client, ns, config, wake, "127.0.0.1:0").await
+}
+
+/// [`router_in`], listening on `bind` (a router replica's pod address, where the others read
+/// its tenants' rates).
+pub async fn router_bound(
+    client: &kube::Client,
+    ns: Option<&str>,
+    config: Config,
+    wake: bool,
+    bind: &str,
+) -> String {
     let app = ferrite_router::start(
         client.clone(),
         ns,
@@ -125,9 +137,7 @@ pub async fn router_in(
     )
     .await
     .expect("the router starts");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
+    let listener = tokio::net::TcpListener::bind(bind).await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
         axum::serve(listener, ferrite_router::routes(app))
