@@ -643,14 +643,31 @@ fn int_or_percent_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema 
     })
 }
 
-/// How replicas follow load: `Builtin` (the operator scrapes the pods and writes spec.replicas)
-/// or `HPA` (the operator serves the signals on the External Metrics API and creates an HPA).
+/// How replicas follow load: `Builtin` (the operator scrapes the pods and writes spec.replicas),
+/// `HPA` (the operator serves the signals on the External Metrics API and creates an HPA), or
+/// `KEDA` (the operator creates a KEDA ScaledObject whose triggers read the same signals from
+/// Prometheus; for clusters that run KEDA, which owns the External Metrics API there).
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AutoscalingMode {
     #[default]
     Builtin,
     #[serde(rename = "HPA")]
     Hpa,
+    #[serde(rename = "KEDA")]
+    Keda,
+}
+
+/// KEDA mode's settings.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct KedaSpec {
+    /// The Prometheus that scrapes this service's pods (and the routers), as KEDA's
+    /// `prometheus` trigger's `serverAddress`. Absent: the operator's
+    /// `--keda-prometheus-address` (the chart's `keda.prometheusAddress`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 2048))]
+    #[x_kube(validation = Rule::new("self.startsWith('http://') || self.startsWith('https://')").message("serverAddress is an http:// or https:// URL"))]
+    pub server_address: Option<String>,
 }
 
 /// Autoscaling on LLM signals.
@@ -659,10 +676,14 @@ pub enum AutoscalingMode {
 #[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas").message("minReplicas must not exceed maxReplicas"))]
 #[x_kube(validation = Rule::new("self.minReplicas > 0 || has(self.idleTimeoutSeconds)").message("minReplicas 0 (scale to zero) needs idleTimeoutSeconds"))]
 #[x_kube(validation = Rule::new("has(self.targets.queuePerReplica) || has(self.targets.kvCacheUsage)").message("set at least one target: queuePerReplica or kvCacheUsage"))]
+#[x_kube(validation = Rule::new("!has(self.keda) || self.mode == 'KEDA'").message("autoscaling.keda applies only to mode KEDA"))]
 pub struct AutoscalingSpec {
-    /// `Builtin` (default) or `HPA`.
+    /// `Builtin` (default), `HPA` or `KEDA`.
     #[serde(default)]
     pub mode: AutoscalingMode,
+    /// With mode `KEDA`: where its triggers read the signals.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keda: Option<KedaSpec>,
     /// Fewest replicas; 0 allows scale to zero after idleTimeoutSeconds.
     #[schemars(range(min = 0, max = 1000))]
     pub min_replicas: i32,

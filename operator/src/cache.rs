@@ -19,6 +19,8 @@ use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service}
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+
+use crate::build::keda::ScaledObject;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher::{self, watcher};
@@ -61,6 +63,8 @@ pub struct Caches {
     network_policies: Arc<OnceLock<Store<PartialObjectMeta<NetworkPolicy>>>>,
     /// Started on first use: only an operator that grants the router API keys watches these.
     roles: Arc<OnceLock<Store<PartialObjectMeta<Role>>>>,
+    /// Started once KEDA's CRD is found.
+    scaled_objects: Arc<OnceLock<Store<PartialObjectMeta<ScaledObject>>>>,
     role_bindings: Arc<OnceLock<Store<PartialObjectMeta<RoleBinding>>>>,
     /// How to start the ServiceMonitor watch; absent in tests that fill the stores by hand.
     starter: Option<Starter>,
@@ -106,6 +110,7 @@ pub struct Writers {
     pub monitors: Writer<PartialObjectMeta<ServiceMonitor>>,
     pub network_policies: Writer<PartialObjectMeta<NetworkPolicy>>,
     pub roles: Writer<PartialObjectMeta<Role>>,
+    pub scaled_objects: Writer<PartialObjectMeta<ScaledObject>>,
     pub role_bindings: Writer<PartialObjectMeta<RoleBinding>>,
 }
 
@@ -131,6 +136,7 @@ impl Writers {
         done(&mut self.monitors);
         done(&mut self.network_policies);
         done(&mut self.roles);
+        done(&mut self.scaled_objects);
         done(&mut self.role_bindings);
     }
 }
@@ -368,6 +374,7 @@ impl Caches {
             network_policies: Arc::new(OnceLock::new()),
             roles: Arc::new(OnceLock::new()),
             role_bindings: Arc::new(OnceLock::new()),
+            scaled_objects: Arc::new(OnceLock::new()),
             starter: Some(starter),
         };
         let feeds = Feeds {
@@ -397,6 +404,9 @@ impl Caches {
         let (roles, w_roles) = reflector::store();
         let roles_cell = OnceLock::new();
         let _ = roles_cell.set(roles);
+        let (scaled_objects, w_scaled_objects) = reflector::store();
+        let scaled_cell = OnceLock::new();
+        let _ = scaled_cell.set(scaled_objects);
         let (role_bindings, w_role_bindings) = reflector::store();
         let bindings_cell = OnceLock::new();
         let _ = bindings_cell.set(role_bindings);
@@ -413,6 +423,7 @@ impl Caches {
             network_policies: Arc::new(policies),
             roles: Arc::new(roles_cell),
             role_bindings: Arc::new(bindings_cell),
+            scaled_objects: Arc::new(scaled_cell),
             starter: None,
         };
         let writers = Writers {
@@ -427,6 +438,7 @@ impl Caches {
             monitors: w_monitors,
             network_policies: w_network_policies,
             roles: w_roles,
+            scaled_objects: w_scaled_objects,
             role_bindings: w_role_bindings,
         };
         (caches, writers)
@@ -460,6 +472,14 @@ impl Caches {
     ) -> Option<Store<PartialObjectMeta<NetworkPolicy>>> {
         self.lazy(&self.network_policies, "NetworkPolicy", wait)
             .await
+    }
+
+    /// The ScaledObject cache (KEDA mode), started on first use (once KEDA's CRD exists).
+    pub async fn scaled_objects(
+        &self,
+        wait: Duration,
+    ) -> Option<Store<PartialObjectMeta<ScaledObject>>> {
+        self.lazy(&self.scaled_objects, "ScaledObject", wait).await
     }
 
     /// The Role cache (the router's API-key grants), started on first use.

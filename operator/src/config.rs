@@ -36,6 +36,9 @@ pub struct OperatorConfig {
     /// gets a Role letting it read that one Secret, so that a router with tenants (which
     /// keeps the tenant's key) sends the service's own (see `build::router_key`).
     pub router_service_account: Option<ServiceAccountRef>,
+    /// The Prometheus KEDA mode's triggers read, unless a spec names its own
+    /// (`autoscaling.keda.serverAddress`).
+    pub keda_prometheus_address: Option<String>,
 }
 
 /// A ServiceAccount by namespace and name.
@@ -107,6 +110,7 @@ impl Default for OperatorConfig {
             monitor_labels: BTreeMap::new(),
             network_policy_peers: None,
             router_service_account: None,
+            keda_prometheus_address: None,
         }
     }
 }

@@ -56,6 +56,10 @@ struct Args {
     /// tenant's. Needs `get` on Secrets (rbac.readApiKeySecrets) to grant it.
     #[arg(long, env = "FERRITE_ROUTER_SERVICE_ACCOUNT")]
     router_service_account: Option<ferrite_operator::config::ServiceAccountRef>,
+    /// The Prometheus (an http:// or https:// URL) that the triggers of KEDA-mode
+    /// ScaledObjects read, unless a spec sets autoscaling.keda.serverAddress.
+    #[arg(long, env = "FERRITE_KEDA_PROMETHEUS_ADDRESS", value_parser = http_url)]
+    keda_prometheus_address: Option<String>,
     /// ferrite-server image for CPU pods.
     #[arg(long, env = "FERRITE_SERVER_IMAGE")]
     ferrite_image: Option<String>,
@@ -161,6 +165,7 @@ fn config(args: &Args) -> anyhow::Result<OperatorConfig> {
     c.monitor_labels = args.monitor_labels.iter().cloned().collect();
     c.network_policy_peers = args.network_policy_peers.clone().map(|p| p.0);
     c.router_service_account = args.router_service_account.clone();
+    c.keda_prometheus_address = args.keda_prometheus_address.clone();
     if let Some(path) = &args.resource_profiles {
         c.resource_profiles = load_resource_profiles(path)?;
         tracing::info!(
@@ -531,4 +536,14 @@ async fn lead(
     })
     .await?;
     result.unwrap_or(Ok(()))
+}
+
+/// An http:// or https:// URL.
+fn http_url(s: &str) -> Result<String, String> {
+    match s.parse::<http::Uri>() {
+        Ok(u) if matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some() => {
+            Ok(s.to_string())
+        }
+        _ => Err(format!("{s:?} is not an http:// or https:// URL")),
+    }
 }

@@ -147,6 +147,7 @@ fn every_value_set_lints_strictly_and_renders_objects_that_pass_their_schemas() 
         "router-no-wake",
         "router-tenants",
         "resource-profiles",
+        "keda",
     ] {
         assert!(
             names.iter().any(|n| n == wanted),
@@ -692,6 +693,26 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 !has_arg("--client-ca-file") && !has_arg("--external-metrics-insecure-any-client"),
                 "{args:?}"
             );
+        }
+        "keda" => {
+            // ScaledObjects: the operator may write them, and knows the Prometheus to read.
+            assert!(
+                has_arg("--keda-prometheus-address=http://prometheus-operated.monitoring.svc:9090"),
+                "{args:?}"
+            );
+            let rules = &find(docs, "ClusterRole")
+                .into_iter()
+                .find(|r| r["rules"][0]["resources"] == json!(["inferenceservices"]))
+                .expect("the operator's ClusterRole")["rules"];
+            assert!(
+                rules.as_array().into_iter().flatten().any(|r| {
+                    r["apiGroups"] == json!(["keda.sh"])
+                        && r["resources"] == json!(["scaledobjects"])
+                }),
+                "{rules}"
+            );
+            // KEDA serves the External Metrics API: the operator's is off.
+            assert!(find(docs, "APIService").is_empty());
         }
         "network-policy" => {
             let flag = args

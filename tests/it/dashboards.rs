@@ -1144,6 +1144,15 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
         json!({"namespace": "ml", "inferenceservice": "chat", "model_name": "smol"})
     );
     assert!(!held.is_finished(), "the request is held, not refused");
+    // KEDA mode's activity trigger sees the held request: what wakes a service KEDA scaled to
+    // zero.
+    let keda = ferrite_operator::build::keda::queries("ml", "chat");
+    let activity = prom.value(&keda.activity);
+    assert!(
+        activity.is_some_and(|v| v >= 1.0),
+        "{activity:?}: {}",
+        keda.activity
+    );
     let chat_pods: BTreeSet<String> = rt.block_on(async {
         let deadline = Instant::now() + Duration::from_secs(60);
         while pods_ready_at(
@@ -1208,6 +1217,7 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
         }
         let deadline = Instant::now() + Duration::from_secs(90);
         let (mut saw_queue, mut saw_swapped) = (0.0f64, 0.0f64);
+        let mut saw_keda_queue = 0.0f64;
         let mut conditions = [false; 6];
         // When the conditions but the router's first held, and when the router's did: what
         // the router adds to the load.
@@ -1236,6 +1246,8 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
                 prom.value(r#"sum(vllm:num_requests_waiting{namespace="ml"})"#)
                     .unwrap_or(0.0),
             );
+            // KEDA mode's queue trigger: the pods' queue and the router's, one number.
+            saw_keda_queue = saw_keda_queue.max(prom.value(&keda.queue).unwrap_or(0.0));
             saw_swapped = saw_swapped.max(
                 prom.value(r#"sum(vllm:num_requests_swapped{namespace="ml"})"#)
                     .unwrap_or(0.0),
@@ -1298,6 +1310,18 @@ fn every_panel_query_returns_data_from_prometheus_scraping_two_loaded_servers_an
             "load conditions met after {:.1} s without the router's, {:.1} s for the router's",
             others_met.unwrap_or_default(),
             router_met.unwrap_or_default()
+        );
+        // The queue KEDA would scale on counts at least what the pods queued.
+        assert!(
+            saw_keda_queue >= 1.0,
+            "{saw_keda_queue} (pods: {saw_queue}): {}",
+            keda.queue
+        );
+        let kv = prom.value(&keda.kv_cache);
+        assert!(
+            kv.is_some_and(|v| (0.0..=1.0).contains(&v)),
+            "{kv:?}: {}",
+            keda.kv_cache
         );
         saw_queue
     });

@@ -141,6 +141,9 @@ the Prometheus Operator's API for it). Call with (list $enabled "monitoring.core
 {{- if and (gt (int .Values.replicaCount) 1) (not .Values.leaderElection.enabled) }}
 {{- fail "replicaCount > 1 needs leaderElection.enabled: true (replicas without a Lease would all reconcile and autoscale)" }}
 {{- end }}
+{{- if and .Values.keda.enabled .Values.externalMetrics.enabled }}
+{{- fail "keda.enabled and externalMetrics.enabled exclude each other: KEDA serves the cluster's External Metrics API (v1beta1.external.metrics.k8s.io), so the operator's cannot be registered beside it; with KEDA, use autoscaling.mode KEDA instead of HPA" }}
+{{- end }}
 {{- if and .Values.externalMetrics.certManager.enabled (not .Values.externalMetrics.enabled) }}
 {{- fail "externalMetrics.certManager.enabled needs externalMetrics.enabled: true" }}
 {{- end }}

@@ -353,7 +353,8 @@ async fn evaluate(
     let signals = Signals::of(&samples);
     publish_signals(env, cfg, &signals);
 
-    if cfg.mode == AutoscalingMode::Hpa || !env.acting() {
+    // HPA and KEDA mode: another controller writes the replicas.
+    if cfg.mode != AutoscalingMode::Builtin || !env.acting() {
         return Ok(Some(hpa_view(&signals, &results)));
     }
     let current = isvc.desired_replicas();

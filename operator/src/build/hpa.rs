@@ -114,7 +114,7 @@ fn external(metric: Signal, name: &str, target: MetricTarget) -> MetricSpec {
 /// when the spec sets it: the field is alpha in Kubernetes 1.33 (feature gate
 /// `HPAConfigurableTolerance`); API servers without the gate drop it and HPA uses its
 /// cluster-wide tolerance (default 10%).
-fn behavior(b: &ScalingBehavior) -> HorizontalPodAutoscalerBehavior {
+pub(crate) fn behavior(b: &ScalingBehavior) -> HorizontalPodAutoscalerBehavior {
     let tolerance = b.tolerance.and_then(quantity);
     let rules = |window: i32, percent: i32| HPAScalingRules {
         stabilization_window_seconds: Some(window),

@@ -7,6 +7,7 @@ pub mod adapters;
 pub mod dashboards;
 pub mod deployment;
 pub mod hpa;
+pub mod keda;
 pub mod lora;
 pub mod model;
 pub mod monitor;
@@ -41,6 +42,8 @@ pub const DEFAULT_SHUTDOWN_SECONDS: i32 = 30;
 pub struct ClusterCapabilities {
     /// Whether `servicemonitors.monitoring.coreos.com` is installed.
     pub service_monitor_crd: bool,
+    /// Whether KEDA's `scaledobjects.keda.sh` is installed.
+    pub scaled_object_crd: bool,
 }
 
 /// Everything one InferenceService should own.
@@ -55,6 +58,8 @@ pub struct Desired {
     pub dashboards: Vec<ConfigMap>,
     /// Only with `autoscaling.mode: HPA`.
     pub hpa: Option<HorizontalPodAutoscaler>,
+    /// Only with `autoscaling.mode: KEDA`.
+    pub scaled_object: Option<keda::ScaledObject>,
     /// Only when the operator runs with `--network-policy-peers`.
     pub network_policy: Option<k8s_openapi::api::networking::v1::NetworkPolicy>,
     /// ferrite-router's `get` on the Secret `spec.auth` names: only with `spec.auth` and the
@@ -92,6 +97,17 @@ pub enum BuildError {
     ResourceProfile(String),
     #[error("{0}")]
     Adapter(String),
+    #[error(
+        "autoscaling.mode KEDA needs KEDA: its CRD scaledobjects.keda.sh is not installed \
+         (install KEDA, or use mode Builtin or HPA)"
+    )]
+    KedaNotInstalled,
+    #[error(
+        "autoscaling.mode KEDA needs the Prometheus that scrapes the pods: set \
+         autoscaling.keda.serverAddress, or run the operator with --keda-prometheus-address \
+         (the chart's keda.prometheusAddress)"
+    )]
+    KedaPrometheusAddress,
 }
 
 impl BuildError {
@@ -107,6 +123,8 @@ impl BuildError {
             BuildError::Rollout(_) => "InvalidRollout",
             BuildError::ResourceProfile(_) => "ResourceProfileNotFound",
             BuildError::Adapter(_) => "InvalidAdapter",
+            BuildError::KedaNotInstalled => "KedaNotInstalled",
+            BuildError::KedaPrometheusAddress => "KedaPrometheusAddressMissing",
         }
     }
 }
@@ -393,6 +411,12 @@ pub fn desired(
         Vec::new()
     };
     let hpa = hpa::hpa(isvc, owner);
+    let scaled_object = keda::scaled_object(
+        isvc,
+        owner,
+        config.keda_prometheus_address.as_deref(),
+        caps.scaled_object_crd,
+    )?;
     let network_policy = config
         .network_policy_peers
         .as_deref()
@@ -406,6 +430,7 @@ pub fn desired(
     let url = url(isvc);
     Ok(Desired {
         hpa,
+        scaled_object,
         network_policy,
         router_key,
         deployment,

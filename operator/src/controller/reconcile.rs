@@ -10,6 +10,8 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+
+use crate::build::keda::ScaledObject;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PartialObjectMeta, Patch};
 use kube::runtime::controller::Action;
@@ -143,6 +145,8 @@ struct Cluster {
     network_policies: Option<Store<PartialObjectMeta<NetworkPolicy>>>,
     /// The Role and RoleBinding caches, when the operator grants the router API keys.
     router_keys: Option<RouterKeyStores>,
+    /// The ScaledObject cache, when KEDA's CRD is installed.
+    scaled_objects: Option<Store<PartialObjectMeta<ScaledObject>>>,
 }
 
 /// The caches of the router's API-key grants (see `build::router_key`).
@@ -164,6 +168,20 @@ async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
                 .monitors(MONITOR_CACHE_WAIT)
                 .await
                 .ok_or(Error::Cache("ServiceMonitor"))?,
+        ),
+        false => None,
+    };
+    let scaled_object_crd = ctx
+        .discovery
+        .scaled_object_crd(&ctx.client)
+        .await
+        .map_err(Error::Discovery)?;
+    let scaled_objects = match scaled_object_crd {
+        true => Some(
+            ctx.caches
+                .scaled_objects(MONITOR_CACHE_WAIT)
+                .await
+                .ok_or(Error::Cache("ScaledObject"))?,
         ),
         false => None,
     };
@@ -194,10 +212,12 @@ async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
     Ok(Cluster {
         caps: ClusterCapabilities {
             service_monitor_crd,
+            scaled_object_crd,
         },
         monitors,
         network_policies,
         router_keys,
+        scaled_objects,
     })
 }
 
@@ -269,6 +289,7 @@ async fn apply_step(
         monitors: cluster.monitors.as_ref(),
         network_policies: cluster.network_policies.as_ref(),
         router_keys: cluster.router_keys.as_ref(),
+        scaled_objects: cluster.scaled_objects.as_ref(),
     };
     match children.apply_all(desired, events).await {
         Ok(deployment) => Ok(Applied {
@@ -486,6 +507,8 @@ struct Children<'a> {
     network_policies: Option<&'a Store<PartialObjectMeta<NetworkPolicy>>>,
     /// The Role and RoleBinding caches, when the operator grants the router API keys.
     router_keys: Option<&'a RouterKeyStores>,
+    /// The ScaledObject cache, when KEDA's CRD is installed.
+    scaled_objects: Option<&'a Store<PartialObjectMeta<ScaledObject>>>,
 }
 
 impl Children<'_> {
@@ -531,6 +554,11 @@ impl Children<'_> {
                 events,
             )
             .await?;
+        }
+        // Without KEDA there is no ScaledObject to apply (KEDA mode is Degraded) or prune.
+        if let Some(store) = self.scaled_objects {
+            self.converge(desired.scaled_object, cached_meta(store, ns, name), events)
+                .await?;
         }
         // Only an operator that makes NetworkPolicies watches, applies or prunes them.
         if let Some(store) = self.network_policies {

@@ -49,6 +49,7 @@ fn secs(s: u64) -> Duration {
 fn defaults_come_from_the_spec() {
     let spec = AutoscalingSpec {
         mode: Default::default(),
+        keda: None,
         min_replicas: 0,
         max_replicas: 4,
         targets: AutoscalingTargets {

@@ -11,9 +11,11 @@ use serde_json::{Value, json};
 
 const NO_MONITOR_CRD: ClusterCapabilities = ClusterCapabilities {
     service_monitor_crd: false,
+    scaled_object_crd: false,
 };
 const MONITOR_CRD: ClusterCapabilities = ClusterCapabilities {
     service_monitor_crd: true,
+    scaled_object_crd: false,
 };
 
 fn isvc(spec: Value) -> InferenceService {

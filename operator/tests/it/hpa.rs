@@ -22,6 +22,7 @@ fn isvc(autoscaling: Value) -> InferenceService {
 fn hpa_for(isvc: &InferenceService) -> Result<Option<HorizontalPodAutoscaler>, BuildError> {
     let caps = ClusterCapabilities {
         service_monitor_crd: false,
+        scaled_object_crd: false,
     };
     build(isvc, &OperatorConfig::default(), caps).map(|d| d.hpa)
 }
@@ -306,4 +307,71 @@ fn hpa_passes_kubernetes_schemas_strictly() {
     let (ok, out) = ferrite_testkit::validate::kubernetes("1.32.0", &[bad]);
     assert!(!ok, "{out}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// KEDA mode: no HPA of the operator's, and a ScaledObject only where KEDA is installed and a
+/// Prometheus is named (the operator's, or the spec's own); else `Degraded` with a reason
+/// that says what to do.
+#[test]
+fn keda_mode_needs_keda_and_a_prometheus() {
+    let keda = |extra: Value| {
+        let mut a = json!({"mode": "KEDA", "minReplicas": 1, "maxReplicas": 3,
+                           "targets": {"queuePerReplica": 2.0}});
+        if let (Some(a), Some(extra)) = (a.as_object_mut(), extra.as_object()) {
+            a.extend(extra.clone());
+        }
+        isvc(a)
+    };
+    let caps = |installed| ClusterCapabilities {
+        service_monitor_crd: false,
+        scaled_object_crd: installed,
+    };
+    let with_address = OperatorConfig {
+        keda_prometheus_address: Some("http://prometheus:9090".into()),
+        ..OperatorConfig::default()
+    };
+    let missing = build(&keda(json!({})), &with_address, caps(false)).expect_err("no KEDA");
+    assert_eq!(missing.reason(), "KedaNotInstalled");
+    assert!(
+        missing.to_string().contains("scaledobjects.keda.sh"),
+        "{missing}"
+    );
+    let no_address =
+        build(&keda(json!({})), &OperatorConfig::default(), caps(true)).expect_err("no address");
+    assert_eq!(no_address.reason(), "KedaPrometheusAddressMissing");
+    assert!(
+        no_address.to_string().contains("serverAddress"),
+        "{no_address}"
+    );
+
+    let d = build(&keda(json!({})), &with_address, caps(true)).expect("builds");
+    assert!(d.hpa.is_none(), "KEDA makes its own HPA");
+    let so = serde_json::to_value(d.scaled_object.expect("a ScaledObject")).expect("json");
+    let triggers = so["spec"]["triggers"].as_array().expect("triggers");
+    assert_eq!(
+        triggers.len(),
+        1,
+        "queue only: no kv target, no scale to zero"
+    );
+    assert_eq!(
+        triggers[0]["metadata"]["serverAddress"],
+        "http://prometheus:9090"
+    );
+    assert_eq!(so["spec"]["minReplicaCount"], 1);
+    let own = build(
+        &keda(json!({"keda": {"serverAddress": "https://thanos:10902"}})),
+        &OperatorConfig::default(),
+        caps(true),
+    )
+    .expect("a spec's own Prometheus");
+    let own = serde_json::to_value(own.scaled_object.expect("a ScaledObject")).expect("json");
+    assert_eq!(
+        own["spec"]["triggers"][0]["metadata"]["serverAddress"],
+        "https://thanos:10902"
+    );
+    // Other modes: none, KEDA or not.
+    let builtin = isvc(json!({"minReplicas": 1, "maxReplicas": 3,
+                              "targets": {"queuePerReplica": 2.0}}));
+    let d = build(&builtin, &with_address, caps(true)).expect("builds");
+    assert!(d.scaled_object.is_none());
 }

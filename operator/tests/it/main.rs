@@ -12,6 +12,7 @@ mod build;
 mod controller;
 mod e2e_adapters;
 mod e2e_api;
+mod e2e_keda;
 mod e2e_leader;
 mod e2e_reconcile;
 mod e2e_scale;

@@ -35,6 +35,7 @@ fn built_objects_pass_kubernetes_schemas_strictly() {
     };
     let caps = ClusterCapabilities {
         service_monitor_crd: true,
+        scaled_object_crd: false,
     };
     let specs = [
         ("minimal", json!({"model": {"source": "/models/m.gguf"}})),
@@ -142,6 +143,7 @@ fn examples_pass_the_generated_crd_schema() {
 fn service_monitors_pass_the_prometheus_operator_schema() {
     let caps = ClusterCapabilities {
         service_monitor_crd: true,
+        scaled_object_crd: false,
     };
     let specs = [
         ("default", json!({"model": {"source": "/models/m.gguf"}})),
