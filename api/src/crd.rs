@@ -657,10 +657,26 @@ pub enum AutoscalingMode {
     Keda,
 }
 
+/// Where KEDA's triggers read the signals.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KedaScaler {
+    /// KEDA's `external` scaler, served by the operator: the built-in autoscaler's own
+    /// signals, no Prometheus needed.
+    External,
+    /// KEDA's `prometheus` scaler, reading the series the ServiceMonitors produce.
+    Prometheus,
+}
+
 /// KEDA mode's settings.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.serverAddress) || !has(self.scaler) || self.scaler == 'Prometheus'").message("serverAddress is the Prometheus scaler's: it needs scaler Prometheus"))]
 pub struct KedaSpec {
+    /// `External` (the operator's external scaler) or `Prometheus`. Absent: `External` when the
+    /// operator serves it (the chart's `keda.externalScaler.enabled`, the default), else
+    /// `Prometheus`; `Prometheus` whenever serverAddress is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaler: Option<KedaScaler>,
     /// The Prometheus that scrapes this service's pods (and the routers), as KEDA's
     /// `prometheus` trigger's `serverAddress`. Absent: the operator's
     /// `--keda-prometheus-address` (the chart's `keda.prometheusAddress`).

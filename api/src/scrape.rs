@@ -15,7 +15,9 @@ use kube::ResourceExt;
 use tokio::sync::Semaphore;
 
 use crate::exposition;
-use crate::signal::{KV_USAGE, PodMetrics, PodSample, ROUTER_QUEUED, RUNNING, WAITING};
+use crate::signal::{
+    KV_USAGE, PodMetrics, PodSample, ROUTER_HELD, ROUTER_QUEUED, RUNNING, WAITING,
+};
 use crate::vllm;
 
 /// Most adapter names kept from one pod's `vllm:lora_requests_info`.
@@ -372,7 +374,8 @@ impl<F: Fold> LineReader<F> {
 }
 
 /// Requests waiting in one ferrite-router, by InferenceService (`namespace`, `name`), from
-/// its [`ROUTER_QUEUED`] gauge.
+/// its [`ROUTER_QUEUED`] and [`ROUTER_HELD`] gauges (a service's requests are held while it
+/// has no ready replica, queued while all of them are saturated).
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct RouterQueues {
     pub queued: std::collections::HashMap<(String, String), f64>,
@@ -382,7 +385,7 @@ impl Fold for RouterQueues {
     type Out = RouterQueues;
 
     fn add(&mut self, s: &exposition::Sample) {
-        if s.name != ROUTER_QUEUED || !s.value.is_finite() {
+        if (s.name != ROUTER_QUEUED && s.name != ROUTER_HELD) || !s.value.is_finite() {
             return;
         }
         let (Some(ns), Some(name)) = (s.label("namespace"), s.label("inferenceservice")) else {
@@ -617,11 +620,13 @@ mod tests {
                     ferrite_router_queued_requests{inferenceservice=\"chat\",model_name=\"c\",namespace=\"b\"} 0\n\
                     ferrite_router_queued_requests{namespace=\"a\"} 9\n\
                     ferrite_router_queued_requests{inferenceservice=\"x\",namespace=\"a\"} NaN\n\
+                    ferrite_router_held_requests{inferenceservice=\"chat\",model_name=\"c\",namespace=\"a\"} 2\n\
                     vllm:num_requests_waiting 7\n";
         let mut r = LineReader::new(ScrapeLimits::default(), RouterQueues::default());
         r.feed(text.as_bytes()).expect("feeds");
         let q = r.finish().expect("queues").queued;
-        assert_eq!(q.get(&("a".into(), "chat".into())), Some(&3.0));
+        // Queued and held alike.
+        assert_eq!(q.get(&("a".into(), "chat".into())), Some(&5.0));
         assert_eq!(q.get(&("b".into(), "chat".into())), Some(&0.0));
         assert_eq!(
             q.len(),

@@ -20,6 +20,9 @@ pub const KV_USAGE: [&str; 2] = [vllm::KV_CACHE_USAGE_PERC, vllm::GPU_CACHE_USAG
 /// `namespace`, `inferenceservice`, `model_name`): the autoscaler counts them as waiting on the
 /// service's pods.
 pub const ROUTER_QUEUED: &str = "ferrite_router_queued_requests";
+/// Requests a ferrite-router holds for a service with no ready replica (scaled to zero or
+/// starting), by `namespace` and `inferenceservice`: they wait on it as much as queued ones.
+pub const ROUTER_HELD: &str = "ferrite_router_held_requests";
 
 /// One aggregate signal of an InferenceService.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

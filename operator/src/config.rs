@@ -39,6 +39,8 @@ pub struct OperatorConfig {
     /// The Prometheus KEDA mode's triggers read, unless a spec names its own
     /// (`autoscaling.keda.serverAddress`).
     pub keda_prometheus_address: Option<String>,
+    /// `host:port` where KEDA reaches the operator's external scaler, when it serves one.
+    pub keda_scaler_address: Option<String>,
 }
 
 /// A ServiceAccount by namespace and name.
@@ -111,6 +113,7 @@ impl Default for OperatorConfig {
             network_policy_peers: None,
             router_service_account: None,
             keda_prometheus_address: None,
+            keda_scaler_address: None,
         }
     }
 }

@@ -14,6 +14,7 @@ pub mod certs;
 pub mod config;
 pub mod controller;
 pub mod external_metrics;
+pub mod keda_scaler;
 pub mod leader;
 pub mod status;
 pub mod telemetry;

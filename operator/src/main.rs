@@ -60,6 +60,23 @@ struct Args {
     /// ScaledObjects read, unless a spec sets autoscaling.keda.serverAddress.
     #[arg(long, env = "FERRITE_KEDA_PROMETHEUS_ADDRESS", value_parser = http_url)]
     keda_prometheus_address: Option<String>,
+    /// Serve KEDA's external scaler protocol (gRPC, plain HTTP/2) on this address: KEDA-mode
+    /// InferenceServices then default to `scaler: External`, answered from the built-in
+    /// autoscaler's signals. With --keda-scaler-address.
+    #[arg(
+        long,
+        env = "FERRITE_KEDA_SCALER_ADDR",
+        requires = "keda_scaler_address"
+    )]
+    keda_scaler_addr: Option<SocketAddr>,
+    /// `host:port` at which KEDA reaches that server (the operator Service's DNS name), as the
+    /// ScaledObjects' `scalerAddress`.
+    #[arg(
+        long,
+        env = "FERRITE_KEDA_SCALER_ADDRESS",
+        requires = "keda_scaler_addr"
+    )]
+    keda_scaler_address: Option<String>,
     /// ferrite-server image for CPU pods.
     #[arg(long, env = "FERRITE_SERVER_IMAGE")]
     ferrite_image: Option<String>,
@@ -166,6 +183,7 @@ fn config(args: &Args) -> anyhow::Result<OperatorConfig> {
     c.network_policy_peers = args.network_policy_peers.clone().map(|p| p.0);
     c.router_service_account = args.router_service_account.clone();
     c.keda_prometheus_address = args.keda_prometheus_address.clone();
+    c.keda_scaler_address = args.keda_scaler_address.clone();
     if let Some(path) = &args.resource_profiles {
         c.resource_profiles = load_resource_profiles(path)?;
         tracing::info!(
@@ -318,6 +336,24 @@ async fn main() -> anyhow::Result<()> {
     tokio::spawn(autoscaler.clone().follow(feeds.autoscaler));
     tokio::spawn(controller::dispatch(feeds.controller, ctx.clone()));
     let external = external_metrics(&args, &client, autoscaler.store(), stop_rx.clone()).await?;
+    if let Some(addr) = args.keda_scaler_addr {
+        // Leader and standby alike: both scrape, and KEDA may reach either.
+        let scaler = ferrite_operator::keda_scaler::Scaler::new(
+            ctx.caches.clone(),
+            autoscaler.store().clone(),
+            autoscaler.routers().clone(),
+        );
+        let stop = stopped(stop_rx.clone());
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding --keda-scaler-addr {addr}"))?;
+        tracing::info!(%addr, "serving KEDA's external scaler");
+        tokio::spawn(async move {
+            if let Err(e) = scaler.serve(listener, stop).await {
+                tracing::error!(error = %e, "KEDA's external scaler stopped");
+            }
+        });
+    }
 
     if args.no_leader_election {
         health.ready.store(true, Ordering::Relaxed);

@@ -305,6 +305,9 @@ pub struct Operator {
     pub guard: Guard,
     pub identity: String,
     pub http_port: u16,
+    /// Where its KEDA external scaler listens (`--keda-scaler-addr`, moved to loopback), when
+    /// the chart turns it on.
+    pub keda_scaler_port: u16,
     pub log: PathBuf,
     _dir: TempDir,
 }
@@ -451,6 +454,7 @@ impl Operator {
         external_port: u16,
     ) -> Operator {
         let http_port = free_port();
+        let keda_scaler_port = free_port();
         let (guard, log, dir) = run_container(
             cluster,
             &release.docs,
@@ -462,6 +466,8 @@ impl Operator {
                     format!("--http-addr=127.0.0.1:{http_port}")
                 } else if a.starts_with("--external-metrics-addr=") && !a.ends_with("=off") {
                     format!("--external-metrics-addr=127.0.0.1:{external_port}")
+                } else if a.starts_with("--keda-scaler-addr=") {
+                    format!("--keda-scaler-addr=127.0.0.1:{keda_scaler_port}")
                 } else {
                     a.to_string()
                 }
@@ -473,6 +479,7 @@ impl Operator {
             guard,
             identity: identity.to_string(),
             http_port,
+            keda_scaler_port,
             log,
             _dir: dir,
         };

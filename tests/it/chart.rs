@@ -713,6 +713,27 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             );
             // KEDA serves the External Metrics API: the operator's is off.
             assert!(find(docs, "APIService").is_empty());
+            // The external scaler, reached through the operator's Service.
+            assert!(has_arg("--keda-scaler-addr=0.0.0.0:9443"), "{args:?}");
+            let service = find(docs, "Service")
+                .into_iter()
+                .find(|s| s["metadata"]["labels"]["app.kubernetes.io/component"] == "operator")
+                .expect("the operator's Service");
+            let name = service["metadata"]["name"].as_str().expect("name");
+            assert!(
+                has_arg(&format!(
+                    "--keda-scaler-address={name}.{NAMESPACE}.svc:9443"
+                )),
+                "{args:?}"
+            );
+            let port = service["spec"]["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|p| p["name"] == "keda-scaler")
+                .expect("the keda-scaler port");
+            assert_eq!(port["port"], 9443);
+            assert_eq!(port["appProtocol"], "kubernetes.io/h2c");
         }
         "network-policy" => {
             let flag = args

@@ -147,6 +147,9 @@ the Prometheus Operator's API for it). Call with (list $enabled "monitoring.core
 {{- if and .Values.externalMetrics.certManager.enabled (not .Values.externalMetrics.enabled) }}
 {{- fail "externalMetrics.certManager.enabled needs externalMetrics.enabled: true" }}
 {{- end }}
+{{- if and .Values.keda.enabled .Values.keda.externalScaler.enabled (eq (int .Values.keda.externalScaler.port) (int .Values.service.port)) }}
+{{- fail "keda.externalScaler.port must differ from service.port" }}
+{{- end }}
 {{- if and .Values.externalMetrics.enabled (eq (int .Values.externalMetrics.port) (int .Values.service.port)) }}
 {{- fail "externalMetrics.port must differ from service.port" }}
 {{- end }}

@@ -139,6 +139,11 @@ impl Autoscaler {
         self.acting.store(acting, Ordering::Relaxed);
     }
 
+    /// What the routers hold, by service.
+    pub fn routers(&self) -> &RouterQueues {
+        &self.routers
+    }
+
     pub fn store(&self) -> &Arc<SignalStore> {
         &self.store
     }

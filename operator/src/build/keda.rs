@@ -1,6 +1,14 @@
 //! The KEDA ScaledObject for `autoscaling.mode: KEDA`, for clusters that run KEDA (which owns
 //! the External Metrics API there, so HPA mode's cannot be installed beside it). KEDA scales
-//! the InferenceService through its scale subresource, on `prometheus` triggers that read the
+//! the InferenceService through its scale subresource, on one of two kinds of trigger.
+//!
+//! `scaler: External` (the default where the operator serves it): KEDA's `external` scaler,
+//! the operator's own (`crate::keda_scaler`), one trigger per target with its `signal` in the
+//! metadata (`queue`, an `AverageValue`; `kv-cache`, a `Value`). No Prometheus: the answers
+//! are the built-in autoscaler's signals, and `IsActive` (any request running, waiting or held)
+//! decides scale to and from zero.
+//!
+//! `scaler: Prometheus`: `prometheus` triggers that read the
 //! signals the built-in autoscaler uses from the Prometheus that scrapes the pods (the
 //! ServiceMonitor's target labels `namespace` and `service`) and the routers (their own
 //! `namespace` and `inferenceservice` labels, kept by the router ServiceMonitor's
@@ -26,7 +34,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{BuildError, Owner};
-use ferrite_api::crd::{AutoscalingMode, AutoscalingSpec, InferenceService};
+use ferrite_api::crd::{AutoscalingMode, AutoscalingSpec, InferenceService, KedaScaler};
 
 /// The subset of KEDA's ScaledObject spec the operator writes.
 #[derive(CustomResource, JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -90,6 +98,41 @@ const ACTIVITY_TARGET: &str = "1000000";
 const DEFAULT_POLLING_SECONDS: i32 = 15;
 const DEFAULT_COOLDOWN_SECONDS: i32 = 300;
 
+/// What an external trigger asks about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    Queue,
+    KvCache,
+}
+
+impl Signal {
+    /// The trigger's name and its `signal` metadata.
+    pub fn name(self) -> &'static str {
+        match self {
+            Signal::Queue => "queue",
+            Signal::KvCache => "kv-cache",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Signal> {
+        [Signal::Queue, Signal::KvCache]
+            .into_iter()
+            .find(|x| x.name() == s)
+    }
+}
+
+/// The scaler a KEDA-mode spec uses: its own choice; else `Prometheus` when it names a
+/// Prometheus, `External` when the operator serves it, else `Prometheus`.
+pub fn effective_scaler(spec: &AutoscalingSpec, operator_serves: bool) -> KedaScaler {
+    let keda = spec.keda.as_ref();
+    match keda.and_then(|k| k.scaler) {
+        Some(s) => s,
+        None if keda.is_some_and(|k| k.server_address.is_some()) => KedaScaler::Prometheus,
+        None if operator_serves => KedaScaler::External,
+        None => KedaScaler::Prometheus,
+    }
+}
+
 /// The PromQL each trigger runs for the InferenceService `namespace/name`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Queries {
@@ -118,12 +161,21 @@ pub fn queries(namespace: &str, name: &str) -> Queries {
     }
 }
 
-/// The ScaledObject, or `None` unless the mode is `KEDA`; an error without KEDA's CRD or
-/// without a Prometheus to read (`default_address` is the operator's).
+/// Where the operator's settings point KEDA.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sources<'a> {
+    /// The Prometheus of `--keda-prometheus-address`.
+    pub prometheus: Option<&'a str>,
+    /// `host:port` of the operator's external scaler, where it serves one.
+    pub external: Option<&'a str>,
+}
+
+/// The ScaledObject, or `None` unless the mode is `KEDA`; an error without KEDA's CRD, or
+/// without the scaler the spec uses.
 pub(crate) fn scaled_object(
     isvc: &InferenceService,
     owner: &Owner,
-    default_address: Option<&str>,
+    sources: Sources<'_>,
     keda_installed: bool,
 ) -> Result<Option<ScaledObject>, BuildError> {
     let Some(spec) = isvc
@@ -137,12 +189,20 @@ pub(crate) fn scaled_object(
     if !keda_installed {
         return Err(BuildError::KedaNotInstalled);
     }
-    let address = spec
-        .keda
-        .as_ref()
-        .and_then(|k| k.server_address.as_deref())
-        .or(default_address)
-        .ok_or(BuildError::KedaPrometheusAddress)?;
+    let triggers = match effective_scaler(spec, sources.external.is_some()) {
+        KedaScaler::External => {
+            external_triggers(spec, sources.external.ok_or(BuildError::KedaScalerOff)?)
+        }
+        KedaScaler::Prometheus => {
+            let address = spec
+                .keda
+                .as_ref()
+                .and_then(|k| k.server_address.as_deref())
+                .or(sources.prometheus)
+                .ok_or(BuildError::KedaPrometheusAddress)?;
+            triggers(spec, &queries(&owner.namespace, &owner.name), address)
+        }
+    };
     let mut so = ScaledObject::new(
         &owner.name,
         ScaledObjectSpec {
@@ -164,11 +224,37 @@ pub(crate) fn scaled_object(
                     behavior: super::hpa::behavior(&spec.behavior),
                 },
             },
-            triggers: triggers(spec, &queries(&owner.namespace, &owner.name), address),
+            triggers,
         },
     );
     so.metadata = owner.meta(owner.name.clone(), &BTreeMap::new());
     Ok(Some(so))
+}
+
+/// One `external` trigger per target, each naming its signal; the operator answers with the
+/// spec's target and the current value.
+fn external_triggers(spec: &AutoscalingSpec, address: &str) -> Vec<Trigger> {
+    let targets = [
+        (
+            Signal::Queue,
+            "AverageValue",
+            spec.targets.queue_per_replica,
+        ),
+        (Signal::KvCache, "Value", spec.targets.kv_cache_usage),
+    ];
+    targets
+        .into_iter()
+        .filter(|t| t.2.is_some())
+        .map(|(signal, metric_type, _)| Trigger {
+            type_: "external".into(),
+            name: signal.name().into(),
+            metric_type: metric_type.into(),
+            metadata: BTreeMap::from([
+                ("scalerAddress".into(), address.to_string()),
+                ("signal".into(), signal.name().into()),
+            ]),
+        })
+        .collect()
 }
 
 fn triggers(spec: &AutoscalingSpec, q: &Queries, address: &str) -> Vec<Trigger> {

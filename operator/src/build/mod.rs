@@ -108,6 +108,11 @@ pub enum BuildError {
          (the chart's keda.prometheusAddress)"
     )]
     KedaPrometheusAddress,
+    #[error(
+        "autoscaling.keda.scaler External needs the operator's external scaler, which it does \
+         not serve (the chart's keda.externalScaler.enabled); or use scaler Prometheus"
+    )]
+    KedaScalerOff,
 }
 
 impl BuildError {
@@ -125,6 +130,7 @@ impl BuildError {
             BuildError::Adapter(_) => "InvalidAdapter",
             BuildError::KedaNotInstalled => "KedaNotInstalled",
             BuildError::KedaPrometheusAddress => "KedaPrometheusAddressMissing",
+            BuildError::KedaScalerOff => "KedaScalerOff",
         }
     }
 }
@@ -414,7 +420,10 @@ pub fn desired(
     let scaled_object = keda::scaled_object(
         isvc,
         owner,
-        config.keda_prometheus_address.as_deref(),
+        keda::Sources {
+            prometheus: config.keda_prometheus_address.as_deref(),
+            external: config.keda_scaler_address.as_deref(),
+        },
         caps.scaled_object_crd,
     )?;
     let network_policy = config

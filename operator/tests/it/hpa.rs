@@ -369,6 +369,35 @@ fn keda_mode_needs_keda_and_a_prometheus() {
         own["spec"]["triggers"][0]["metadata"]["serverAddress"],
         "https://thanos:10902"
     );
+    // Where the operator serves the external scaler, specs default to it: one `external`
+    // trigger per target, naming its signal; asking for it where it is not served is refused.
+    let serving = OperatorConfig {
+        keda_scaler_address: Some("ferrite-operator.ferrite-system.svc:9443".into()),
+        ..with_address.clone()
+    };
+    let d = build(&keda(json!({})), &serving, caps(true)).expect("builds");
+    let so = serde_json::to_value(d.scaled_object.expect("a ScaledObject")).expect("json");
+    assert_eq!(
+        so["spec"]["triggers"],
+        json!([{"type": "external", "name": "queue", "metricType": "AverageValue",
+                "metadata": {"scalerAddress": "ferrite-operator.ferrite-system.svc:9443",
+                             "signal": "queue"}}])
+    );
+    let prometheus = build(
+        &keda(json!({"keda": {"scaler": "Prometheus"}})),
+        &serving,
+        caps(true),
+    )
+    .expect("builds");
+    let so = serde_json::to_value(prometheus.scaled_object.expect("a ScaledObject")).expect("json");
+    assert_eq!(so["spec"]["triggers"][0]["type"], "prometheus");
+    let off = build(
+        &keda(json!({"keda": {"scaler": "External"}})),
+        &with_address,
+        caps(true),
+    )
+    .expect_err("not served");
+    assert_eq!(off.reason(), "KedaScalerOff");
     // Other modes: none, KEDA or not.
     let builtin = isvc(json!({"minReplicas": 1, "maxReplicas": 3,
                               "targets": {"queuePerReplica": 2.0}}));
