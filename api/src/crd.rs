@@ -120,6 +120,12 @@ pub struct InferenceServiceSpec {
     /// Compute for each replica.
     #[serde(default)]
     pub resources: ResourcesSpec,
+    /// How one replica splits the model over GPUs (KServe's LLMInferenceService names):
+    /// vLLM's tensor, pipeline, data and expert parallelism. A replica needs
+    /// `tensor × pipeline × data` GPUs; `resources.gpus` (absent: all of them) is each pod's
+    /// share. Only the `vllm` runtime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallelism: Option<ParallelismSpec>,
     /// An operator-wide profile, `NAME` or `NAME:GPUS` (`nvidia-h100:2`), from the chart's
     /// `resourceProfiles`: its node selector, tolerations, affinity, runtime and priority
     /// class, scheduler, GPU resource name and pull secrets apply under this spec's own (a
@@ -379,6 +385,38 @@ pub enum ModelFormat {
     Gguf,
     #[serde(rename = "safetensors")]
     Safetensors,
+}
+
+/// Parallelism within one replica; every size defaults to 1.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ParallelismSpec {
+    /// Tensor-parallel size: GPUs each layer is split over (vLLM's `--tensor-parallel-size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub tensor: Option<i32>,
+    /// Pipeline-parallel size: stages the layers are split into (`--pipeline-parallel-size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub pipeline: Option<i32>,
+    /// Data-parallel size: copies of the model within the replica (`--data-parallel-size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub data: Option<i32>,
+    /// Expert parallelism for MoE models: experts spread over the data- and tensor-parallel
+    /// GPUs instead of split (`--enable-expert-parallel`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert: Option<bool>,
+}
+
+impl ParallelismSpec {
+    /// GPUs one replica needs.
+    pub fn gpus(&self) -> i64 {
+        [self.tensor, self.pipeline, self.data]
+            .into_iter()
+            .map(|s| i64::from(s.unwrap_or(1).max(1)))
+            .product()
+    }
 }
 
 /// Which server runs the model. Both speak the OpenAI API and vLLM's metrics protocol.

@@ -40,7 +40,7 @@ const FERRITE_UID: i64 = 65532;
 const VLLM_UID: i64 = 1000;
 
 fn gpus(isvc: &InferenceService) -> i32 {
-    isvc.spec.resources.gpus.unwrap_or(0)
+    super::parallelism::gpus_per_pod(isvc)
 }
 
 /// The extended resource GPUs are counted in.
@@ -109,8 +109,13 @@ fn args(isvc: &InferenceService, model: &ModelMount, kv_cache_bytes: Option<u64>
         }
         RuntimeKind::Vllm => {
             flag("--kv-cache-memory-bytes", kv);
-            if gpus(isvc) > 1 {
-                flag("--tensor-parallel-size", Some(gpus(isvc).to_string()));
+            match &isvc.spec.parallelism {
+                Some(p) => a.extend(super::parallelism::vllm_args(p)),
+                // Without a layout, every GPU of the pod splits each layer.
+                None if gpus(isvc) > 1 => {
+                    flag("--tensor-parallel-size", Some(gpus(isvc).to_string()));
+                }
+                None => {}
             }
         }
     }

@@ -12,6 +12,7 @@ pub mod lora;
 pub mod model;
 pub mod monitor;
 pub mod network_policy;
+pub mod parallelism;
 pub mod profile;
 pub mod quantity;
 pub mod router_key;
@@ -113,6 +114,8 @@ pub enum BuildError {
          not serve (the chart's keda.externalScaler.enabled); or use scaler Prometheus"
     )]
     KedaScalerOff,
+    #[error("parallelism {0}")]
+    Parallelism(String),
 }
 
 impl BuildError {
@@ -131,6 +134,7 @@ impl BuildError {
             BuildError::KedaNotInstalled => "KedaNotInstalled",
             BuildError::KedaPrometheusAddress => "KedaPrometheusAddressMissing",
             BuildError::KedaScalerOff => "KedaScalerOff",
+            BuildError::Parallelism(_) => "InvalidParallelism",
         }
     }
 }
@@ -247,6 +251,7 @@ pub fn validate<'a>(
         Some(q) => Some(quantity::bytes(q).ok_or_else(|| BuildError::KvCacheMemory(q.clone()))?),
         None => None,
     };
+    parallelism::check(&isvc)?;
     check_resources(&isvc)?;
     check_mounts(&isvc)?;
     check_rollout(&isvc)?;

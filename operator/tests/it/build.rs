@@ -1128,3 +1128,77 @@ fn adapters_a_runtime_cannot_load_are_refused_with_the_reason() {
         {"name": "c", "source": "https://h/a.gguf"}]}});
     build(&isvc(ok), &config(), NO_MONITOR_CRD).expect("ferrite adapters");
 }
+
+/// `spec.parallelism` for vLLM: the pod's GPUs follow it (all of a replica's unless
+/// `resources.gpus` says), vLLM gets each size above 1 and expert parallelism as flags; what
+/// cannot run is refused with a message that says why: ferrite-server, GPUs left idle, pods
+/// that do not divide the replica, a replica across pods (not rendered yet).
+#[test]
+fn parallelism_sets_vllms_flags_and_the_pods_gpus_or_is_refused() {
+    let vllm = |parallelism: Value, gpus: Option<i32>| {
+        let mut spec = json!({"model": {"source": "hf://org/big"}, "runtime": {"kind": "vllm"},
+                              "parallelism": parallelism});
+        if let Some(g) = gpus {
+            spec["resources"] = json!({"gpus": g});
+        }
+        spec
+    };
+    let d = built(
+        vllm(json!({"tensor": 4, "pipeline": 2, "expert": true}), None),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(arg(&d, "--tensor-parallel-size").as_deref(), Some("4"));
+    assert_eq!(arg(&d, "--pipeline-parallel-size").as_deref(), Some("2"));
+    assert_eq!(arg(&d, "--data-parallel-size"), None, "1 is vLLM's default");
+    assert!(args(&d).iter().any(|a| a == "--enable-expert-parallel"));
+    let limits = server(&d)
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.clone())
+        .expect("limits");
+    assert_eq!(limits["nvidia.com/gpu"].0, "8", "tensor × pipeline");
+    // Data parallelism on GPUs the spec counts itself.
+    let d = built(
+        vllm(json!({"tensor": 2, "data": 2}), Some(4)),
+        NO_MONITOR_CRD,
+    );
+    assert_eq!(arg(&d, "--data-parallel-size").as_deref(), Some("2"));
+    assert_eq!(arg(&d, "--tensor-parallel-size").as_deref(), Some("2"));
+
+    let refused = |spec: Value| {
+        let e = build(&isvc(spec), &config(), NO_MONITOR_CRD).expect_err("refused");
+        assert_eq!(e.reason(), "InvalidParallelism", "{e}");
+        e.to_string()
+    };
+    let ferrite = refused(
+        json!({"model": {"source": "/m.gguf"}, "parallelism": {"tensor": 2},
+                                 "resources": {"gpus": 2}}),
+    );
+    assert!(
+        ferrite.contains("ferrite-server runs a model on one device"),
+        "{ferrite}"
+    );
+    let idle = refused(vllm(json!({"tensor": 2}), Some(4)));
+    assert!(idle.contains("would leave 2 idle"), "{idle}");
+    let uneven = refused(vllm(json!({"tensor": 3, "pipeline": 2}), Some(4)));
+    assert!(uneven.contains("does not split into pods"), "{uneven}");
+    let nodes = refused(vllm(json!({"tensor": 8, "pipeline": 2}), Some(8)));
+    assert!(
+        nodes.contains("over 2 pods of 8") && nodes.contains("LeaderWorkerSet"),
+        "{nodes}"
+    );
+    let huge = refused(vllm(json!({"tensor": 8, "pipeline": 4}), None));
+    assert!(huge.contains("needs 32 GPUs"), "{huge}");
+    // All sizes 1 is no parallelism, for either runtime.
+    let d = built(
+        json!({"model": {"source": "/m.gguf"}, "parallelism": {"tensor": 1}}),
+        NO_MONITOR_CRD,
+    );
+    assert!(
+        server(&d)
+            .resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .is_none_or(|l| !l.contains_key("nvidia.com/gpu"))
+    );
+}

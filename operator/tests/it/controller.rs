@@ -23,6 +23,8 @@ use serde_json::{Value, json};
 
 const NS: &str = "ml";
 const DISCOVERY: &str = "/apis/monitoring.coreos.com/v1";
+/// KEDA's group, looked up after the monitoring group's (absent in these tests).
+const KEDA_DISCOVERY: &str = "/apis/keda.sh/v1alpha1";
 const DEPLOYMENT: &str = "/apis/apps/v1/namespaces/ml/deployments/chat";
 const SERVICE: &str = "/api/v1/namespaces/ml/services/chat";
 const PDB: &str = "/apis/policy/v1/namespaces/ml/poddisruptionbudgets/chat";
@@ -187,11 +189,10 @@ fn create_script(isvc: &InferenceService) -> Vec<Step> {
 /// the ServiceMonitor CRD is installed.
 fn create_script_with(isvc: &InferenceService, discovery: Option<Value>) -> Vec<Step> {
     let monitor = discovery.is_some();
-    let mut s = vec![step(
-        Method::GET,
-        DISCOVERY,
-        discovery.map_or_else(not_found, ok),
-    )];
+    let mut s = vec![
+        step(Method::GET, DISCOVERY, discovery.map_or_else(not_found, ok)),
+        step(Method::GET, KEDA_DISCOVERY, not_found()),
+    ];
     s.extend(created(DEPLOYMENT));
     s.extend(created(SERVICE));
     if monitor {
@@ -214,7 +215,10 @@ fn created(path: &str) -> Vec<Step> {
 
 /// The discovery of a reconcile that finds the ServiceMonitor CRD absent.
 fn discovery_absent() -> Vec<Step> {
-    vec![step(Method::GET, DISCOVERY, not_found())]
+    vec![
+        step(Method::GET, DISCOVERY, not_found()),
+        step(Method::GET, KEDA_DISCOVERY, not_found()),
+    ]
 }
 
 /// Creation, then the rollout finishing, then a steady state with no requests but discovery.
@@ -482,7 +486,10 @@ async fn objects_no_longer_wanted_are_deleted() {
         owned("ConfigMap", "chat-dashboard-overview", "v1"),
         foreign_cm,
     ];
-    let mut script = vec![step(Method::GET, DISCOVERY, ok(monitor_resources()))];
+    let mut script = vec![
+        step(Method::GET, DISCOVERY, ok(monitor_resources())),
+        step(Method::GET, KEDA_DISCOVERY, not_found()),
+    ];
     script.extend(created(DEPLOYMENT));
     script.extend(created(SERVICE));
     script.extend([
@@ -541,6 +548,7 @@ async fn api_conflicts_and_errors_are_retried_with_growing_backoff() {
     let i = isvc(1, spec(), None);
     let (client, verifier) = apiserver::start(vec![
         step(Method::GET, DISCOVERY, not_found()),
+        step(Method::GET, KEDA_DISCOVERY, not_found()),
         step(Method::GET, DEPLOYMENT, not_found()),
         step(
             Method::PATCH,
@@ -548,6 +556,7 @@ async fn api_conflicts_and_errors_are_retried_with_growing_backoff() {
             status_reply(StatusCode::CONFLICT, "Conflict"),
         ),
         step(Method::GET, DISCOVERY, not_found()),
+        step(Method::GET, KEDA_DISCOVERY, not_found()),
         step(Method::GET, DEPLOYMENT, not_found()),
         step(
             Method::PATCH,
