@@ -419,10 +419,7 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 account.as_str().expect("the router's ServiceAccount")
             );
             assert!(has_arg(&account), "{args:?}");
-            let operator_rules = &find(docs, "ClusterRole")
-                .into_iter()
-                .find(|r| r["rules"][0]["resources"] == json!(["inferenceservices"]))
-                .expect("the operator's ClusterRole")["rules"];
+            let operator_rules = &operator_cluster_role(docs)["rules"];
             assert!(
                 operator_rules.as_array().into_iter().flatten().any(|r| {
                     r["apiGroups"] == json!(["rbac.authorization.k8s.io"])
@@ -700,10 +697,7 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 has_arg("--keda-prometheus-address=http://prometheus-operated.monitoring.svc:9090"),
                 "{args:?}"
             );
-            let rules = &find(docs, "ClusterRole")
-                .into_iter()
-                .find(|r| r["rules"][0]["resources"] == json!(["inferenceservices"]))
-                .expect("the operator's ClusterRole")["rules"];
+            let rules = &operator_cluster_role(docs)["rules"];
             assert!(
                 rules.as_array().into_iter().flatten().any(|r| {
                     r["apiGroups"] == json!(["keda.sh"])
@@ -1201,4 +1195,12 @@ fn the_custom_resource_validator_rejects_broken_objects() {
             "{name} was not rejected for {why:?}:\n{out}"
         );
     }
+}
+
+/// The operator's ClusterRole: the one whose first rule is on InferenceServices.
+fn operator_cluster_role(docs: &[Value]) -> &Value {
+    find(docs, "ClusterRole")
+        .into_iter()
+        .find(|r| r["rules"][0]["resources"] == json!(["inferenceservices"]))
+        .expect("the operator's ClusterRole")
 }

@@ -162,53 +162,40 @@ async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
         .service_monitor_crd(&ctx.client)
         .await
         .map_err(Error::Discovery)?;
-    let monitors = match service_monitor_crd {
-        true => Some(
-            ctx.caches
-                .monitors(MONITOR_CACHE_WAIT)
-                .await
-                .ok_or(Error::Cache("ServiceMonitor"))?,
-        ),
-        false => None,
-    };
+    let monitors = cache_if(
+        service_monitor_crd,
+        "ServiceMonitor",
+        ctx.caches.monitors(MONITOR_CACHE_WAIT),
+    )
+    .await?;
     let scaled_object_crd = ctx
         .discovery
         .scaled_object_crd(&ctx.client)
         .await
         .map_err(Error::Discovery)?;
-    let scaled_objects = match scaled_object_crd {
-        true => Some(
-            ctx.caches
-                .scaled_objects(MONITOR_CACHE_WAIT)
-                .await
-                .ok_or(Error::Cache("ScaledObject"))?,
-        ),
-        false => None,
-    };
-    let network_policies = match ctx.config.network_policy_peers {
-        Some(_) => Some(
-            ctx.caches
-                .network_policies(MONITOR_CACHE_WAIT)
-                .await
-                .ok_or(Error::Cache("NetworkPolicy"))?,
-        ),
-        None => None,
-    };
-    let router_keys = match ctx.config.router_service_account {
-        Some(_) => Some(RouterKeyStores {
-            roles: ctx
-                .caches
-                .roles(MONITOR_CACHE_WAIT)
-                .await
-                .ok_or(Error::Cache("Role"))?,
-            bindings: ctx
-                .caches
-                .role_bindings(MONITOR_CACHE_WAIT)
-                .await
-                .ok_or(Error::Cache("RoleBinding"))?,
-        }),
-        None => None,
-    };
+    let scaled_objects = cache_if(
+        scaled_object_crd,
+        "ScaledObject",
+        ctx.caches.scaled_objects(MONITOR_CACHE_WAIT),
+    )
+    .await?;
+    let network_policies = cache_if(
+        ctx.config.network_policy_peers.is_some(),
+        "NetworkPolicy",
+        ctx.caches.network_policies(MONITOR_CACHE_WAIT),
+    )
+    .await?;
+    let granting = ctx.config.router_service_account.is_some();
+    let roles = cache_if(granting, "Role", ctx.caches.roles(MONITOR_CACHE_WAIT)).await?;
+    let bindings = cache_if(
+        granting,
+        "RoleBinding",
+        ctx.caches.role_bindings(MONITOR_CACHE_WAIT),
+    )
+    .await?;
+    let router_keys = roles
+        .zip(bindings)
+        .map(|(roles, bindings)| RouterKeyStores { roles, bindings });
     Ok(Cluster {
         caps: ClusterCapabilities {
             service_monitor_crd,
@@ -219,6 +206,19 @@ async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
         router_keys,
         scaled_objects,
     })
+}
+
+/// An optional cache, when the reconcile needs it (`wanted`), once it has its first listing;
+/// `cache` is only started then.
+async fn cache_if<S>(
+    wanted: bool,
+    kind: &'static str,
+    cache: impl std::future::Future<Output = Option<S>>,
+) -> Result<Option<S>, Error> {
+    if !wanted {
+        return Ok(None);
+    }
+    cache.await.map(Some).ok_or(Error::Cache(kind))
 }
 
 /// Validate: the spec parsed once, and the claims it names present. A missing claim is

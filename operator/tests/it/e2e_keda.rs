@@ -45,6 +45,18 @@ async fn scaled_object(client: &kube::Client, ns: &str, name: &str) -> Value {
     .await
 }
 
+/// A private cluster with KEDA's ScaledObject CRD served, a client and an applier.
+async fn keda_cluster() -> Option<(Cluster, kube::Client, Applier)> {
+    let cluster = Cluster::start().await?;
+    let client = cluster.client().await;
+    let mut applier = Applier::new(client.clone()).await;
+    applier
+        .apply_file(&workspace_root().join("testkit/data/keda/keda.sh_scaledobjects.yaml"))
+        .await;
+    wait_crd(&client, "scaledobjects.keda.sh").await;
+    Some((cluster, client, applier))
+}
+
 fn trigger<'a>(so: &'a Value, name: &str) -> &'a Value {
     so["spec"]["triggers"]
         .as_array()
@@ -54,15 +66,9 @@ fn trigger<'a>(so: &'a Value, name: &str) -> &'a Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keda_mode_renders_a_scaled_object_keda_accepts_and_prunes_it_after() {
-    let Some(cluster) = Cluster::start().await else {
+    let Some((cluster, client, mut applier)) = keda_cluster().await else {
         return;
     };
-    let client = cluster.client().await;
-    let mut applier = Applier::new(client.clone()).await;
-    applier
-        .apply_file(&workspace_root().join("testkit/data/keda/keda.sh_scaledobjects.yaml"))
-        .await;
-    wait_crd(&client, "scaledobjects.keda.sh").await;
     let values = json!({"keda": {"enabled": true, "prometheusAddress": PROMETHEUS}});
     let release = install(&cluster, &values, "keda").await;
     let _op = Operator::launch(&cluster, &release, "op-0", &[]).await;
@@ -246,15 +252,9 @@ fn exported(op: &Operator, ns: &str, name: &str, signal: &str) -> Option<f64> {
 /// idle; a service not in KEDA mode, or a trigger without a known signal, is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_external_scaler_answers_keda_with_the_autoscalers_signals() {
-    let Some(cluster) = Cluster::start().await else {
+    let Some((cluster, client, mut applier)) = keda_cluster().await else {
         return;
     };
-    let client = cluster.client().await;
-    let mut applier = Applier::new(client.clone()).await;
-    applier
-        .apply_file(&workspace_root().join("testkit/data/keda/keda.sh_scaledobjects.yaml"))
-        .await;
-    wait_crd(&client, "scaledobjects.keda.sh").await;
     let release = install(&cluster, &json!({"keda": {"enabled": true}}), "keda-ext").await;
     let op = Operator::launch(&cluster, &release, "op-0", &[]).await;
     let ns = cluster.namespace("keda-ext").await;
