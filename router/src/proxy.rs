@@ -363,8 +363,7 @@ pub async fn forward_upload(State(app): State<Arc<App>>, req: axum::extract::Req
         Ok(r) => r,
         Err(response) => return *response,
     };
-    let names: Vec<&str> = svc.endpoints.iter().map(|e| e.name.as_str()).collect();
-    let ring = app.rings.get(&svc.id(), &names);
+    let ring = ring_of(&app, &svc);
     let Some(ep) = pick(&app, &svc, &ring, &parsed, None, false, None) else {
         count_request(&app, &svc, "upstream_error");
         return unavailable(format!("no replica of `{}` answered", svc.model), 1);
@@ -1112,8 +1111,7 @@ async fn attempt(
         .uri
         .path_and_query()
         .map_or(parts.uri.path(), |p| p.as_str());
-    let names: Vec<&str> = svc.endpoints.iter().map(|e| e.name.as_str()).collect();
-    let ring = app.rings.get(&svc.id(), &names);
+    let ring = ring_of(app, svc);
     let mut tried: Option<String> = None;
     for attempt in 0..2 {
         let Some(ep) = pick(
@@ -1220,6 +1218,12 @@ fn affinity_key(svc: &Service, parsed: &Parsed) -> Option<String> {
         (Some(a), Some(k)) => Some(format!("{a}\u{1f}{k}")),
         (_, k) => k.clone(),
     }
+}
+
+/// `svc`'s hash ring over its ready replicas (rebuilt only when they change).
+fn ring_of(app: &App, svc: &Service) -> Arc<Ring> {
+    let names: Vec<&str> = svc.endpoints.iter().map(|e| e.name.as_str()).collect();
+    app.rings.get(&svc.id(), &names)
 }
 
 /// The replica the service's policy picks among those not tried and not set aside, counted
@@ -1434,8 +1438,7 @@ async fn resubmit(
     // The replicas as they are now: the failed one may be gone, another may have come.
     let svc = app.registry.find(&svc.id()).unwrap_or(svc);
     let key = affinity_key(&svc, &parsed);
-    let names: Vec<&str> = svc.endpoints.iter().map(|e| e.name.as_str()).collect();
-    let ring = app.rings.get(&svc.id(), &names);
+    let ring = ring_of(&app, &svc);
     let ep = pick(
         &app,
         &svc,
