@@ -387,6 +387,17 @@ impl Caches {
     /// Empty caches filled by hand through the returned writers (tests).
     #[cfg(feature = "test-support")]
     pub fn manual() -> (Caches, Writers) {
+        /// A lazily started cache, started already: its store in the cell, and its writer.
+        fn started<K>() -> (Arc<OnceLock<Store<K>>>, Writer<K>)
+        where
+            K: kube::runtime::reflector::Lookup + Clone + 'static,
+            K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+        {
+            let (store, writer) = reflector::store();
+            let cell = OnceLock::new();
+            let _ = cell.set(store);
+            (Arc::new(cell), writer)
+        }
         let (isvcs, w_isvcs) = reflector::store();
         let (deployments, w_deployments) = reflector::store();
         let (pods, w_pods) = reflector::store();
@@ -395,21 +406,11 @@ impl Caches {
         let (hpas, w_hpas) = reflector::store();
         let (config_maps, w_config_maps) = reflector::store();
         let (claims, w_claims) = reflector::store();
-        let (monitors, w_monitors) = reflector::store();
-        let cell = OnceLock::new();
-        let _ = cell.set(monitors);
-        let (network_policies, w_network_policies) = reflector::store();
-        let policies = OnceLock::new();
-        let _ = policies.set(network_policies);
-        let (roles, w_roles) = reflector::store();
-        let roles_cell = OnceLock::new();
-        let _ = roles_cell.set(roles);
-        let (scaled_objects, w_scaled_objects) = reflector::store();
-        let scaled_cell = OnceLock::new();
-        let _ = scaled_cell.set(scaled_objects);
-        let (role_bindings, w_role_bindings) = reflector::store();
-        let bindings_cell = OnceLock::new();
-        let _ = bindings_cell.set(role_bindings);
+        let (monitors, w_monitors) = started();
+        let (network_policies, w_network_policies) = started();
+        let (roles, w_roles) = started();
+        let (scaled_objects, w_scaled_objects) = started();
+        let (role_bindings, w_role_bindings) = started();
         let caches = Caches {
             isvcs,
             deployments,
@@ -419,11 +420,11 @@ impl Caches {
             hpas,
             config_maps,
             claims,
-            monitors: Arc::new(cell),
-            network_policies: Arc::new(policies),
-            roles: Arc::new(roles_cell),
-            role_bindings: Arc::new(bindings_cell),
-            scaled_objects: Arc::new(scaled_cell),
+            monitors,
+            network_policies,
+            roles,
+            role_bindings,
+            scaled_objects,
             starter: None,
         };
         let writers = Writers {
