@@ -116,6 +116,11 @@ pub enum BuildError {
     KedaScalerOff,
     #[error("parallelism {0}")]
     Parallelism(String),
+    #[error(
+        "autoscaling.mode HPA reads the operator's External Metrics API, but this cluster runs \
+         KEDA (scaledobjects.keda.sh), whose metrics server serves that API: use mode KEDA"
+    )]
+    HpaWithKeda,
 }
 
 impl BuildError {
@@ -135,6 +140,7 @@ impl BuildError {
             BuildError::KedaPrometheusAddress => "KedaPrometheusAddressMissing",
             BuildError::KedaScalerOff => "KedaScalerOff",
             BuildError::Parallelism(_) => "InvalidParallelism",
+            BuildError::HpaWithKeda => "HpaModeWithKeda",
         }
     }
 }
@@ -422,6 +428,11 @@ pub fn desired(
         Vec::new()
     };
     let hpa = hpa::hpa(isvc, owner);
+    // KEDA's metrics server is the cluster's External Metrics API wherever KEDA runs: an HPA on
+    // the operator's metrics would ask it for series it never has.
+    if hpa.is_some() && caps.scaled_object_crd {
+        return Err(BuildError::HpaWithKeda);
+    }
     let scaled_object = keda::scaled_object(
         isvc,
         owner,

@@ -172,6 +172,24 @@ async fn keda_mode_renders_a_scaled_object_keda_accepts_and_prunes_it_after() {
     })
     .await;
 
+    // HPA mode beside KEDA: its HPA would ask KEDA's metrics server for the operator's series.
+    applier
+        .apply(&isvc(
+            &ns,
+            "hpa",
+            json!({"model": {"source": "/models/smol.gguf"},
+                   "autoscaling": {"mode": "HPA", "minReplicas": 1, "maxReplicas": 2,
+                       "targets": {"queuePerReplica": 1.0}}}),
+        ))
+        .await;
+    let d = eventually(WAIT, "hpa to be Degraded", async || {
+        condition(&client, &ns, "hpa", "Degraded")
+            .await
+            .filter(|c| c.0 == "True")
+    })
+    .await;
+    assert_eq!(d.1, "HpaModeWithKeda", "{d:?}");
+
     // A Prometheus address with the external scaler: refused.
     let mixed: DynamicObject = serde_json::from_value(isvc(
         &ns,

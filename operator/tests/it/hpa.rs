@@ -398,6 +398,13 @@ fn keda_mode_needs_keda_and_a_prometheus() {
     )
     .expect_err("not served");
     assert_eq!(off.reason(), "KedaScalerOff");
+    // HPA mode where KEDA runs: KEDA's metrics server answers the External Metrics API.
+    let hpa = isvc(json!({"mode": "HPA", "minReplicas": 1, "maxReplicas": 3,
+                          "targets": {"queuePerReplica": 2.0}}));
+    let e = build(&hpa, &with_address, caps(true)).expect_err("refused beside KEDA");
+    assert_eq!(e.reason(), "HpaModeWithKeda");
+    assert!(e.to_string().contains("use mode KEDA"), "{e}");
+    assert!(build(&hpa, &with_address, caps(false)).is_ok_and(|d| d.hpa.is_some()));
     // Other modes: none, KEDA or not.
     let builtin = isvc(json!({"minReplicas": 1, "maxReplicas": 3,
                               "targets": {"queuePerReplica": 2.0}}));
