@@ -282,10 +282,20 @@ async fn the_operator_issues_its_certificate_and_the_bundle_that_trusts_it() {
     let bundle = live_ca_bundle(&client).await;
     let secrets: kube::Api<Secret> =
         kube::Api::namespaced(client.clone(), ferrite_testkit::chart::NAMESPACE);
-    let secret = secrets
-        .get("ferrite-ferrite-operator-external-metrics-tls")
-        .await
-        .expect("the operator's Secret");
+    // The keeper sets the bundle before it writes the Secret (so that no replica serves a
+    // certificate the aggregator does not trust yet): the Secret may come a moment later.
+    let secret = eventually(
+        Duration::from_secs(30),
+        "the operator's Secret",
+        async || {
+            secrets
+                .get_opt("ferrite-ferrite-operator-external-metrics-tls")
+                .await
+                .ok()
+                .flatten()
+        },
+    )
+    .await;
     let data = secret.data.clone().expect("data");
     assert_eq!(data["ca.crt"].0, bundle.as_bytes());
     let owner = &secret.metadata.owner_references.clone().expect("owner")[0];
