@@ -39,6 +39,7 @@ use kube::runtime::reflector::store::WriterDropped;
 
 use crate::load::Loads;
 use crate::metrics::Metrics;
+use crate::peers::Peers;
 use crate::registry::Registry;
 
 pub use flow::FlowConfig;
@@ -71,19 +72,13 @@ pub async fn start(
 ) -> Result<Arc<App>, StartError> {
     let registry = Registry::start(client.clone(), namespace, from);
     registry.ready().await?;
-    let demand = Arc::new(demand::Demand::default());
     let (tenants, peers) = match &config.tenants {
         Some(ns) => {
             let t = tenants::Tenants::start(client.clone(), ns);
             t.ready().await?;
             let peers = match &config.peers {
                 Some(peer_config) => {
-                    let p = peers::Peers::start(
-                        client.clone(),
-                        ns,
-                        peer_config.clone(),
-                        demand.clone(),
-                    );
+                    let p = peers::Peers::start(client.clone(), ns, peer_config.clone());
                     p.ready().await?;
                     Some(p)
                 }
@@ -161,13 +156,10 @@ pub fn metrics_routes(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-/// This replica's tenants' rates as last published (tokens a second), a JSON object.
+/// This replica's tenants' rates as last published (tokens a second), a JSON object; empty
+/// without `--peers` (no replica reads them, so none are kept).
 async fn tenant_demand(State(app): State<Arc<App>>) -> impl IntoResponse {
-    let rates = match &app.peers {
-        Some(p) => p.published(),
-        None => app.demand.rates(std::time::Instant::now()),
-    };
-    axum::Json(rates)
+    axum::Json(app.peers.as_ref().map(Peers::published).unwrap_or_default())
 }
 
 /// The OpenAI API and health, without `/metrics`.

@@ -63,21 +63,16 @@ type Heard = (HashMap<String, f64>, Instant);
 impl std::fmt::Debug for Peers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Peers")
-            .field("ready", &self.count())
+            .field("ready", &self.ready_pods().len())
             .field("me", &self.me)
             .finish()
     }
 }
 
 impl Peers {
-    /// Watches the pods of `config` in `namespace`, and every [`TICK`] publishes `demand` and
-    /// reads the other replicas'.
-    pub fn start(
-        client: Client,
-        namespace: &str,
-        config: PeerConfig,
-        demand: Arc<Demand>,
-    ) -> Peers {
+    /// Watches the pods of `config` in `namespace`, and every [`TICK`] publishes what each
+    /// tenant asked of this replica ([`Peers::record`]) and reads the other replicas'.
+    pub fn start(client: Client, namespace: &str, config: PeerConfig) -> Peers {
         let (changed, _) = tokio::sync::watch::channel(0u64);
         let pods = reflect(
             "Pod",
@@ -88,7 +83,7 @@ impl Peers {
         let peers = Peers {
             pods,
             me: config.pod_name,
-            demand,
+            demand: Arc::default(),
             published: Arc::default(),
             heard: Arc::default(),
         };
@@ -98,12 +93,6 @@ impl Peers {
 
     pub async fn ready(&self) -> Result<(), reflector::store::WriterDropped> {
         self.pods.wait_until_ready().await
-    }
-
-    /// Ready replicas, this one included (at least 1: a replica that cannot see itself yet
-    /// still counts).
-    pub fn count(&self) -> usize {
-        self.ready_pods().len().max(1)
     }
 
     /// This replica's share of `tenant`'s limits: in proportion to the tenant's traffic each
@@ -133,9 +122,10 @@ impl Peers {
         demand::share(own, &others)
     }
 
-    /// What each tenant asks of this replica.
-    pub fn demand(&self) -> Arc<Demand> {
-        self.demand.clone()
+    /// `tenant` asked this replica for `tokens` at `now`, admitted or not: what its share
+    /// follows.
+    pub fn record(&self, tenant: &str, tokens: f64, now: Instant) {
+        self.demand.record(tenant, tokens, now);
     }
 
     /// This replica's rates as last published.

@@ -25,7 +25,6 @@ use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::candidates::candidates;
-use crate::demand::Demand;
 use crate::flow::{self, Admit, Ask, Dispatched, FlowConfig, Flows};
 use crate::limits::{LimitConfig, Limits, Refusal};
 use crate::load::{Loads, Open};
@@ -101,8 +100,6 @@ pub struct App {
     pub quotas: Quotas,
     /// The router's replicas, among which the limits are split.
     pub peers: Option<Peers>,
-    /// What each tenant asks of this replica, which sets its share.
-    pub demand: Arc<Demand>,
     /// The queues of saturated services, with flow control on.
     pub flows: Option<Arc<Flows>>,
 }
@@ -143,7 +140,6 @@ impl App {
             rings: Rings::default(),
             tenants,
             quotas: Quotas::default(),
-            demand: peers.as_ref().map_or_else(Arc::default, Peers::demand),
             peers,
         }
     }
@@ -582,9 +578,10 @@ fn admit_tenant(
     // "", as in the router's own request counts).
     let served = found.map(|s| s.model).unwrap_or_default();
     let now = Instant::now();
-    // Asked, whether admitted or not: it is what this replica's share follows.
-    app.demand.record(&t.name, parsed.work.total(), now);
-    let share = app.peers.as_ref().map_or(1.0, |p| p.share(&t.name));
+    let share = app.peers.as_ref().map_or(1.0, |p| {
+        p.record(&t.name, parsed.work.total(), now);
+        p.share(&t.name)
+    });
     let limits = t.limits.share(share);
     match app.quotas.admit(&t.name, limits, parsed.work.total(), now) {
         Ok(c) => {
