@@ -21,6 +21,7 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 
 use crate::build::keda::ScaledObject;
+use crate::build::lws::LeaderWorkerSet;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher::{self, watcher};
@@ -65,6 +66,9 @@ pub struct Caches {
     roles: Arc<OnceLock<Store<PartialObjectMeta<Role>>>>,
     /// Started once KEDA's CRD is found.
     scaled_objects: Arc<OnceLock<Store<PartialObjectMeta<ScaledObject>>>>,
+    /// Started once LeaderWorkerSet's CRD is found (by an operator allowed to write them);
+    /// whole, slimmed as Deployments are: status reads their counts.
+    groups: Arc<OnceLock<Store<LeaderWorkerSet>>>,
     role_bindings: Arc<OnceLock<Store<PartialObjectMeta<RoleBinding>>>>,
     /// How to start the ServiceMonitor watch; absent in tests that fill the stores by hand.
     starter: Option<Starter>,
@@ -112,6 +116,7 @@ pub struct Writers {
     pub roles: Writer<PartialObjectMeta<Role>>,
     pub scaled_objects: Writer<PartialObjectMeta<ScaledObject>>,
     pub role_bindings: Writer<PartialObjectMeta<RoleBinding>>,
+    pub groups: Writer<LeaderWorkerSet>,
 }
 
 #[cfg(feature = "test-support")]
@@ -138,6 +143,7 @@ impl Writers {
         done(&mut self.roles);
         done(&mut self.scaled_objects);
         done(&mut self.role_bindings);
+        done(&mut self.groups);
     }
 }
 
@@ -159,22 +165,27 @@ fn isvc_store(client: &Client, to: Vec<mpsc::UnboundedSender<Touch>>) -> Store<I
     store
 }
 
-/// The operator's Deployments, slimmed to what status reads; a change touches their owner.
-fn deployment_store(
+/// The operator's workloads of kind `K` (Deployments, LeaderWorkerSets), slimmed by `slim` to
+/// what status reads; a change touches their owner.
+fn workload_store<K>(
     client: &Client,
     managed: &watcher::Config,
     touch: &mpsc::UnboundedSender<Touch>,
-) -> Store<Deployment> {
+    kind: &'static str,
+    slim: fn(&mut K),
+) -> Store<K>
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
     let (store, writer) = reflector::store();
-    let stream =
-        watcher(Api::<Deployment>::all(client.clone()), managed.clone()).modify(slim_deployment);
-    reflect(
-        "Deployment",
-        stream,
-        writer,
-        vec![touch.clone()],
-        owner_touch,
-    );
+    let stream = watcher(Api::<K>::all(client.clone()), managed.clone()).modify(slim);
+    reflect(kind, stream, writer, vec![touch.clone()], owner_touch);
     store
 }
 
@@ -234,6 +245,14 @@ fn slim_deployment(d: &mut Deployment) {
     if let Some(spec) = d.spec.as_mut() {
         spec.template = Default::default();
     }
+}
+
+/// Keeps a LeaderWorkerSet's metadata, replicas and status.
+fn slim_group(g: &mut LeaderWorkerSet) {
+    g.managed_fields_mut().clear();
+    let t = &mut g.spec.leader_worker_template;
+    t.leader_template = Default::default();
+    t.worker_template = Default::default();
 }
 
 /// Keeps a pod's metadata and status.
@@ -350,7 +369,7 @@ impl Caches {
         };
         let managed = watcher::Config::default().labels(MANAGED_SELECTOR);
         let isvcs = isvc_store(&client, vec![touch.clone(), follow]);
-        let deployments = deployment_store(&client, &managed, &touch);
+        let deployments = workload_store(&client, &managed, &touch, "Deployment", slim_deployment);
         let pods = pod_store(&client, &managed, &touch);
         let claims = claim_store(&client, &touch);
         let caches = Caches {
@@ -375,6 +394,7 @@ impl Caches {
             roles: Arc::new(OnceLock::new()),
             role_bindings: Arc::new(OnceLock::new()),
             scaled_objects: Arc::new(OnceLock::new()),
+            groups: Arc::new(OnceLock::new()),
             starter: Some(starter),
         };
         let feeds = Feeds {
@@ -411,6 +431,7 @@ impl Caches {
         let (roles, w_roles) = started();
         let (scaled_objects, w_scaled_objects) = started();
         let (role_bindings, w_role_bindings) = started();
+        let (groups, w_groups) = started();
         let caches = Caches {
             isvcs,
             deployments,
@@ -425,6 +446,7 @@ impl Caches {
             roles,
             role_bindings,
             scaled_objects,
+            groups,
             starter: None,
         };
         let writers = Writers {
@@ -441,6 +463,7 @@ impl Caches {
             roles: w_roles,
             scaled_objects: w_scaled_objects,
             role_bindings: w_role_bindings,
+            groups: w_groups,
         };
         (caches, writers)
     }
@@ -483,6 +506,25 @@ impl Caches {
         self.lazy(&self.scaled_objects, "ScaledObject", wait).await
     }
 
+    /// The LeaderWorkerSet cache, started on first use (once LWS's CRD exists), once it has
+    /// its first listing; `None` if that takes longer than `wait`.
+    pub async fn groups(&self, wait: Duration) -> Option<Store<LeaderWorkerSet>> {
+        let store = self
+            .groups
+            .get_or_init(|| match &self.starter {
+                Some(s) => workload_store(
+                    &s.client,
+                    &watcher::Config::default().labels(MANAGED_SELECTOR),
+                    &s.touch,
+                    "LeaderWorkerSet",
+                    slim_group,
+                ),
+                None => reflector::store().0,
+            })
+            .clone();
+        ready_within(store, wait).await
+    }
+
     /// The Role cache (the router's API-key grants), started on first use.
     pub async fn roles(&self, wait: Duration) -> Option<Store<PartialObjectMeta<Role>>> {
         self.lazy(&self.roles, "Role", wait).await
@@ -523,11 +565,7 @@ impl Caches {
                 None => reflector::store().0,
             })
             .clone();
-        tokio::time::timeout(wait, store.wait_until_ready())
-            .await
-            .ok()?
-            .ok()?;
-        Some(store)
+        ready_within(store, wait).await
     }
 
     /// The pods of one InferenceService.
@@ -536,10 +574,31 @@ impl Caches {
             .state_filter(|p| ferrite_api::labels::belongs_to(p, namespace, name))
     }
 
+    /// The pods of one InferenceService that serve its API: all of a Deployment's, a
+    /// LeaderWorkerSet's leaders (its workers have no HTTP server).
+    pub fn servers_of(&self, namespace: &str, name: &str) -> Vec<Arc<Pod>> {
+        self.pods.state_filter(|p| {
+            ferrite_api::labels::belongs_to(p, namespace, name) && ferrite_api::labels::serves(p)
+        })
+    }
+
     /// The InferenceService `namespace/name`, if cached.
     pub fn isvc(&self, namespace: &str, name: &str) -> Option<Arc<InferenceService>> {
         self.isvcs.get(&ObjectRef::new(name).within(namespace))
     }
+}
+
+/// `store` once it has its first listing; `None` if that takes longer than `wait`.
+async fn ready_within<K>(store: Store<K>, wait: Duration) -> Option<Store<K>>
+where
+    K: kube::runtime::reflector::Lookup + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    tokio::time::timeout(wait, store.wait_until_ready())
+        .await
+        .ok()?
+        .ok()?;
+    Some(store)
 }
 
 /// Where reconcile requests go: nowhere on a standby, the controller's queue on the leader.

@@ -41,6 +41,12 @@ pub struct OperatorConfig {
     pub keda_prometheus_address: Option<String>,
     /// `host:port` where KEDA reaches the operator's external scaler, when it serves one.
     pub keda_scaler_address: Option<String>,
+    /// The operator may write KEDA ScaledObjects (its RBAC allows them: the chart's
+    /// `keda.enabled`). Without it, KEDA's CRD in the cluster is never watched.
+    pub keda: bool,
+    /// The operator may write LeaderWorkerSets, for replicas that span pods (its RBAC allows
+    /// them: the chart's `leaderWorkerSet.enabled`).
+    pub leader_worker_sets: bool,
 }
 
 /// A ServiceAccount by namespace and name.
@@ -114,6 +120,8 @@ impl Default for OperatorConfig {
             router_service_account: None,
             keda_prometheus_address: None,
             keda_scaler_address: None,
+            keda: false,
+            leader_worker_sets: false,
         }
     }
 }

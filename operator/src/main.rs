@@ -56,6 +56,16 @@ struct Args {
     /// tenant's. Needs `get` on Secrets (rbac.readApiKeySecrets) to grant it.
     #[arg(long, env = "FERRITE_ROUTER_SERVICE_ACCOUNT")]
     router_service_account: Option<ferrite_operator::config::ServiceAccountRef>,
+    /// Write KEDA ScaledObjects for `autoscaling.mode: KEDA` (the operator's RBAC must allow
+    /// them; the chart's keda.enabled). Without it, KEDA mode is Degraded and KEDA's CRD,
+    /// where installed, is never watched.
+    #[arg(long, env = "FERRITE_KEDA")]
+    keda: bool,
+    /// Write LeaderWorkerSets (kubernetes-sigs/lws) for vLLM replicas that span pods (the
+    /// operator's RBAC must allow them; the chart's leaderWorkerSet.enabled). Without it, such
+    /// a spec is Degraded.
+    #[arg(long, env = "FERRITE_LEADER_WORKER_SETS")]
+    leader_worker_sets: bool,
     /// The Prometheus (an http:// or https:// URL) that the triggers of KEDA-mode
     /// ScaledObjects read, unless a spec sets autoscaling.keda.serverAddress.
     #[arg(long, env = "FERRITE_KEDA_PROMETHEUS_ADDRESS", value_parser = http_url)]
@@ -86,6 +96,10 @@ struct Args {
     /// vLLM OpenAI server image.
     #[arg(long, env = "FERRITE_VLLM_IMAGE")]
     vllm_image: Option<String>,
+    /// How long the operator trusts its last look at which optional APIs the cluster serves
+    /// (ServiceMonitor, KEDA, LeaderWorkerSet): one installed later is used within this.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    discovery_ttl_seconds: u64,
     /// Run without leader election (a single replica only).
     #[arg(long)]
     no_leader_election: bool,
@@ -184,6 +198,8 @@ fn config(args: &Args) -> anyhow::Result<OperatorConfig> {
     c.router_service_account = args.router_service_account.clone();
     c.keda_prometheus_address = args.keda_prometheus_address.clone();
     c.keda_scaler_address = args.keda_scaler_address.clone();
+    c.keda = args.keda;
+    c.leader_worker_sets = args.leader_worker_sets;
     if let Some(path) = &args.resource_profiles {
         c.resource_profiles = load_resource_profiles(path)?;
         tracing::info!(
@@ -290,7 +306,10 @@ async fn main() -> anyhow::Result<()> {
         client.clone(),
         operator_config,
         metrics.clone(),
-        Timing::default(),
+        Timing {
+            discovery_ttl: Duration::from_secs(args.discovery_ttl_seconds),
+            ..Timing::default()
+        },
         caches,
         views.clone(),
         adapter_views.clone(),

@@ -2,6 +2,7 @@
 //! Conditions keep their `lastTransitionTime` while their status holds, so an unchanged world
 //! yields an identical status and the reconciler writes nothing.
 
+use crate::build::lws::LeaderWorkerSet;
 use ferrite_api::conditions;
 use ferrite_api::termination::REASONS;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -96,8 +97,8 @@ pub struct Observation<'a> {
     /// any, keeps running as it was.
     pub blocked: Option<Finding>,
     pub desired_replicas: i32,
-    /// The Deployment as applied or last seen.
-    pub deployment: Option<&'a Deployment>,
+    /// The workload (Deployment or LeaderWorkerSet) as applied or last seen.
+    pub workload: Option<Workload<'a>>,
     /// A failure seen on the pods (image pull, crash loop), from [`pod_failure`].
     pub pod_failure: Option<Finding>,
     pub monitor: MonitorState,
@@ -230,6 +231,59 @@ pub fn pod_failure(pods: &[Pod]) -> Option<Finding> {
     None
 }
 
+/// What runs the replicas, as observed.
+#[derive(Debug, Clone, Copy)]
+pub enum Workload<'a> {
+    Deployment(&'a Deployment),
+    /// A LeaderWorkerSet: each replica a group of pods.
+    Groups(&'a LeaderWorkerSet),
+}
+
+impl Workload<'_> {
+    /// Replica counts and whether the rollout is complete.
+    pub fn rollout(self) -> Rollout {
+        match self {
+            Workload::Deployment(d) => rollout(d),
+            Workload::Groups(g) => group_rollout(g),
+        }
+    }
+
+    /// Why pods cannot be made, where the workload's controller says so.
+    fn replica_failure(self) -> Option<Finding> {
+        match self {
+            Workload::Deployment(d) => replica_failure(d),
+            Workload::Groups(_) => None,
+        }
+    }
+}
+
+/// A LeaderWorkerSet's groups and whether its rollout is complete: every wanted group
+/// updated and ready, none left over, no update in progress.
+pub fn group_rollout(g: &LeaderWorkerSet) -> Rollout {
+    let want = g.spec.replicas;
+    let generation = g.metadata.generation.unwrap_or(0);
+    let Some(s) = &g.status else {
+        return Rollout::default();
+    };
+    let updating = s
+        .conditions
+        .iter()
+        .any(|c| c.type_ == "UpdateInProgress" && c.status == "True");
+    // Before LWS reported observedGeneration, its counts are taken as current.
+    let observed = s.observed_generation.is_none_or(|o| o >= generation);
+    let complete = observed
+        && !updating
+        && s.updated_replicas == want
+        && s.replicas == want
+        && s.ready_replicas == want;
+    Rollout {
+        replicas: s.replicas,
+        ready: s.ready_replicas,
+        complete,
+        stalled: false,
+    }
+}
+
 /// The Deployment's `ReplicaFailure` condition: its ReplicaSet cannot create pods (a missing
 /// PriorityClass, an exceeded ResourceQuota, a rejected pod spec).
 pub fn replica_failure(d: &Deployment) -> Option<Finding> {
@@ -289,8 +343,8 @@ pub fn compute(
     previous: Option<&InferenceServiceStatus>,
     now: &Time,
 ) -> InferenceServiceStatus {
-    let r = obs.deployment.map(rollout).unwrap_or_default();
-    let replica_failure = obs.deployment.and_then(replica_failure);
+    let r = obs.workload.map(Workload::rollout).unwrap_or_default();
+    let replica_failure = obs.workload.and_then(Workload::replica_failure);
     let pod_failure = obs.pod_failure.clone().or(replica_failure);
     let make = |type_: &str, (ok, f): Verdict| {
         let status = if ok { "True" } else { "False" };
@@ -343,11 +397,13 @@ fn ready(obs: &Observation<'_>, r: &Rollout) -> Verdict {
     if let Some(conflict) = &obs.served_name_conflict {
         return (false, conflict.clone());
     }
-    if obs.deployment.is_none() {
-        let f = obs
-            .blocked
-            .clone()
-            .unwrap_or_else(|| Finding::new("Pending", "the Deployment does not exist yet"));
+    if obs.workload.is_none() {
+        let f = obs.blocked.clone().unwrap_or_else(|| {
+            Finding::new(
+                "Pending",
+                "the Deployment or LeaderWorkerSet does not exist yet",
+            )
+        });
         return (false, f);
     }
     if obs.desired_replicas == 0 {
@@ -388,7 +444,7 @@ fn progressing(obs: &Observation<'_>, r: &Rollout, pod_failure: Option<&Finding>
             Finding::new("ProgressDeadlineExceeded", "the rollout is stuck"),
         );
     }
-    if obs.deployment.is_some() && r.complete {
+    if obs.workload.is_some() && r.complete {
         return (
             false,
             Finding::new("RolloutComplete", "the rollout is complete"),

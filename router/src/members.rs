@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use ferrite_api::labels::{COMPONENT_LABEL, MANAGED_SELECTOR, belongs_to};
+use ferrite_api::labels::{COMPONENT_LABEL, MANAGED_SELECTOR, SERVER_COMPONENT, belongs_to};
 use ferrite_api::scrape::{base_url, pod_targets};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -44,7 +44,8 @@ const SLICE_CONTROLLER: &str = "endpointslice-controller.k8s.io";
 /// cluster's controller writes for the operator's Services (which carry the Service's labels).
 pub fn selector(from: EndpointsFrom) -> String {
     match from {
-        EndpointsFrom::Pods => format!("{MANAGED_SELECTOR},{COMPONENT_LABEL}=server"),
+        // Serving pods only: a LeaderWorkerSet's workers hold model shards and serve nothing.
+        EndpointsFrom::Pods => format!("{MANAGED_SELECTOR},{COMPONENT_LABEL}={SERVER_COMPONENT}"),
         EndpointsFrom::EndpointSlices => {
             format!("{MANAGED_SELECTOR},{SLICE_MANAGER_LABEL}={SLICE_CONTROLLER}")
         }

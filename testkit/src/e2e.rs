@@ -921,18 +921,52 @@ pub fn assert_exact_rbac_with(
     log: &str,
     also: &[(&str, &str, &str)],
 ) -> usize {
-    let (seen, refused) = requests(cluster, &format!("system:serviceaccount:{NAMESPACE}:{sa}"));
-    assert!(refused.is_empty(), "refused requests: {refused:#?}\n{log}");
-    let used: BTreeSet<(String, String, String)> = seen.into_iter().collect();
-    let mut granted = granted(docs, sa);
-    granted.extend(
-        also.iter()
-            .map(|(v, g, r)| (v.to_string(), g.to_string(), r.to_string())),
-    );
+    let (used, granted) = rbac_uses(cluster, docs, sa, log, also);
     let unused: Vec<_> = granted.iter().filter(|g| !used.contains(g)).collect();
     assert!(
         unused.is_empty(),
         "granted to {sa} but never used: {unused:?}\nused: {used:?}"
+    );
+    used.len()
+}
+
+/// For a test that exercises one part of a release: the ServiceAccount `sa` was never
+/// refused and used nothing beyond the rules `docs` bind to it, and it used each of `must_use`
+/// (verb, group, resource), each granted.
+pub fn assert_rbac_covers(
+    cluster: &Cluster,
+    docs: &[Value],
+    sa: &str,
+    log: &str,
+    must_use: &[(&str, &str, &str)],
+) {
+    let (used, granted) = rbac_uses(cluster, docs, sa, log, &[]);
+    for (v, g, r) in must_use {
+        let m = (v.to_string(), g.to_string(), r.to_string());
+        assert!(granted.contains(&m), "{m:?} is not granted to {sa}");
+        assert!(used.contains(&m), "{sa} never used {m:?}\nused: {used:?}");
+    }
+}
+
+/// (verb, group, resource) uses or grants.
+type Uses = BTreeSet<(String, String, String)>;
+
+/// What `sa` used, and what it is granted (the rules of `docs` and `also`), after asserting
+/// that it was never refused and used nothing beyond them (discovery aside).
+fn rbac_uses(
+    cluster: &Cluster,
+    docs: &[Value],
+    sa: &str,
+    log: &str,
+    also: &[(&str, &str, &str)],
+) -> (Uses, Uses) {
+    let (seen, refused) = requests(cluster, &format!("system:serviceaccount:{NAMESPACE}:{sa}"));
+    assert!(refused.is_empty(), "refused requests: {refused:#?}\n{log}");
+    let used: Uses = seen.into_iter().collect();
+    let mut granted = granted(docs, sa);
+    granted.extend(
+        also.iter()
+            .map(|(v, g, r)| (v.to_string(), g.to_string(), r.to_string())),
     );
     let ungranted: Vec<_> = used
         .iter()
@@ -942,5 +976,5 @@ pub fn assert_exact_rbac_with(
         ungranted.is_empty(),
         "{sa} used beyond the rules: {ungranted:?}"
     );
-    used.len()
+    (used, granted)
 }

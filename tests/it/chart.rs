@@ -223,6 +223,11 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             assert_eq!(sidecar_dashboards.len(), dashboard_count);
             assert!(has_arg("--dashboards-dir"), "{args:?}");
             assert!(!has_arg("--resource-profiles"), "no profiles, no flag");
+            // KEDA's and LeaderWorkerSet's kinds are written only where the chart says so.
+            assert!(
+                !has_arg("--keda") && !has_arg("--leader-worker-sets"),
+                "{args:?}"
+            );
             // The router, as the README uses it: `port-forward svc/ferrite-router 8000:8000`,
             // cluster-wide, waking services scaled to zero.
             let router = router.expect("the router is on by default");
@@ -691,8 +696,39 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 "{args:?}"
             );
         }
+        "lws" => {
+            // LeaderWorkerSets: the operator may write them, and delete the Deployment of a
+            // spec that moved to one.
+            assert!(has_arg("--leader-worker-sets"), "{args:?}");
+            let rules = &operator_cluster_role(docs)["rules"];
+            let rule = |group: &str, resource: &str| {
+                rules
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .find(|r| {
+                        r["apiGroups"] == json!([group]) && r["resources"] == json!([resource])
+                    })
+                    .unwrap_or_else(|| panic!("no rule for {resource}: {rules}"))
+                    .clone()
+            };
+            for (group, resource) in [
+                ("leaderworkerset.x-k8s.io", "leaderworkersets"),
+                ("apps", "deployments"),
+            ] {
+                assert!(
+                    rule(group, resource)["verbs"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|v| v == "delete"),
+                    "{resource}: {rules}"
+                );
+            }
+        }
         "keda" => {
             // ScaledObjects: the operator may write them, and knows the Prometheus to read.
+            assert!(has_arg("--keda"), "{args:?}");
             assert!(
                 has_arg("--keda-prometheus-address=http://prometheus-operated.monitoring.svc:9090"),
                 "{args:?}"

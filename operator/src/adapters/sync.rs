@@ -191,7 +191,7 @@ impl AdapterSync {
                 }
             },
         };
-        let pods = self.caches.pods_of(&key.namespace, &key.name);
+        let pods = self.caches.servers_of(&key.namespace, &key.name);
         let ready: Vec<PodTarget> = pod_targets(pods.iter().map(|p| &**p), isvc.port())
             .into_iter()
             .filter(|t| t.ready)

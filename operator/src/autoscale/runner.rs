@@ -337,7 +337,7 @@ async fn evaluate(
         // After a restart, keep the time the previous operator recorded.
         *last_scale = isvc.status.as_ref().and_then(|s| s.last_scale_time.clone());
     }
-    let pods = env.caches.pods_of(ns, name);
+    let pods = env.caches.servers_of(ns, name);
     let targets = pod_targets(pods.iter().map(|p| &**p), cfg.port);
     let results = env.scraper.scrape_all(&targets).await;
     for r in &results {

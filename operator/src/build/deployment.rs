@@ -110,7 +110,13 @@ fn args(isvc: &InferenceService, model: &ModelMount, kv_cache_bytes: Option<u64>
         RuntimeKind::Vllm => {
             flag("--kv-cache-memory-bytes", kv);
             match &isvc.spec.parallelism {
-                Some(p) => a.extend(super::parallelism::vllm_args(p)),
+                Some(p) => {
+                    a.extend(super::parallelism::vllm_args(p));
+                    // Across pods, vLLM's workers are the group's Ray cluster (`super::lws`).
+                    if super::parallelism::pods_per_replica(isvc) > 1 {
+                        a.extend(["--distributed-executor-backend".into(), "ray".into()]);
+                    }
+                }
                 // Without a layout, every GPU of the pod splits each layer.
                 None if gpus(isvc) > 1 => {
                     flag("--tensor-parallel-size", Some(gpus(isvc).to_string()));
@@ -251,12 +257,15 @@ fn empty_dir(name: &str, memory: bool) -> Volume {
     }
 }
 
+/// The variables each runtime reads `--api-key` from: ferrite-server's, vLLM's.
+pub(crate) const API_KEY_VARIABLES: [&str; 2] = ["FERRITE_API_KEY", "VLLM_API_KEY"];
+
 /// The API key from `spec.auth`, as the variable each runtime reads for `--api-key`.
 fn api_key_env(isvc: &InferenceService) -> Option<EnvVar> {
     let secret = &isvc.spec.auth.as_ref()?.api_key_secret_ref;
     let name = match isvc.spec.runtime.kind {
-        RuntimeKind::Ferrite => "FERRITE_API_KEY",
-        RuntimeKind::Vllm => "VLLM_API_KEY",
+        RuntimeKind::Ferrite => API_KEY_VARIABLES[0],
+        RuntimeKind::Vllm => API_KEY_VARIABLES[1],
     };
     Some(EnvVar {
         name: name.into(),
@@ -280,12 +289,20 @@ fn volume_mount(name: &str, path: &str) -> VolumeMount {
     }
 }
 
-pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployment {
-    let (isvc, owner) = (&*v.isvc, &v.owner);
+/// The server's pod: a Deployment's pods, a LeaderWorkerSet's leaders (`super::lws`).
+pub(crate) fn pod_template(v: &Validated<'_>, config: &OperatorConfig) -> PodTemplateSpec {
+    let isvc = &*v.isvc;
     let model = model_mount(isvc, &v.model);
     let server_args = args(isvc, &model, v.kv_cache_bytes);
     let (container, volumes) = server_container(isvc, config, model, server_args);
-    let pod = pod_spec(isvc, container, volumes);
+    PodTemplateSpec {
+        metadata: Some(pod_meta(v)),
+        spec: Some(pod_spec(isvc, container, volumes)),
+    }
+}
+
+pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployment {
+    let (isvc, owner) = (&*v.isvc, &v.owner);
     Deployment {
         metadata: owner.meta(owner.name.clone(), &BTreeMap::new()),
         spec: Some(DeploymentSpec {
@@ -295,10 +312,7 @@ pub(crate) fn deployment(v: &Validated<'_>, config: &OperatorConfig) -> Deployme
                 ..LabelSelector::default()
             },
             strategy: Some(strategy(isvc)),
-            template: PodTemplateSpec {
-                metadata: Some(pod_meta(v)),
-                spec: Some(pod),
-            },
+            template: pod_template(v, config),
             ..DeploymentSpec::default()
         }),
         ..Deployment::default()

@@ -164,14 +164,16 @@ pub fn queries(namespace: &str, name: &str) -> Queries {
 /// Where the operator's settings point KEDA.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sources<'a> {
+    /// The operator may write ScaledObjects (`--keda`).
+    pub allowed: bool,
     /// The Prometheus of `--keda-prometheus-address`.
     pub prometheus: Option<&'a str>,
     /// `host:port` of the operator's external scaler, where it serves one.
     pub external: Option<&'a str>,
 }
 
-/// The ScaledObject, or `None` unless the mode is `KEDA`; an error without KEDA's CRD, or
-/// without the scaler the spec uses.
+/// The ScaledObject, or `None` unless the mode is `KEDA`; an error where the operator may not
+/// write one, without KEDA's CRD, or without the scaler the spec uses.
 pub(crate) fn scaled_object(
     isvc: &InferenceService,
     owner: &Owner,
@@ -186,6 +188,9 @@ pub(crate) fn scaled_object(
     else {
         return Ok(None);
     };
+    if !sources.allowed {
+        return Err(BuildError::KedaNotEnabled);
+    }
     if !keda_installed {
         return Err(BuildError::KedaNotInstalled);
     }

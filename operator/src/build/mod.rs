@@ -9,6 +9,7 @@ pub mod deployment;
 pub mod hpa;
 pub mod keda;
 pub mod lora;
+pub mod lws;
 pub mod model;
 pub mod monitor;
 pub mod network_policy;
@@ -31,7 +32,7 @@ use kube::{Resource, ResourceExt};
 
 use crate::config::OperatorConfig;
 use ferrite_api::crd::InferenceService;
-use ferrite_api::labels::{COMPONENT_LABEL, INSTANCE_LABEL};
+use ferrite_api::labels::{COMPONENT_LABEL, INSTANCE_LABEL, SERVER_COMPONENT};
 use model::ModelSource;
 use monitor::ServiceMonitor;
 
@@ -45,12 +46,22 @@ pub struct ClusterCapabilities {
     pub service_monitor_crd: bool,
     /// Whether KEDA's `scaledobjects.keda.sh` is installed.
     pub scaled_object_crd: bool,
+    /// Whether `leaderworkersets.leaderworkerset.x-k8s.io` is installed (looked for only by
+    /// an operator allowed to write them).
+    pub leader_worker_set_crd: bool,
+}
+
+/// What runs the replicas: a Deployment of one pod each, or a LeaderWorkerSet of groups.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Workload {
+    Deployment(Box<Deployment>),
+    Groups(Box<lws::LeaderWorkerSet>),
 }
 
 /// Everything one InferenceService should own.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Desired {
-    pub deployment: Deployment,
+    pub workload: Workload,
     pub service: Service,
     /// Only with more than one replica.
     pub pdb: Option<PodDisruptionBudget>,
@@ -73,6 +84,24 @@ pub struct Desired {
     pub selector: String,
     /// In-cluster base URL of the API.
     pub url: String,
+}
+
+impl Desired {
+    /// The Deployment, where each replica is one pod.
+    pub fn deployment(&self) -> Option<&Deployment> {
+        match &self.workload {
+            Workload::Deployment(d) => Some(d),
+            Workload::Groups(_) => None,
+        }
+    }
+
+    /// The LeaderWorkerSet, where each replica is a group of pods.
+    pub fn groups(&self) -> Option<&lws::LeaderWorkerSet> {
+        match &self.workload {
+            Workload::Groups(g) => Some(g),
+            Workload::Deployment(_) => None,
+        }
+    }
 }
 
 /// A spec the CRD schema accepts but the operator cannot build; shown as `Degraded`.
@@ -121,6 +150,23 @@ pub enum BuildError {
          KEDA (scaledobjects.keda.sh), whose metrics server serves that API: use mode KEDA"
     )]
     HpaWithKeda,
+    #[error(
+        "autoscaling.mode KEDA needs an operator allowed to write ScaledObjects: install the \
+         chart with keda.enabled (the operator's --keda)"
+    )]
+    KedaNotEnabled,
+    #[error(
+        "a replica spans {0} pods, which takes a LeaderWorkerSet: install the chart with \
+         leaderWorkerSet.enabled (the operator's --leader-worker-sets), or fit a replica in one \
+         pod"
+    )]
+    LeaderWorkerSetNotEnabled(i32),
+    #[error(
+        "a replica spans {0} pods, which takes a LeaderWorkerSet, and its CRD \
+         leaderworkersets.leaderworkerset.x-k8s.io is not installed: install LeaderWorkerSet \
+         (https://github.com/kubernetes-sigs/lws), or fit a replica in one pod"
+    )]
+    LeaderWorkerSetNotInstalled(i32),
 }
 
 impl BuildError {
@@ -141,6 +187,9 @@ impl BuildError {
             BuildError::KedaScalerOff => "KedaScalerOff",
             BuildError::Parallelism(_) => "InvalidParallelism",
             BuildError::HpaWithKeda => "HpaModeWithKeda",
+            BuildError::KedaNotEnabled => "KedaNotEnabled",
+            BuildError::LeaderWorkerSetNotEnabled(_) => "LeaderWorkerSetNotEnabled",
+            BuildError::LeaderWorkerSetNotInstalled(_) => "LeaderWorkerSetNotInstalled",
         }
     }
 }
@@ -197,18 +246,24 @@ impl Owner {
         ])
     }
 
-    /// The pods' selector: stable across spec changes (a Deployment's selector is immutable).
+    /// The serving pods' selector: stable across spec changes (a Deployment's selector is
+    /// immutable); a LeaderWorkerSet's leaders, not its workers.
     pub fn selector_labels(&self) -> BTreeMap<String, String> {
         BTreeMap::from([
             (INSTANCE_LABEL.into(), self.name.clone()),
-            (COMPONENT_LABEL.into(), "server".into()),
+            (COMPONENT_LABEL.into(), SERVER_COMPONENT.into()),
         ])
+    }
+
+    /// Every pod of the service: with a LeaderWorkerSet, leaders and workers.
+    pub fn all_pods_labels(&self) -> BTreeMap<String, String> {
+        BTreeMap::from([(INSTANCE_LABEL.into(), self.name.clone())])
     }
 }
 
-/// The pods' label selector as a string (status.selector, and for listing the pods).
+/// The serving pods' label selector as a string (status.selector, and for listing the pods).
 pub fn selector(name: &str) -> String {
-    format!("{COMPONENT_LABEL}=server,{INSTANCE_LABEL}={name}")
+    format!("{COMPONENT_LABEL}={SERVER_COMPONENT},{INSTANCE_LABEL}={name}")
 }
 
 /// In-cluster base URL of the API.
@@ -416,9 +471,22 @@ pub fn desired(
     caps: ClusterCapabilities,
 ) -> Result<Desired, BuildError> {
     let (isvc, owner) = (&*v.isvc, &v.owner);
-    let deployment = deployment::deployment(v, config);
+    let pods = parallelism::pods_per_replica(isvc);
+    let workload = match pods {
+        1 => Workload::Deployment(Box::new(deployment::deployment(v, config))),
+        _ if !config.leader_worker_sets => return Err(BuildError::LeaderWorkerSetNotEnabled(pods)),
+        _ if !caps.leader_worker_set_crd => {
+            return Err(BuildError::LeaderWorkerSetNotInstalled(pods));
+        }
+        _ => Workload::Groups(Box::new(lws::leader_worker_set(v, config, pods))),
+    };
     let service = service::service(isvc, owner);
-    let pdb = (isvc.desired_replicas() > 1).then(|| service::pdb(owner));
+    // A group is down when any of its pods is: the budget counts every pod.
+    let disrupted = match pods {
+        1 => owner.selector_labels(),
+        _ => owner.all_pods_labels(),
+    };
+    let pdb = (isvc.desired_replicas() > 1).then(|| service::pdb(owner, disrupted));
     let sm = &isvc.spec.monitoring.service_monitor;
     let service_monitor = (sm.enabled && caps.service_monitor_crd)
         .then(|| monitor::service_monitor(sm, &config.monitor_labels, owner));
@@ -437,6 +505,7 @@ pub fn desired(
         isvc,
         owner,
         keda::Sources {
+            allowed: config.keda,
             prometheus: config.keda_prometheus_address.as_deref(),
             external: config.keda_scaler_address.as_deref(),
         },
@@ -445,7 +514,7 @@ pub fn desired(
     let network_policy = config
         .network_policy_peers
         .as_deref()
-        .map(|peers| network_policy::network_policy(owner, isvc.port(), peers));
+        .map(|peers| network_policy::network_policy(owner, isvc.port(), peers, pods > 1));
     let router_key = config
         .router_service_account
         .as_ref()
@@ -458,7 +527,7 @@ pub fn desired(
         scaled_object,
         network_policy,
         router_key,
-        deployment,
+        workload,
         service,
         pdb,
         service_monitor,

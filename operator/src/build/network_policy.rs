@@ -15,10 +15,14 @@ use super::Owner;
 
 /// The policy: ingress to the pods' port from `peers` only. With no peers nothing may
 /// connect (Kubernetes' meaning of an empty `from` is "anyone", so that case gets no rule).
+/// With `groups` (a LeaderWorkerSet), it covers every pod of the service, and the pods of
+/// the service may reach each other on any port (Ray, NCCL), which nothing else may: Ray
+/// runs whatever code reaches it.
 pub(crate) fn network_policy(
     owner: &Owner,
     port: i32,
     peers: &[NetworkPolicyPeer],
+    groups: bool,
 ) -> NetworkPolicy {
     let rule = NetworkPolicyIngressRule {
         from: Some(peers.to_vec()),
@@ -28,16 +32,32 @@ pub(crate) fn network_policy(
             ..NetworkPolicyPort::default()
         }]),
     };
-    let ingress = if peers.is_empty() {
+    let mut ingress = if peers.is_empty() {
         Vec::new()
     } else {
         vec![rule]
+    };
+    let pods = match groups {
+        false => owner.selector_labels(),
+        true => {
+            ingress.push(NetworkPolicyIngressRule {
+                from: Some(vec![NetworkPolicyPeer {
+                    pod_selector: Some(LabelSelector {
+                        match_labels: Some(owner.all_pods_labels()),
+                        ..LabelSelector::default()
+                    }),
+                    ..NetworkPolicyPeer::default()
+                }]),
+                ports: None,
+            });
+            owner.all_pods_labels()
+        }
     };
     NetworkPolicy {
         metadata: owner.meta(owner.name.clone(), &Default::default()),
         spec: Some(NetworkPolicySpec {
             pod_selector: Some(LabelSelector {
-                match_labels: Some(owner.selector_labels()),
+                match_labels: Some(pods),
                 ..LabelSelector::default()
             }),
             policy_types: Some(vec!["Ingress".into()]),

@@ -1,9 +1,10 @@
 //! `spec.parallelism`: how one replica splits a model over GPUs, as vLLM does it. A replica
-//! needs `tensor × pipeline × data` GPUs; each pod gets `resources.gpus` of them (absent: all).
-//! The build step turns that into the pod's GPU count and vLLM's flags, and refuses what cannot
-//! run: a runtime without parallelism (ferrite-server runs a model on one device), pods whose
-//! GPUs do not divide the replica's, GPUs a replica would leave idle, and a replica spanning
-//! several pods (multi-node, which needs a LeaderWorkerSet this operator does not render yet).
+//! needs `tensor × pipeline × data` GPUs; each pod gets `resources.gpus` of them (absent: all,
+//! in one pod). The build step turns that into the pod's GPU count, the pods a replica spans
+//! and vLLM's flags, and refuses what cannot run: a runtime without parallelism
+//! (ferrite-server runs a model on one device), pods whose GPUs do not divide the replica's,
+//! GPUs a replica would leave idle, and data parallelism across pods. A replica of several
+//! pods is a LeaderWorkerSet group (`super::lws`).
 
 use ferrite_api::crd::{InferenceService, ParallelismSpec, RuntimeKind};
 
@@ -11,6 +12,8 @@ use super::BuildError;
 
 /// The most GPUs one pod may take (`resources.gpus`' schema bound).
 const MAX_GPUS_PER_POD: i64 = 16;
+/// The most pods one replica may span (a group of 64 nodes: 512 GPUs of 8 per node).
+const MAX_PODS_PER_REPLICA: i64 = 64;
 
 /// GPUs each pod of `isvc` requests: `resources.gpus`, else what its parallelism needs when
 /// that is more than one GPU, else 0 (sizes of 1 split nothing and ask for no GPU).
@@ -39,6 +42,12 @@ pub(crate) fn check(isvc: &InferenceService) -> Result<(), BuildError> {
         ));
     }
     let per_pod = i64::from(gpus_per_pod(isvc));
+    if isvc.spec.resources.gpus.is_none() && needed > MAX_GPUS_PER_POD {
+        return Err(BuildError::Parallelism(format!(
+            "needs {needed} GPUs a replica, more than one pod may take ({MAX_GPUS_PER_POD}): set \
+             resources.gpus to the GPUs of one node, and a replica spans that many pods"
+        )));
+    }
     if !trivial && per_pod == 0 {
         return Err(BuildError::Parallelism(format!(
             "needs {needed} GPUs a replica, and resources.gpus is 0"
@@ -57,15 +66,32 @@ pub(crate) fn check(isvc: &InferenceService) -> Result<(), BuildError> {
         )));
     }
     let pods = if per_pod > 0 { needed / per_pod } else { 1 };
-    if pods > 1 || needed > MAX_GPUS_PER_POD {
+    if pods > MAX_PODS_PER_REPLICA {
         return Err(BuildError::Parallelism(format!(
-            "needs {needed} GPUs a replica, over {} pods of {per_pod}: a replica across nodes \
-             needs a LeaderWorkerSet, which this operator does not render yet; fit a replica \
-             in one pod (resources.gpus {needed}, at most {MAX_GPUS_PER_POD})",
-            pods.max((needed + MAX_GPUS_PER_POD - 1) / MAX_GPUS_PER_POD)
+            "needs {needed} GPUs a replica, over {pods} pods of {per_pod}: at most \
+             {MAX_PODS_PER_REPLICA} pods a replica; give each pod more GPUs"
+        )));
+    }
+    if pods > 1 && p.data.unwrap_or(1) > 1 {
+        return Err(BuildError::Parallelism(format!(
+            "data {} across {pods} pods: a replica spanning pods splits the model with tensor \
+             and pipeline parallelism only; scale replicas (each its own group) instead",
+            p.data.unwrap_or(1)
         )));
     }
     Ok(())
+}
+
+/// Pods one replica spans: `tensor × pipeline × data` over `resources.gpus` (1 without GPUs
+/// or parallelism). Meaningful once [`check`] passed.
+pub fn pods_per_replica(isvc: &InferenceService) -> i32 {
+    let (Some(p), per_pod) = (&isvc.spec.parallelism, i64::from(gpus_per_pod(isvc))) else {
+        return 1;
+    };
+    if per_pod <= 0 {
+        return 1;
+    }
+    i32::try_from(p.gpus() / per_pod).unwrap_or(1).max(1)
 }
 
 /// vLLM's flags for `p` (sizes of 1 left to vLLM's defaults).

@@ -31,14 +31,14 @@ pub(crate) fn service(isvc: &InferenceService, owner: &Owner) -> Service {
     }
 }
 
-/// At most one pod down at a time from voluntary disruptions.
-pub(crate) fn pdb(owner: &Owner) -> PodDisruptionBudget {
+/// At most one pod of `pods` (a selector) down at a time from voluntary disruptions.
+pub(crate) fn pdb(owner: &Owner, pods: BTreeMap<String, String>) -> PodDisruptionBudget {
     PodDisruptionBudget {
         metadata: owner.meta(owner.name.clone(), &BTreeMap::new()),
         spec: Some(PodDisruptionBudgetSpec {
             max_unavailable: Some(IntOrString::Int(1)),
             selector: Some(LabelSelector {
-                match_labels: Some(owner.selector_labels()),
+                match_labels: Some(pods),
                 ..LabelSelector::default()
             }),
             ..PodDisruptionBudgetSpec::default()

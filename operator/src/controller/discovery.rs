@@ -1,5 +1,5 @@
 //! Whether the optional CRDs the operator writes (the Prometheus Operator's ServiceMonitor,
-//! KEDA's ScaledObject) are installed, found through API discovery (no extra RBAC) and cached
+//! KEDA's ScaledObject, LeaderWorkerSet) are installed, found through API discovery (no extra RBAC) and cached
 //! for a while, since CRDs come and go rarely and a check per reconcile would cost one request
 //! per InferenceService per resync.
 
@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use kube::{Client, Resource};
 
 use crate::build::keda::ScaledObject;
+use crate::build::lws::LeaderWorkerSet;
 use crate::build::monitor::ServiceMonitor;
 
 /// The cached answers.
@@ -16,6 +17,7 @@ use crate::build::monitor::ServiceMonitor;
 pub struct MonitorDiscovery {
     monitors: Served,
     scaled_objects: Served,
+    leader_worker_sets: Served,
 }
 
 impl MonitorDiscovery {
@@ -24,6 +26,7 @@ impl MonitorDiscovery {
         Self {
             monitors: Served::new(ttl),
             scaled_objects: Served::new(ttl),
+            leader_worker_sets: Served::new(ttl),
         }
     }
 
@@ -33,6 +36,12 @@ impl MonitorDiscovery {
 
     pub async fn scaled_object_crd(&self, client: &Client) -> Result<bool, kube::Error> {
         self.scaled_objects.check::<ScaledObject>(client).await
+    }
+
+    pub async fn leader_worker_set_crd(&self, client: &Client) -> Result<bool, kube::Error> {
+        self.leader_worker_sets
+            .check::<LeaderWorkerSet>(client)
+            .await
     }
 }
 

@@ -12,6 +12,7 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 
 use crate::build::keda::ScaledObject;
+use crate::build::lws::LeaderWorkerSet;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PartialObjectMeta, Patch};
 use kube::runtime::controller::Action;
@@ -28,7 +29,7 @@ use crate::autoscale::store::Key;
 use crate::build::dashboards::DASHBOARD_COMPONENT;
 use crate::build::model::claims_of;
 use crate::build::monitor::ServiceMonitor;
-use crate::build::{self, ClusterCapabilities, Desired, Validated, selector, url};
+use crate::build::{self, ClusterCapabilities, Desired, Validated, Workload, selector, url};
 use crate::cache::Caches;
 use crate::status::{self, DEGRADED, Finding, MonitorState, Observation, READY};
 use ferrite_api::crd::{InferenceService, InferenceServiceStatus};
@@ -112,7 +113,7 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     let desired = validate(isvc, ctx, &id.ns).and_then(|v| build_step(&v, ctx, cluster.caps));
     let mut events = Events::new();
     let applied = apply_step(ctx, &id, &cluster, desired, &mut events).await?;
-    let rollout = applied.deployment.as_deref().map(status::rollout);
+    let rollout = applied.workload.as_ref().map(|w| w.observed().rollout());
     let new_status = status_step(isvc, ctx, &id, &cluster, &applied, rollout);
     transition_events(isvc.status.as_ref(), &new_status, &mut events);
     publish(ctx, isvc, &id, &new_status, &events).await?;
@@ -145,8 +146,10 @@ struct Cluster {
     network_policies: Option<Store<PartialObjectMeta<NetworkPolicy>>>,
     /// The Role and RoleBinding caches, when the operator grants the router API keys.
     router_keys: Option<RouterKeyStores>,
-    /// The ScaledObject cache, when KEDA's CRD is installed.
+    /// The ScaledObject cache, when KEDA's CRD is installed and the operator may write them.
     scaled_objects: Option<Store<PartialObjectMeta<ScaledObject>>>,
+    /// The LeaderWorkerSet cache, when its CRD is installed and the operator may write them.
+    groups: Option<Store<LeaderWorkerSet>>,
 }
 
 /// The caches of the router's API-key grants (see `build::router_key`).
@@ -173,10 +176,23 @@ async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
         .scaled_object_crd(&ctx.client)
         .await
         .map_err(Error::Discovery)?;
+    // Where KEDA runs, HPA mode is refused whether or not the operator may use it.
     let scaled_objects = cache_if(
-        scaled_object_crd,
+        scaled_object_crd && ctx.config.keda,
         "ScaledObject",
         ctx.caches.scaled_objects(MONITOR_CACHE_WAIT),
+    )
+    .await?;
+    let leader_worker_set_crd = ctx.config.leader_worker_sets
+        && ctx
+            .discovery
+            .leader_worker_set_crd(&ctx.client)
+            .await
+            .map_err(Error::Discovery)?;
+    let groups = cache_if(
+        leader_worker_set_crd,
+        "LeaderWorkerSet",
+        ctx.caches.groups(MONITOR_CACHE_WAIT),
     )
     .await?;
     let network_policies = cache_if(
@@ -200,11 +216,13 @@ async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
         caps: ClusterCapabilities {
             service_monitor_crd,
             scaled_object_crd,
+            leader_worker_set_crd,
         },
         monitors,
         network_policies,
         router_keys,
         scaled_objects,
+        groups,
     })
 }
 
@@ -249,10 +267,36 @@ fn build_step(
     build::desired(v, &ctx.config, caps).map_err(|e| Finding::new(e.reason(), e.to_string()))
 }
 
+/// The workload as last written or cached.
+enum Live {
+    Deployment(Arc<Deployment>),
+    Groups(Arc<LeaderWorkerSet>),
+}
+
+impl Live {
+    fn observed(&self) -> status::Workload<'_> {
+        match self {
+            Live::Deployment(d) => status::Workload::Deployment(d),
+            Live::Groups(g) => status::Workload::Groups(g),
+        }
+    }
+}
+
+/// The workload in the caches: the Deployment, else the LeaderWorkerSet (both exist only
+/// while a spec moves between them).
+fn cached_workload(ctx: &Context, cluster: &Cluster, id: &Identity) -> Option<Live> {
+    cached(&ctx.caches.deployments, &id.ns, &id.name)
+        .map(Live::Deployment)
+        .or_else(|| {
+            let groups = cluster.groups.as_ref()?;
+            cached(groups, &id.ns, &id.name).map(Live::Groups)
+        })
+}
+
 /// What applying left behind, for the status step.
 struct Applied {
-    /// The Deployment as last written or cached.
-    deployment: Option<Arc<Deployment>>,
+    /// The workload as last written or cached.
+    workload: Option<Live>,
     /// Why the spec could not be applied, if it could not.
     blocked: Option<Finding>,
     /// The API server would not take a child: the reconcile fails with this after status is
@@ -270,12 +314,11 @@ async fn apply_step(
     desired: Result<Desired, Finding>,
     events: &mut Events,
 ) -> Result<Applied, Error> {
-    let cached_deployment = || cached(&ctx.caches.deployments, &id.ns, &id.name);
     let desired = match desired {
         Ok(d) => d,
         Err(blocked) => {
             return Ok(Applied {
-                deployment: cached_deployment(),
+                workload: cached_workload(ctx, cluster, id),
                 blocked: Some(blocked),
                 failed: None,
             });
@@ -290,10 +333,11 @@ async fn apply_step(
         network_policies: cluster.network_policies.as_ref(),
         router_keys: cluster.router_keys.as_ref(),
         scaled_objects: cluster.scaled_objects.as_ref(),
+        groups: cluster.groups.as_ref(),
     };
     match children.apply_all(desired, events).await {
-        Ok(deployment) => Ok(Applied {
-            deployment,
+        Ok(workload) => Ok(Applied {
+            workload,
             blocked: None,
             failed: None,
         }),
@@ -309,7 +353,7 @@ async fn apply_step(
             };
             Ok(Applied {
                 blocked: Some(finding),
-                deployment: cached_deployment(),
+                workload: cached_workload(ctx, cluster, id),
                 failed: Some(failed),
             })
         }
@@ -327,7 +371,6 @@ fn status_step(
     rollout: Option<status::Rollout>,
 ) -> InferenceServiceStatus {
     let (ns, name) = (id.ns.as_str(), id.name.as_str());
-    let deployment = applied.deployment.as_deref();
     // Observe pods only while the rollout is incomplete: that is when they explain why.
     let pod_failure = match rollout {
         Some(r) if !r.complete => {
@@ -361,7 +404,7 @@ fn status_step(
         generation: isvc.metadata.generation,
         blocked: applied.blocked.clone(),
         desired_replicas: isvc.desired_replicas(),
-        deployment,
+        workload: applied.workload.as_ref().map(Live::observed),
         pod_failure,
         monitor,
         selector: Some(selector(name)),
@@ -509,6 +552,8 @@ struct Children<'a> {
     router_keys: Option<&'a RouterKeyStores>,
     /// The ScaledObject cache, when KEDA's CRD is installed.
     scaled_objects: Option<&'a Store<PartialObjectMeta<ScaledObject>>>,
+    /// The LeaderWorkerSet cache, when its CRD is installed and the operator may write them.
+    groups: Option<&'a Store<LeaderWorkerSet>>,
 }
 
 impl Children<'_> {
@@ -520,24 +565,15 @@ impl Children<'_> {
     }
 
     /// Applies every desired object and deletes the ones no longer wanted. Returns the
-    /// Deployment as last written or cached.
+    /// workload as last written or cached.
     async fn apply_all(
         &self,
         desired: Desired,
         events: &mut Events,
-    ) -> Result<Option<Arc<Deployment>>, Error> {
+    ) -> Result<Option<Live>, Error> {
         let (ns, name, caches) = (self.ns, self.name, &self.ctx.caches);
         let memo = &self.ctx.applied;
-        let live = cached(&caches.deployments, ns, name);
-        let (written, change) = apply::ensure(
-            &self.api::<Deployment>(),
-            memo,
-            desired.deployment,
-            live.as_ref().map(|d| &d.metadata),
-        )
-        .await?;
-        record::<Deployment>(events, change, ns, name);
-        let deployment = written.map(Arc::new).or(live);
+        let workload = self.apply_workload(desired.workload, events).await?;
         let live = cached_meta(&caches.services, ns, name);
         let (_, change) = apply::ensure(&self.api(), memo, desired.service, live.as_ref()).await?;
         record::<k8s_openapi::api::core::v1::Service>(events, change, ns, name);
@@ -615,7 +651,59 @@ impl Children<'_> {
                 ));
             }
         }
-        Ok(deployment)
+        Ok(Some(workload))
+    }
+
+    /// Applies the workload; the one of the other kind, left from a spec that moved between
+    /// one pod and a group per replica, goes once the new one is complete, or at once when the
+    /// rollout may not surge (GPUs for both may not exist) or nothing is wanted.
+    async fn apply_workload(&self, desired: Workload, events: &mut Events) -> Result<Live, Error> {
+        let (ns, name, memo) = (self.ns, self.name, &self.ctx.applied);
+        let surges = desired_surges(&desired);
+        let live_deployment = cached(&self.ctx.caches.deployments, ns, name);
+        let live_groups = self.groups.and_then(|g| cached(g, ns, name));
+        let (written, old) = match desired {
+            Workload::Deployment(d) => {
+                let (written, change) = apply::ensure(
+                    &self.api::<Deployment>(),
+                    memo,
+                    *d,
+                    live_deployment.as_ref().map(|d| &d.metadata),
+                )
+                .await?;
+                record::<Deployment>(events, change, ns, name);
+                let live = written.map(Arc::new).or(live_deployment);
+                let old = live_groups.map(|g| g.metadata.clone());
+                (live.map(Live::Deployment), old.map(|m| (m, false)))
+            }
+            Workload::Groups(g) => {
+                let (written, change) = apply::ensure(
+                    &self.api::<LeaderWorkerSet>(),
+                    memo,
+                    *g,
+                    live_groups.as_ref().map(|g| &g.metadata),
+                )
+                .await?;
+                record::<LeaderWorkerSet>(events, change, ns, name);
+                let live = written.map(Arc::new).or(live_groups);
+                let old = live_deployment.map(|d| d.metadata.clone());
+                (live.map(Live::Groups), old.map(|m| (m, true)))
+            }
+        };
+        let written = written.ok_or(Error::Cache("the workload just applied"))?;
+        if let Some((old, is_deployment)) = old {
+            let r = written.observed().rollout();
+            if !surges || r.complete {
+                match is_deployment {
+                    true => self.converge::<Deployment>(None, Some(old), events).await?,
+                    false => {
+                        self.converge::<LeaderWorkerSet>(None, Some(old), events)
+                            .await?
+                    }
+                }
+            }
+        }
+        Ok(written)
     }
 
     /// Applies `desired`, or, when it is `None`, deletes the object (as `live` shows it) if
@@ -647,6 +735,26 @@ impl Children<'_> {
         }
         Ok(())
     }
+}
+
+/// Whether the workload's rollout may run new pods beside the old (a non-zero maxSurge).
+fn desired_surges(w: &Workload) -> bool {
+    let surge = match w {
+        Workload::Deployment(d) => d
+            .spec
+            .as_ref()
+            .and_then(|s| s.strategy.as_ref())
+            .and_then(|s| s.rolling_update.as_ref())
+            .and_then(|r| r.max_surge.clone()),
+        Workload::Groups(g) => Some(
+            g.spec
+                .rollout_strategy
+                .rolling_update_configuration
+                .max_surge
+                .clone(),
+        ),
+    };
+    surge.is_some_and(|s| !build::deployment::is_zero(&s))
 }
 
 fn deleted<K: Resource<DynamicType = ()>>(ns: &str, name: &str) -> Event {

@@ -6,16 +6,19 @@ use ferrite_api::crd::InferenceService;
 use ferrite_operator::build::dashboards::dashboard_uid;
 use ferrite_operator::build::{BuildError, ClusterCapabilities, Desired, build};
 use ferrite_operator::config::{Dashboard, OperatorConfig};
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Container, PodSpec};
 use serde_json::{Value, json};
 
 const NO_MONITOR_CRD: ClusterCapabilities = ClusterCapabilities {
     service_monitor_crd: false,
     scaled_object_crd: false,
+    leader_worker_set_crd: false,
 };
 const MONITOR_CRD: ClusterCapabilities = ClusterCapabilities {
     service_monitor_crd: true,
     scaled_object_crd: false,
+    leader_worker_set_crd: false,
 };
 
 fn isvc(spec: Value) -> InferenceService {
@@ -44,8 +47,12 @@ fn built(spec: Value, caps: ClusterCapabilities) -> Desired {
     build(&isvc(spec), &config(), caps).expect("builds")
 }
 
+fn dep(d: &Desired) -> &Deployment {
+    d.deployment().expect("a Deployment")
+}
+
 fn pod(d: &Desired) -> &PodSpec {
-    d.deployment
+    dep(d)
         .spec
         .as_ref()
         .and_then(|s| s.template.spec.as_ref())
@@ -74,7 +81,7 @@ fn minimal_ferrite_cpu_deployment() {
         json!({"model": {"source": "/models/smol.gguf"}}),
         NO_MONITOR_CRD,
     );
-    let dep = &d.deployment;
+    let dep = dep(&d);
     assert_eq!(dep.metadata.name.as_deref(), Some("chat"));
     assert_eq!(dep.metadata.namespace.as_deref(), Some("ml"));
     let owner = &dep.metadata.owner_references.as_ref().expect("owner")[0];
@@ -410,8 +417,8 @@ fn several_replicas_get_a_disruption_budget() {
         json!({"model": {"source": "/m.gguf"}, "replicas": 3}),
         NO_MONITOR_CRD,
     );
-    assert_eq!(d.deployment.spec.as_ref().and_then(|s| s.replicas), Some(3));
-    let pdb = d.pdb.expect("PDB with 3 replicas");
+    assert_eq!(dep(&d).spec.as_ref().and_then(|s| s.replicas), Some(3));
+    let pdb = d.pdb.clone().expect("PDB with 3 replicas");
     let spec = pdb.spec.expect("spec");
     assert_eq!(
         spec.max_unavailable,
@@ -419,7 +426,7 @@ fn several_replicas_get_a_disruption_budget() {
     );
     assert_eq!(
         spec.selector.and_then(|s| s.match_labels),
-        d.deployment.spec.and_then(|s| s.selector.match_labels)
+        dep(&d).spec.clone().and_then(|s| s.selector.match_labels)
     );
     // Autoscaled without explicit replicas: starts at minReplicas.
     let d = built(
@@ -427,7 +434,7 @@ fn several_replicas_get_a_disruption_budget() {
                "autoscaling": {"minReplicas": 2, "maxReplicas": 5, "targets": {"queuePerReplica": 3}}}),
         NO_MONITOR_CRD,
     );
-    assert_eq!(d.deployment.spec.as_ref().and_then(|s| s.replicas), Some(2));
+    assert_eq!(dep(&d).spec.as_ref().and_then(|s| s.replicas), Some(2));
     assert!(d.pdb.is_some());
 }
 
@@ -644,8 +651,7 @@ fn pod_settings_reach_the_pod_and_the_selector_labels_stay_the_operators() {
         ),
         (Some(30), Some(5), Some(10))
     );
-    let meta = d
-        .deployment
+    let meta = dep(&d)
         .spec
         .as_ref()
         .and_then(|s| s.template.metadata.as_ref())
@@ -783,9 +789,9 @@ fn mounts_over_the_operators_paths_are_refused() {
 fn rollouts_default_to_no_spare_gpu_and_follow_the_spec() {
     let strategy = |spec: Value| {
         let d = built(spec, NO_MONITOR_CRD);
-        let s = d
-            .deployment
+        let s = dep(&d)
             .spec
+            .clone()
             .and_then(|s| s.strategy)
             .expect("strategy");
         let ru = s.rolling_update.map(|r| {
@@ -916,7 +922,7 @@ fn a_network_policy_admits_only_the_configured_peers_to_the_pods_port() {
         NO_MONITOR_CRD,
     )
     .expect("builds");
-    let policy = d.network_policy.expect("a NetworkPolicy");
+    let policy = d.network_policy.clone().expect("a NetworkPolicy");
     assert_eq!(policy.metadata.name.as_deref(), Some("chat"));
     assert_eq!(policy.metadata.namespace.as_deref(), Some("ml"));
     assert_eq!(
@@ -926,7 +932,7 @@ fn a_network_policy_admits_only_the_configured_peers_to_the_pods_port() {
     let spec_ = policy.spec.expect("spec");
     assert_eq!(
         spec_.pod_selector.and_then(|s| s.match_labels),
-        d.deployment.spec.and_then(|s| s.selector.match_labels),
+        dep(&d).spec.clone().and_then(|s| s.selector.match_labels),
         "the InferenceService's pods"
     );
     let rule = &spec_.ingress.expect("ingress")[0];
@@ -1068,7 +1074,7 @@ fn lora_limits_reach_the_pods_and_the_adapter_list_stays_out_of_the_template() {
         {"name": "sql-v2", "source": "pvc://adapters/sql-v2"},
         {"name": "tone", "source": "hf://org/tone-lora", "secretRef": {"name": "hf"}}],
         "lora": {"maxAdapters": 2, "maxRank": 64}}});
-    let template = |d: &Desired| d.deployment.spec.as_ref().map(|s| s.template.clone());
+    let template = |d: &Desired| dep(d).spec.as_ref().map(|s| s.template.clone());
     assert_eq!(template(&built(edited, NO_MONITOR_CRD)), template(&d));
     // `lora: {}` keeps LoRA on with no adapter, with the same flags as one adapter.
     let empty = built(
@@ -1132,7 +1138,8 @@ fn adapters_a_runtime_cannot_load_are_refused_with_the_reason() {
 /// `spec.parallelism` for vLLM: the pod's GPUs follow it (all of a replica's unless
 /// `resources.gpus` says), vLLM gets each size above 1 and expert parallelism as flags; what
 /// cannot run is refused with a message that says why: ferrite-server, GPUs left idle, pods
-/// that do not divide the replica, a replica across pods (not rendered yet).
+/// that do not divide the replica, data parallelism across pods, a replica of more than one
+/// pod's GPUs without `resources.gpus`, or of more than 64 pods.
 #[test]
 fn parallelism_sets_vllms_flags_and_the_pods_gpus_or_is_refused() {
     let vllm = |parallelism: Value, gpus: Option<i32>| {
@@ -1182,13 +1189,15 @@ fn parallelism_sets_vllms_flags_and_the_pods_gpus_or_is_refused() {
     assert!(idle.contains("would leave 2 idle"), "{idle}");
     let uneven = refused(vllm(json!({"tensor": 3, "pipeline": 2}), Some(4)));
     assert!(uneven.contains("does not split into pods"), "{uneven}");
-    let nodes = refused(vllm(json!({"tensor": 8, "pipeline": 2}), Some(8)));
-    assert!(
-        nodes.contains("over 2 pods of 8") && nodes.contains("LeaderWorkerSet"),
-        "{nodes}"
-    );
+    let data = refused(vllm(json!({"tensor": 8, "data": 2}), Some(8)));
+    assert!(data.contains("data 2 across 2 pods"), "{data}");
     let huge = refused(vllm(json!({"tensor": 8, "pipeline": 4}), None));
-    assert!(huge.contains("needs 32 GPUs"), "{huge}");
+    assert!(
+        huge.contains("needs 32 GPUs") && huge.contains("set resources.gpus"),
+        "{huge}"
+    );
+    let wide = refused(vllm(json!({"tensor": 64, "pipeline": 2}), Some(1)));
+    assert!(wide.contains("at most 64 pods"), "{wide}");
     // All sizes 1 is no parallelism, for either runtime.
     let d = built(
         json!({"model": {"source": "/m.gguf"}, "parallelism": {"tensor": 1}}),
@@ -1200,5 +1209,196 @@ fn parallelism_sets_vllms_flags_and_the_pods_gpus_or_is_refused() {
             .as_ref()
             .and_then(|r| r.limits.as_ref())
             .is_none_or(|l| !l.contains_key("nvidia.com/gpu"))
+    );
+}
+
+/// A replica over several pods is a LeaderWorkerSet of groups, where the operator may write
+/// them and LWS is installed: groups of `GPUs a replica / resources.gpus` pods, the leader
+/// the server pod with vLLM's multi-node start before `vllm serve` on the Ray backend, workers
+/// joining its Ray cluster with the same pod and no probes, ports or API key; the Service,
+/// status selector and the autoscaler see leaders only, the budget and NetworkPolicy every
+/// pod, which may reach each other. Elsewhere the spec is refused with what to install.
+#[test]
+fn a_replica_across_pods_is_a_leader_worker_set_of_groups() {
+    let spec = |extra: Value| {
+        let mut s = json!({"model": {"source": "hf://org/big"}, "runtime": {"kind": "vllm"},
+                           "parallelism": {"tensor": 8, "pipeline": 2},
+                           "resources": {"gpus": 8}, "replicas": 3,
+                           "auth": {"apiKeySecretRef": {"name": "keys"}}});
+        if let (Some(s), Some(extra)) = (s.as_object_mut(), extra.as_object()) {
+            s.extend(extra.clone());
+        }
+        isvc(s)
+    };
+    let caps = |installed| ClusterCapabilities {
+        leader_worker_set_crd: installed,
+        ..NO_MONITOR_CRD
+    };
+    let allowed = OperatorConfig {
+        leader_worker_sets: true,
+        network_policy_peers: Some(Vec::new()),
+        ..config()
+    };
+    let e = build(&spec(json!({})), &config(), caps(true)).expect_err("not enabled");
+    assert_eq!(e.reason(), "LeaderWorkerSetNotEnabled", "{e}");
+    assert!(
+        e.to_string().contains("leaderWorkerSet.enabled") && e.to_string().contains("2 pods"),
+        "{e}"
+    );
+    let e = build(&spec(json!({})), &allowed, caps(false)).expect_err("not installed");
+    assert_eq!(e.reason(), "LeaderWorkerSetNotInstalled", "{e}");
+    assert!(e.to_string().contains("install LeaderWorkerSet"), "{e}");
+
+    let d = build(&spec(json!({})), &allowed, caps(true)).expect("builds");
+    assert!(d.deployment().is_none());
+    let g = serde_json::to_value(d.groups().expect("a LeaderWorkerSet")).expect("json");
+    assert_eq!(g["apiVersion"], "leaderworkerset.x-k8s.io/v1");
+    assert_eq!(g["metadata"]["name"], "chat");
+    assert_eq!(
+        g["metadata"]["ownerReferences"][0]["kind"],
+        "InferenceService"
+    );
+    assert_eq!(g["spec"]["replicas"], 3);
+    assert_eq!(g["spec"]["startupPolicy"], "LeaderCreated");
+    let t = &g["spec"]["leaderWorkerTemplate"];
+    assert_eq!(t["size"], 2);
+    assert_eq!(t["restartPolicy"], "RecreateGroupOnPodRestart");
+    assert_eq!(
+        g["spec"]["rolloutStrategy"],
+        json!({"type": "RollingUpdate",
+               "rollingUpdateConfiguration": {"maxSurge": 0, "maxUnavailable": 1}}),
+        "GPU pods: no spare group"
+    );
+    let (leader, worker) = (&t["leaderTemplate"], &t["workerTemplate"]);
+    let label = |p: &Value, k: &str| p["metadata"]["labels"][k].clone();
+    assert_eq!(label(leader, "app.kubernetes.io/component"), "server");
+    assert_eq!(label(worker, "app.kubernetes.io/component"), "worker");
+    for p in [leader, worker] {
+        assert_eq!(label(p, "ferrite.dev/inferenceservice"), "chat");
+        assert_eq!(label(p, "app.kubernetes.io/managed-by"), "ferrite-operator");
+    }
+    assert_eq!(
+        leader["metadata"]["annotations"]["prometheus.io/scrape"],
+        "true"
+    );
+    assert!(worker["metadata"]["annotations"]["prometheus.io/scrape"].is_null());
+    let (lc, wc) = (
+        &leader["spec"]["containers"][0],
+        &worker["spec"]["containers"][0],
+    );
+    let command = lc["command"].as_array().expect("leader command");
+    assert_eq!(command[..2], [json!("/bin/sh"), json!("-c")]);
+    let script = command[2].as_str().expect("script");
+    assert!(
+        script.starts_with(
+            "bash /vllm-workspace/examples/online_serving/multi-node-serving.sh leader \
+             --ray_cluster_size=\"$LWS_GROUP_SIZE\" && exec vllm serve \"$@\""
+        ),
+        "{script}"
+    );
+    let leader_args: Vec<&str> = lc["args"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    for pair in [
+        ["--tensor-parallel-size", "8"],
+        ["--pipeline-parallel-size", "2"],
+        ["--distributed-executor-backend", "ray"],
+    ] {
+        assert!(
+            leader_args.windows(2).any(|w| w == pair),
+            "{pair:?} in {leader_args:?}"
+        );
+    }
+    assert!(
+        wc["command"][2]
+            .as_str()
+            .is_some_and(|c| c.contains("worker --ray_address=\"$LWS_LEADER_ADDRESS\"")),
+        "{wc}"
+    );
+    assert!(wc["args"].is_null());
+    for c in [lc, wc] {
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "8");
+        assert_eq!(c["image"], lc["image"]);
+        assert_eq!(c["securityContext"]["runAsNonRoot"], true);
+        assert_eq!(c["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
+    }
+    assert_eq!(leader["spec"]["volumes"], worker["spec"]["volumes"]);
+    assert!(lc["readinessProbe"].is_object() && lc["livenessProbe"].is_object());
+    for probe in ["startupProbe", "readinessProbe", "livenessProbe", "ports"] {
+        assert!(wc[probe].is_null(), "a worker has no {probe}: {wc}");
+    }
+    let env_names = |c: &Value| -> Vec<String> {
+        c["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e["name"].as_str().map(String::from))
+            .collect()
+    };
+    assert!(env_names(lc).contains(&"VLLM_API_KEY".to_string()));
+    assert!(
+        !env_names(wc).contains(&"VLLM_API_KEY".to_string()),
+        "the key stays on the leader"
+    );
+
+    // Leaders alone serve: the Service and status.selector; a group is down when any pod is.
+    let svc = d
+        .service
+        .spec
+        .as_ref()
+        .and_then(|s| s.selector.clone())
+        .expect("selector");
+    assert_eq!(svc["app.kubernetes.io/component"], "server");
+    assert_eq!(
+        d.selector,
+        "app.kubernetes.io/component=server,ferrite.dev/inferenceservice=chat"
+    );
+    let pdb = serde_json::to_value(d.pdb.as_ref().expect("a budget")).expect("json");
+    assert_eq!(
+        pdb["spec"]["selector"]["matchLabels"],
+        json!({"ferrite.dev/inferenceservice": "chat"})
+    );
+    let np = serde_json::to_value(d.network_policy.as_ref().expect("a policy")).expect("json");
+    assert_eq!(
+        np["spec"]["podSelector"]["matchLabels"],
+        json!({"ferrite.dev/inferenceservice": "chat"})
+    );
+    assert_eq!(
+        np["spec"]["ingress"],
+        json!([{"from": [{"podSelector": {"matchLabels": {"ferrite.dev/inferenceservice": "chat"}}}]}]),
+        "no peers: only the group's own pods reach it"
+    );
+
+    // Rollouts in groups: the spec's surge, and Recreate as every group at once.
+    let rollout = |r: Value| {
+        let d = build(&spec(json!({"rollout": r})), &allowed, caps(true)).expect("builds");
+        serde_json::to_value(d.groups().expect("groups")).expect("json")["spec"]["rolloutStrategy"]
+            ["rollingUpdateConfiguration"]
+            .clone()
+    };
+    assert_eq!(
+        rollout(json!({"maxSurge": 1})),
+        json!({"maxSurge": 1, "maxUnavailable": 0})
+    );
+    assert_eq!(
+        rollout(json!({"strategy": "Recreate"})),
+        json!({"maxSurge": 0, "maxUnavailable": "100%"})
+    );
+    // One pod a replica stays a Deployment, LWS or not.
+    let d = build(
+        &spec(json!({"parallelism": {"tensor": 8}})),
+        &allowed,
+        caps(true),
+    )
+    .expect("builds");
+    assert!(d.groups().is_none() && d.deployment().is_some());
+    assert!(
+        !args(&d)
+            .iter()
+            .any(|a| a == "--distributed-executor-backend"),
+        "one pod: vLLM's own processes"
     );
 }

@@ -23,6 +23,7 @@ fn hpa_for(isvc: &InferenceService) -> Result<Option<HorizontalPodAutoscaler>, B
     let caps = ClusterCapabilities {
         service_monitor_crd: false,
         scaled_object_crd: false,
+        leader_worker_set_crd: false,
     };
     build(isvc, &OperatorConfig::default(), caps).map(|d| d.hpa)
 }
@@ -325,19 +326,34 @@ fn keda_mode_needs_keda_and_a_prometheus() {
     let caps = |installed| ClusterCapabilities {
         service_monitor_crd: false,
         scaled_object_crd: installed,
+        leader_worker_set_crd: false,
+    };
+    let allowed = OperatorConfig {
+        keda: true,
+        ..OperatorConfig::default()
     };
     let with_address = OperatorConfig {
         keda_prometheus_address: Some("http://prometheus:9090".into()),
-        ..OperatorConfig::default()
+        ..allowed.clone()
     };
+    // An operator whose RBAC has no ScaledObjects (the chart without keda.enabled) says so.
+    let off = OperatorConfig {
+        keda: false,
+        ..with_address.clone()
+    };
+    let not_enabled = build(&keda(json!({})), &off, caps(true)).expect_err("not enabled");
+    assert_eq!(not_enabled.reason(), "KedaNotEnabled");
+    assert!(
+        not_enabled.to_string().contains("keda.enabled"),
+        "{not_enabled}"
+    );
     let missing = build(&keda(json!({})), &with_address, caps(false)).expect_err("no KEDA");
     assert_eq!(missing.reason(), "KedaNotInstalled");
     assert!(
         missing.to_string().contains("scaledobjects.keda.sh"),
         "{missing}"
     );
-    let no_address =
-        build(&keda(json!({})), &OperatorConfig::default(), caps(true)).expect_err("no address");
+    let no_address = build(&keda(json!({})), &allowed, caps(true)).expect_err("no address");
     assert_eq!(no_address.reason(), "KedaPrometheusAddressMissing");
     assert!(
         no_address.to_string().contains("serverAddress"),
@@ -360,7 +376,7 @@ fn keda_mode_needs_keda_and_a_prometheus() {
     assert_eq!(so["spec"]["minReplicaCount"], 1);
     let own = build(
         &keda(json!({"keda": {"serverAddress": "https://thanos:10902"}})),
-        &OperatorConfig::default(),
+        &allowed,
         caps(true),
     )
     .expect("a spec's own Prometheus");

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 
 fn objects(d: &Desired) -> Vec<Value> {
     let mut v = vec![
-        serde_json::to_value(&d.deployment).expect("json"),
+        serde_json::to_value(d.deployment().expect("a Deployment")).expect("json"),
         serde_json::to_value(&d.service).expect("json"),
     ];
     v.extend(d.pdb.iter().map(|p| serde_json::to_value(p).expect("json")));
@@ -36,6 +36,7 @@ fn built_objects_pass_kubernetes_schemas_strictly() {
     let caps = ClusterCapabilities {
         service_monitor_crd: true,
         scaled_object_crd: false,
+        leader_worker_set_crd: false,
     };
     let specs = [
         ("minimal", json!({"model": {"source": "/models/m.gguf"}})),
@@ -93,7 +94,8 @@ fn built_objects_pass_kubernetes_schemas_strictly() {
             caps,
         )
         .expect("build")
-        .deployment,
+        .deployment()
+        .expect("a Deployment"),
     )
     .expect("json");
     broken["spec"]["template"]["spec"]["containers"][0]["terminationGracePeriod"] = json!(3);
@@ -144,6 +146,7 @@ fn service_monitors_pass_the_prometheus_operator_schema() {
     let caps = ClusterCapabilities {
         service_monitor_crd: true,
         scaled_object_crd: false,
+        leader_worker_set_crd: false,
     };
     let specs = [
         ("default", json!({"model": {"source": "/models/m.gguf"}})),

@@ -1,8 +1,10 @@
 //! The pure status step: rollout completeness as `kubectl rollout status` judges it, failures
 //! read from pods, and the conditions computed from them.
 
+use ferrite_operator::build::lws::LeaderWorkerSet;
 use ferrite_operator::status::{
-    self, DEGRADED, Finding, MonitorState, Observation, PROGRESSING, READY, pod_failure, rollout,
+    self, DEGRADED, Finding, MonitorState, Observation, PROGRESSING, READY, Workload, pod_failure,
+    rollout,
 };
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
@@ -14,6 +16,67 @@ fn deployment(generation: i64, replicas: i64, status: Value) -> Deployment {
     serde_json::from_value(json!({"metadata": {"name": "d", "generation": generation},
         "spec": {"replicas": replicas, "selector": {}, "template": {}}, "status": status}))
     .expect("deployment")
+}
+
+/// A LeaderWorkerSet's rollout counts groups: complete once LWS saw the generation and every
+/// wanted group is updated and ready, none left over, no update in progress.
+#[test]
+fn a_group_rollout_is_complete_when_every_group_is_updated_and_ready() {
+    let groups = |generation: i64, want: i32, status: Value| -> LeaderWorkerSet {
+        serde_json::from_value(json!({
+            "apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+            "metadata": {"name": "big", "namespace": "ml", "generation": generation},
+            "spec": {"replicas": want, "startupPolicy": "LeaderCreated",
+                     "leaderWorkerTemplate": {"size": 2, "restartPolicy": "RecreateGroupOnPodRestart",
+                         "leaderTemplate": {}, "workerTemplate": {}},
+                     "rolloutStrategy": {"type": "RollingUpdate",
+                         "rollingUpdateConfiguration": {"maxSurge": 0, "maxUnavailable": 1}}},
+            "status": status}))
+        .expect("a LeaderWorkerSet")
+    };
+    let full =
+        json!({"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2});
+    let updating = json!({"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2,
+        "readyReplicas": 2, "conditions": [{"type": "UpdateInProgress", "status": "True",
+        "reason": "GroupsUpdating", "message": "", "lastTransitionTime": "2026-11-29T00:00:00Z"}]});
+    let cases = [
+        ("finished", 2, full.clone(), true),
+        ("LWS has not seen the generation", 3, full.clone(), false),
+        ("an update in progress", 2, updating, false),
+        (
+            "a group not ready",
+            2,
+            json!({"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 1}),
+            false,
+        ),
+        (
+            "an old group left",
+            2,
+            json!({"observedGeneration": 2, "replicas": 3, "updatedReplicas": 2, "readyReplicas": 3}),
+            false,
+        ),
+        ("no status yet", 2, Value::Null, false),
+    ];
+    for (what, generation, st, complete) in cases {
+        let g = groups(generation, 2, st);
+        let r = Workload::Groups(&g).rollout();
+        assert_eq!(r.complete, complete, "{what}");
+    }
+    let g = groups(2, 2, full);
+    let r = Workload::Groups(&g).rollout();
+    assert_eq!((r.replicas, r.ready, r.stalled), (2, 2, false));
+    // Status counts groups, and Ready says so.
+    let o = Observation {
+        workload: Some(Workload::Groups(&g)),
+        ..obs(None, 2)
+    };
+    let s = status::compute(&o, None, &Time(Timestamp::UNIX_EPOCH));
+    assert_eq!((s.replicas, s.ready_replicas), (2, 2));
+    let ready = status::condition(&s, READY).expect("Ready");
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("True", "Available")
+    );
 }
 
 #[test]
@@ -146,7 +209,7 @@ fn obs<'a>(d: Option<&'a Deployment>, desired: i32) -> Observation<'a> {
         generation: Some(4),
         blocked: None,
         desired_replicas: desired,
-        deployment: d,
+        workload: d.map(Workload::Deployment),
         pod_failure: None,
         monitor: MonitorState::Disabled,
         selector: Some("s".into()),
