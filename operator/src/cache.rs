@@ -165,6 +165,23 @@ fn isvc_store(client: &Client, to: Vec<mpsc::UnboundedSender<Touch>>) -> Store<I
     store
 }
 
+/// A kind the caches watch and keep.
+trait Watched:
+    Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static
+{
+}
+
+impl<K> Watched for K where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static
+{
+}
+
 /// The operator's workloads of kind `K` (Deployments, LeaderWorkerSets), slimmed by `slim` to
 /// what status reads; a change touches their owner.
 fn workload_store<K>(
@@ -175,13 +192,7 @@ fn workload_store<K>(
     slim: fn(&mut K),
 ) -> Store<K>
 where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
+    K: Watched,
 {
     let (store, writer) = reflector::store();
     let stream = watcher(Api::<K>::all(client.clone()), managed.clone()).modify(slim);
@@ -334,13 +345,7 @@ fn metadata_store<K>(
     config: watcher::Config,
 ) -> Store<PartialObjectMeta<K>>
 where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
+    K: Watched,
 {
     let (store, writer) = reflector::store();
     let stream = watcher(
@@ -547,13 +552,7 @@ impl Caches {
         wait: Duration,
     ) -> Option<Store<PartialObjectMeta<K>>>
     where
-        K: Resource<DynamicType = ()>
-            + Clone
-            + DeserializeOwned
-            + std::fmt::Debug
-            + Send
-            + Sync
-            + 'static,
+        K: Watched,
     {
         let store = cell
             .get_or_init(|| match &self.starter {

@@ -658,37 +658,23 @@ impl Children<'_> {
     /// one pod and a group per replica, goes once the new one is complete, or at once when the
     /// rollout may not surge (GPUs for both may not exist) or nothing is wanted.
     async fn apply_workload(&self, desired: Workload, events: &mut Events) -> Result<Live, Error> {
-        let (ns, name, memo) = (self.ns, self.name, &self.ctx.applied);
+        let (ns, name) = (self.ns, self.name);
         let surges = desired_surges(&desired);
         let live_deployment = cached(&self.ctx.caches.deployments, ns, name);
         let live_groups = self.groups.and_then(|g| cached(g, ns, name));
         let (written, old) = match desired {
-            Workload::Deployment(d) => {
-                let (written, change) = apply::ensure(
-                    &self.api::<Deployment>(),
-                    memo,
-                    *d,
-                    live_deployment.as_ref().map(|d| &d.metadata),
-                )
-                .await?;
-                record::<Deployment>(events, change, ns, name);
-                let live = written.map(Arc::new).or(live_deployment);
-                let old = live_groups.map(|g| g.metadata.clone());
-                (live.map(Live::Deployment), old.map(|m| (m, false)))
-            }
-            Workload::Groups(g) => {
-                let (written, change) = apply::ensure(
-                    &self.api::<LeaderWorkerSet>(),
-                    memo,
-                    *g,
-                    live_groups.as_ref().map(|g| &g.metadata),
-                )
-                .await?;
-                record::<LeaderWorkerSet>(events, change, ns, name);
-                let live = written.map(Arc::new).or(live_groups);
-                let old = live_deployment.map(|d| d.metadata.clone());
-                (live.map(Live::Groups), old.map(|m| (m, true)))
-            }
+            Workload::Deployment(d) => (
+                self.ensure_live(*d, live_deployment, events)
+                    .await?
+                    .map(Live::Deployment),
+                live_groups.map(|g| (g.metadata.clone(), false)),
+            ),
+            Workload::Groups(g) => (
+                self.ensure_live(*g, live_groups, events)
+                    .await?
+                    .map(Live::Groups),
+                live_deployment.map(|d| (d.metadata.clone(), true)),
+            ),
         };
         let written = written.ok_or(Error::Cache("the workload just applied"))?;
         if let Some((old, is_deployment)) = old {
@@ -704,6 +690,32 @@ impl Children<'_> {
             }
         }
         Ok(written)
+    }
+
+    /// Applies `desired` over `live` (from a whole-object cache) and records the change;
+    /// returns it as written, else as cached.
+    async fn ensure_live<K>(
+        &self,
+        desired: K,
+        live: Option<Arc<K>>,
+        events: &mut Events,
+    ) -> Result<Option<Arc<K>>, Error>
+    where
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + Serialize
+            + DeserializeOwned
+            + Debug,
+    {
+        let (written, change) = apply::ensure(
+            &self.api::<K>(),
+            &self.ctx.applied,
+            desired,
+            live.as_ref().map(|l| l.meta()),
+        )
+        .await?;
+        record::<K>(events, change, self.ns, self.name);
+        Ok(written.map(Arc::new).or(live))
     }
 
     /// Applies `desired`, or, when it is `None`, deletes the object (as `live` shows it) if
