@@ -176,6 +176,18 @@ fn every_value_set_lints_strictly_and_renders_objects_that_pass_their_schemas() 
     }
 }
 
+/// The NetworkPolicy in front of the operator's KEDA external scaler, if rendered.
+fn keda_scaler_policy(docs: &[Value]) -> Option<Value> {
+    find(docs, "NetworkPolicy")
+        .into_iter()
+        .find(|p| {
+            p["metadata"]["name"]
+                .as_str()
+                .is_some_and(|n| n.ends_with("-keda-scaler"))
+        })
+        .cloned()
+}
+
 /// What each value set must and must not produce.
 fn check_value_set(tag: &str, docs: &[Value]) {
     let args = operator_args(docs);
@@ -741,6 +753,10 @@ fn check_value_set(tag: &str, docs: &[Value]) {
                 }),
                 "{rules}"
             );
+            assert!(
+                keda_scaler_policy(docs).is_none(),
+                "no NetworkPolicies asked for"
+            );
             // KEDA serves the External Metrics API: the operator's is off.
             assert!(find(docs, "APIService").is_empty());
             // The external scaler, reached through the operator's Service.
@@ -765,7 +781,44 @@ fn check_value_set(tag: &str, docs: &[Value]) {
             assert_eq!(port["port"], 9443);
             assert_eq!(port["appProtocol"], "kubernetes.io/h2c");
         }
+        "keda-network-policy" => {
+            // Only KEDA's operator reaches the external scaler; the metrics port stays open.
+            assert!(
+                has_arg("--keda") && has_arg("--network-policy-peers"),
+                "{args:?}"
+            );
+            let policy = keda_scaler_policy(docs).expect("the scaler's NetworkPolicy");
+            assert_eq!(
+                policy["spec"]["podSelector"]["matchLabels"],
+                deployment["spec"]["selector"]["matchLabels"],
+                "the operator's pods"
+            );
+            assert_eq!(policy["spec"]["policyTypes"], json!(["Ingress"]));
+            assert_eq!(
+                policy["spec"]["ingress"],
+                json!([
+                    {"ports": [{"port": "http-metrics", "protocol": "TCP"}]},
+                    {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}},
+                               "podSelector": {"matchLabels": {"app": "keda-operator"}}}],
+                     "ports": [{"port": "keda-scaler", "protocol": "TCP"}]}
+                ])
+            );
+            let ports: Vec<&Value> = pod["containers"][0]["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .collect();
+            assert_eq!(
+                ports
+                    .iter()
+                    .map(|p| p["name"].as_str().unwrap_or_default())
+                    .collect::<Vec<_>>(),
+                ["http-metrics", "keda-scaler"],
+                "every port the operator listens on is named by the policy"
+            );
+        }
         "network-policy" => {
+            assert!(keda_scaler_policy(docs).is_none(), "no scaler without KEDA");
             let flag = args
                 .iter()
                 .find_map(|a| a.strip_prefix("--network-policy-peers="))
