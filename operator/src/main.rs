@@ -337,7 +337,8 @@ async fn main() -> anyhow::Result<()> {
         ctx.caches.clone(),
         ctx.triggers.clone(),
         views,
-    );
+    )
+    .serving_external_metrics(args.external_metrics_addr != "off");
     if let Some(selector) = &args.router_pods {
         let pods = RouterPods {
             namespace: args

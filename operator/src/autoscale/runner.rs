@@ -92,6 +92,8 @@ pub struct Autoscaler {
     acting: Arc<AtomicBool>,
     /// Requests the routers hold for each service (none without `--router-pods`).
     routers: RouterQueues,
+    /// Whether this operator serves the External Metrics API HPA mode's HPAs read.
+    external_metrics: bool,
 }
 
 impl std::fmt::Debug for Autoscaler {
@@ -125,7 +127,15 @@ impl Autoscaler {
             triggers,
             acting: Arc::new(AtomicBool::new(false)),
             routers: RouterQueues::default(),
+            external_metrics: false,
         }
+    }
+
+    /// Says that this operator serves the External Metrics API (`--external-metrics-addr`):
+    /// without it, HPA mode's status says its HPA cannot read the signals.
+    pub fn serving_external_metrics(mut self, on: bool) -> Self {
+        self.external_metrics = on;
+        self
     }
 
     /// Counts the requests `routers` hold as waiting on each service's pods.
@@ -235,6 +245,7 @@ impl Autoscaler {
             triggers: self.triggers.clone(),
             acting: self.acting.clone(),
             routers: self.routers.clone(),
+            external_metrics: self.external_metrics,
         }
     }
 }
@@ -260,6 +271,7 @@ struct TaskEnv {
     triggers: Arc<Triggers>,
     acting: Arc<AtomicBool>,
     routers: RouterQueues,
+    external_metrics: bool,
 }
 
 impl TaskEnv {
@@ -360,7 +372,14 @@ async fn evaluate(
 
     // HPA and KEDA mode: another controller writes the replicas.
     if cfg.mode != AutoscalingMode::Builtin || !env.acting() {
-        return Ok(Some(hpa_view(&signals, &results)));
+        let reader = match cfg.mode {
+            AutoscalingMode::Hpa => Reader::Hpa {
+                served: env.external_metrics,
+            },
+            AutoscalingMode::Keda => Reader::Keda,
+            AutoscalingMode::Builtin => Reader::Standby,
+        };
+        return Ok(Some(reader_view(reader, &signals, &results)));
     }
     let current = isvc.desired_replicas();
     let decision = state.decide(&cfg.policy, epoch.elapsed(), current, &samples);
@@ -514,12 +533,39 @@ fn active(signals: &Signals, results: &[PodResult]) -> Verdict {
     )
 }
 
-fn hpa_view(signals: &Signals, results: &[PodResult]) -> AutoscaleView {
+/// Who acts on the signals of a service this operator does not scale itself.
+#[derive(Debug, Clone, Copy)]
+enum Reader {
+    /// HPA mode's HorizontalPodAutoscaler, through this operator's External Metrics API
+    /// when it is `served`.
+    Hpa { served: bool },
+    /// KEDA's ScaledObject.
+    Keda,
+    /// The leading replica (this one stands by).
+    Standby,
+}
+
+/// The view of a service another controller scales: the signals, and whether they reach it.
+fn reader_view(reader: Reader, signals: &Signals, results: &[PodResult]) -> AutoscaleView {
     let (ok, mut f) = active(signals, results);
-    if ok {
-        f.message
-            .push_str("; served on the External Metrics API for the HorizontalPodAutoscaler");
-    }
+    let (ok, f) = match reader {
+        // Whatever the pods say, the HPA reads nothing.
+        Reader::Hpa { served: false } => (
+            false,
+            Finding::new(
+                "ExternalMetricsOff",
+                "HPA mode's HorizontalPodAutoscaler reads this operator's External Metrics API, \
+                 which it does not serve (--external-metrics-addr off; the chart's \
+                 externalMetrics.enabled): the HPA cannot read the signals",
+            ),
+        ),
+        Reader::Hpa { served: true } if ok => {
+            f.message
+                .push_str("; served on the External Metrics API for the HorizontalPodAutoscaler");
+            (ok, f)
+        }
+        _ => (ok, f),
+    };
     AutoscaleView {
         desired_replicas: None,
         last_scale_time: None,

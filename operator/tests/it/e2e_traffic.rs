@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use ferrite_testkit::e2e::{
-    Applier, Operator, assert_exact_rbac, audited, get_isvc, install, install_service_monitor_crd,
-    isvc, pods_ready, requests,
+    Applier, Operator, assert_exact_rbac, audited, condition, get_isvc, install,
+    install_service_monitor_crd, isvc, pods_ready, requests,
 };
 use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
@@ -97,6 +97,16 @@ async fn the_operator_uses_exactly_the_rbac_the_chart_grants() {
         },
     )
     .await;
+    // The chart's default serves no External Metrics API: the HPA is made, and status says it
+    // cannot read the signals.
+    let scaling = eventually(WAIT, "ScalingActive: ExternalMetricsOff", async || {
+        condition(&client, &ns, "everything", "ScalingActive")
+            .await
+            .filter(|c| c.1 == "ExternalMetricsOff")
+    })
+    .await;
+    assert_eq!(scaling.0, "False", "{scaling:?}");
+    assert!(scaling.2.contains("externalMetrics.enabled"), "{scaling:?}");
 
     // A deleted Service, twice: two "created" events with the same reason and object make a
     // series, which the recorder patches.
