@@ -9,7 +9,7 @@
 //! beside it runs, and a parallelism that cannot run is `Degraded` saying why; with it, a
 //! LeaderWorkerSet the API server accepts under LWS's schema (group size, vLLM's multi-node start,
 //! GPUs per pod, probes on the leader only); the router sends every request to the leader and none
-//! to the worker; status reads LWS's groups; `/scale` changes the groups; a spec that moves to one
+//! to the worker; status reads LWS's groups; `/scale` changes the groups, to zero and back; a spec that moves to one
 //! pod gets a Deployment and loses the LeaderWorkerSet, and back. KEDA's CRD is installed too, with
 //! the chart's KEDA mode off: a KEDA-mode spec is `Degraded`, and nothing else is held up by a kind
 //! the operator may not watch (it is never refused, so it never tried). The operator uses nothing
@@ -341,6 +341,30 @@ async fn a_replica_across_pods_is_a_leader_worker_set_whose_leaders_alone_serve(
         g["spec"]["replicas"] == 2
     })
     .await;
+    // To zero and back, as the router's wake and the autoscaler do it.
+    for replicas in [0, 2] {
+        isvc_api(&client, &ns)
+            .patch_scale(
+                "big",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+            )
+            .await
+            .expect("scale");
+        group_set(&client, &ns, "big", "the groups follow /scale", |g| {
+            g["spec"]["replicas"] == replicas
+        })
+        .await;
+        if replicas == 0 {
+            let ready = eventually(WAIT, "Ready: ScaledToZero", async || {
+                condition(&client, &ns, "big", "Ready")
+                    .await
+                    .filter(|c| c.1 == "ScaledToZero")
+            })
+            .await;
+            assert_eq!(ready.0, "False", "{ready:?}");
+        }
+    }
 
     // Fitting one pod again: a Deployment, and the LeaderWorkerSet goes (GPU pods do not
     // surge, so at once); and back.
