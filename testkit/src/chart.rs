@@ -125,6 +125,19 @@ pub fn container_args(deployment: &Value) -> Vec<String> {
         .collect()
 }
 
+/// Asserts that a container (as JSON) has each of `pairs` as a flag and the value after it.
+pub fn assert_flag_values(container: &Value, pairs: &[[&str; 2]]) {
+    let args: Vec<&str> = container["args"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    for pair in pairs {
+        assert!(args.windows(2).any(|w| w == pair), "{pair:?} in {args:?}");
+    }
+}
+
 /// The operator container's arguments.
 pub fn operator_args(docs: &[Value]) -> Vec<String> {
     container_args(operator_deployment(docs))

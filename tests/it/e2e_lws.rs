@@ -212,19 +212,14 @@ async fn a_replica_across_pods_is_a_leader_worker_set_whose_leaders_alone_serve(
     assert!(command(lc).contains("exec vllm serve"), "{lc}");
     assert!(command(wc).contains("multi-node-serving.sh worker"), "{wc}");
     assert!(command(wc).contains("LWS_LEADER_ADDRESS"), "{wc}");
-    let args: Vec<&str> = lc["args"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .collect();
-    for pair in [
-        ["--tensor-parallel-size", "2"],
-        ["--pipeline-parallel-size", "2"],
-        ["--distributed-executor-backend", "ray"],
-    ] {
-        assert!(args.windows(2).any(|w| w == pair), "{pair:?} in {args:?}");
-    }
+    ferrite_testkit::chart::assert_flag_values(
+        lc,
+        &[
+            ["--tensor-parallel-size", "2"],
+            ["--pipeline-parallel-size", "2"],
+            ["--distributed-executor-backend", "ray"],
+        ],
+    );
     for c in [lc, wc] {
         assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "2", "{c}");
         assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);

@@ -160,37 +160,30 @@ struct RouterKeyStores {
 
 /// Dereference: the optional APIs the cluster serves, and their caches.
 async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
-    let service_monitor_crd = ctx
-        .discovery
-        .service_monitor_crd(&ctx.client)
-        .await
-        .map_err(Error::Discovery)?;
-    let monitors = cache_if(
-        service_monitor_crd,
+    let (service_monitor_crd, monitors) = optional(
+        ctx.discovery.service_monitor_crd(&ctx.client),
+        |served| served,
         "ServiceMonitor",
         ctx.caches.monitors(MONITOR_CACHE_WAIT),
     )
     .await?;
-    let scaled_object_crd = ctx
-        .discovery
-        .scaled_object_crd(&ctx.client)
-        .await
-        .map_err(Error::Discovery)?;
     // Where KEDA runs, HPA mode is refused whether or not the operator may use it.
-    let scaled_objects = cache_if(
-        scaled_object_crd && ctx.config.keda,
+    let (scaled_object_crd, scaled_objects) = optional(
+        ctx.discovery.scaled_object_crd(&ctx.client),
+        |served| served && ctx.config.keda,
         "ScaledObject",
         ctx.caches.scaled_objects(MONITOR_CACHE_WAIT),
     )
     .await?;
-    let leader_worker_set_crd = ctx.config.leader_worker_sets
-        && ctx
-            .discovery
-            .leader_worker_set_crd(&ctx.client)
-            .await
-            .map_err(Error::Discovery)?;
-    let groups = cache_if(
-        leader_worker_set_crd,
+    // LWS is looked for only by an operator allowed to write it.
+    let (leader_worker_set_crd, groups) = optional(
+        async {
+            match ctx.config.leader_worker_sets {
+                true => ctx.discovery.leader_worker_set_crd(&ctx.client).await,
+                false => Ok(false),
+            }
+        },
+        |served| served,
         "LeaderWorkerSet",
         ctx.caches.groups(MONITOR_CACHE_WAIT),
     )
@@ -224,6 +217,18 @@ async fn dereference(ctx: &Context) -> Result<Cluster, Error> {
         scaled_objects,
         groups,
     })
+}
+
+/// An optional kind: whether the cluster serves it (`crd`), and its cache where the operator
+/// `uses` it, given that answer.
+async fn optional<S>(
+    crd: impl std::future::Future<Output = Result<bool, kube::Error>>,
+    uses: impl FnOnce(bool) -> bool,
+    kind: &'static str,
+    cache: impl std::future::Future<Output = Option<S>>,
+) -> Result<(bool, Option<S>), Error> {
+    let served = crd.await.map_err(Error::Discovery)?;
+    Ok((served, cache_if(uses(served), kind, cache).await?))
 }
 
 /// An optional cache, when the reconcile needs it (`wanted`), once it has its first listing;
@@ -538,6 +543,25 @@ fn missing_claim(claims: &[(&'static str, String)], caches: &Caches, ns: &str) -
     })
 }
 
+/// A kind of child the operator applies server-side in the InferenceService's namespace.
+trait Child:
+    Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+    + Clone
+    + Serialize
+    + DeserializeOwned
+    + Debug
+{
+}
+
+impl<K> Child for K where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + Serialize
+        + DeserializeOwned
+        + Debug
+{
+}
+
 /// The children of one InferenceService: named like it, controlled by its `uid`.
 struct Children<'a> {
     ctx: &'a Context,
@@ -701,11 +725,7 @@ impl Children<'_> {
         events: &mut Events,
     ) -> Result<Option<Arc<K>>, Error>
     where
-        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
-            + Clone
-            + Serialize
-            + DeserializeOwned
-            + Debug,
+        K: Child,
     {
         let (written, change) = apply::ensure(
             &self.api::<K>(),
@@ -727,11 +747,7 @@ impl Children<'_> {
         events: &mut Events,
     ) -> Result<(), Error>
     where
-        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
-            + Clone
-            + Serialize
-            + DeserializeOwned
-            + Debug,
+        K: Child,
     {
         let api: Api<K> = self.api();
         match desired {

@@ -1296,22 +1296,14 @@ fn a_replica_across_pods_is_a_leader_worker_set_of_groups() {
         ),
         "{script}"
     );
-    let leader_args: Vec<&str> = lc["args"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .collect();
-    for pair in [
-        ["--tensor-parallel-size", "8"],
-        ["--pipeline-parallel-size", "2"],
-        ["--distributed-executor-backend", "ray"],
-    ] {
-        assert!(
-            leader_args.windows(2).any(|w| w == pair),
-            "{pair:?} in {leader_args:?}"
-        );
-    }
+    ferrite_testkit::chart::assert_flag_values(
+        lc,
+        &[
+            ["--tensor-parallel-size", "8"],
+            ["--pipeline-parallel-size", "2"],
+            ["--distributed-executor-backend", "ray"],
+        ],
+    );
     assert!(
         wc["command"][2]
             .as_str()
