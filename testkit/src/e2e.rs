@@ -725,6 +725,22 @@ pub async fn get_isvc(client: &kube::Client, ns: &str, name: &str) -> Option<Val
         .map(|o| serde_json::to_value(o).expect("serializes"))
 }
 
+/// Waits up to `within` until the InferenceService `ns/name` is Degraded; its (status, reason,
+/// message).
+pub async fn degraded(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    within: Duration,
+) -> (String, String, String) {
+    eventually(within, &format!("{name} to be Degraded"), async || {
+        condition(client, ns, name, "Degraded")
+            .await
+            .filter(|c| c.0 == "True")
+    })
+    .await
+}
+
 /// (status, reason, message) of a condition of an InferenceService.
 pub async fn condition(
     client: &kube::Client,

@@ -18,8 +18,8 @@
 use std::time::Duration;
 
 use ferrite_testkit::e2e::{
-    Applier, Operator, Router, assert_rbac_covers, audited, condition, get_isvc, install, isvc,
-    isvc_api, wait_crd,
+    Applier, Operator, Router, assert_rbac_covers, audited, condition, degraded, get_isvc, install,
+    isvc, isvc_api, wait_crd,
 };
 use ferrite_testkit::kube::standin::ready_pod_labelled;
 use ferrite_testkit::kube::{Cluster, workspace_root};
@@ -77,15 +77,6 @@ async fn touch(client: &kube::Client, ns: &str, name: &str) {
         .await;
 }
 
-async fn degraded(client: &kube::Client, ns: &str, name: &str) -> (String, String, String) {
-    eventually(WAIT, "Degraded", async || {
-        condition(client, ns, name, "Degraded")
-            .await
-            .filter(|c| c.0 == "True")
-    })
-    .await
-}
-
 async fn patch_spec(client: &kube::Client, ns: &str, name: &str, spec: Value) {
     isvc_api(client, ns)
         .patch(
@@ -136,7 +127,7 @@ async fn a_replica_across_pods_is_a_leader_worker_set_whose_leaders_alone_serve(
         "runtime": {"kind": "vllm", "port": port},
         "parallelism": {"tensor": 2, "pipeline": 2}, "resources": {"gpus": 2}});
     applier.apply(&isvc(&ns, "big", spec.clone())).await;
-    let d = degraded(&client, &ns, "big").await;
+    let d = degraded(&client, &ns, "big", WAIT).await;
     assert_eq!(d.1, "LeaderWorkerSetNotInstalled", "{d:?}");
     assert!(d.2.contains("install LeaderWorkerSet"), "{d:?}");
     // Beside it, a spec that fits one pod runs as ever, and a KEDA-mode spec says why not.
@@ -161,7 +152,7 @@ async fn a_replica_across_pods_is_a_leader_worker_set_whose_leaders_alone_serve(
         deployments.get_opt("small").await.ok()?
     })
     .await;
-    let d = degraded(&client, &ns, "keda").await;
+    let d = degraded(&client, &ns, "keda", WAIT).await;
     assert_eq!(d.1, "KedaNotEnabled", "{d:?}");
     // Parallelism that cannot run is refused with why, not rendered.
     applier
@@ -172,7 +163,7 @@ async fn a_replica_across_pods_is_a_leader_worker_set_whose_leaders_alone_serve(
                    "parallelism": {"tensor": 2, "data": 2}, "resources": {"gpus": 2}}),
         ))
         .await;
-    let d = degraded(&client, &ns, "odd").await;
+    let d = degraded(&client, &ns, "odd", WAIT).await;
     assert_eq!(d.1, "InvalidParallelism", "{d:?}");
     assert!(d.2.contains("data 2 across 2 pods"), "{d:?}");
 

@@ -255,9 +255,13 @@ impl Owner {
         ])
     }
 
-    /// Every pod of the service: with a LeaderWorkerSet, leaders and workers.
-    pub fn all_pods_labels(&self) -> BTreeMap<String, String> {
-        BTreeMap::from([(INSTANCE_LABEL.into(), self.name.clone())])
+    /// Every pod a replica consists of: the serving pods, or with `groups` (a
+    /// LeaderWorkerSet) leaders and workers alike.
+    pub fn replica_pods_labels(&self, groups: bool) -> BTreeMap<String, String> {
+        match groups {
+            false => self.selector_labels(),
+            true => BTreeMap::from([(INSTANCE_LABEL.into(), self.name.clone())]),
+        }
     }
 }
 
@@ -482,11 +486,8 @@ pub fn desired(
     };
     let service = service::service(isvc, owner);
     // A group is down when any of its pods is: the budget counts every pod.
-    let disrupted = match pods {
-        1 => owner.selector_labels(),
-        _ => owner.all_pods_labels(),
-    };
-    let pdb = (isvc.desired_replicas() > 1).then(|| service::pdb(owner, disrupted));
+    let pdb = (isvc.desired_replicas() > 1)
+        .then(|| service::pdb(owner, owner.replica_pods_labels(pods > 1)));
     let sm = &isvc.spec.monitoring.service_monitor;
     let service_monitor = (sm.enabled && caps.service_monitor_crd)
         .then(|| monitor::service_monitor(sm, &config.monitor_labels, owner));

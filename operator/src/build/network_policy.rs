@@ -37,22 +37,19 @@ pub(crate) fn network_policy(
     } else {
         vec![rule]
     };
-    let pods = match groups {
-        false => owner.selector_labels(),
-        true => {
-            ingress.push(NetworkPolicyIngressRule {
-                from: Some(vec![NetworkPolicyPeer {
-                    pod_selector: Some(LabelSelector {
-                        match_labels: Some(owner.all_pods_labels()),
-                        ..LabelSelector::default()
-                    }),
-                    ..NetworkPolicyPeer::default()
-                }]),
-                ports: None,
-            });
-            owner.all_pods_labels()
-        }
-    };
+    let pods = owner.replica_pods_labels(groups);
+    if groups {
+        ingress.push(NetworkPolicyIngressRule {
+            from: Some(vec![NetworkPolicyPeer {
+                pod_selector: Some(LabelSelector {
+                    match_labels: Some(pods.clone()),
+                    ..LabelSelector::default()
+                }),
+                ..NetworkPolicyPeer::default()
+            }]),
+            ports: None,
+        });
+    }
     NetworkPolicy {
         metadata: owner.meta(owner.name.clone(), &Default::default()),
         spec: Some(NetworkPolicySpec {

@@ -65,7 +65,7 @@ pub(crate) fn check(isvc: &InferenceService) -> Result<(), BuildError> {
              resources.gpus {per_pod}"
         )));
     }
-    let pods = if per_pod > 0 { needed / per_pod } else { 1 };
+    let pods = i64::from(pods_per_replica(isvc));
     if pods > MAX_PODS_PER_REPLICA {
         return Err(BuildError::Parallelism(format!(
             "needs {needed} GPUs a replica, over {pods} pods of {per_pod}: at most \

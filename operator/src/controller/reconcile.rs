@@ -342,7 +342,7 @@ async fn apply_step(
     };
     match children.apply_all(desired, events).await {
         Ok(workload) => Ok(Applied {
-            workload,
+            workload: Some(workload),
             blocked: None,
             failed: None,
         }),
@@ -590,11 +590,7 @@ impl Children<'_> {
 
     /// Applies every desired object and deletes the ones no longer wanted. Returns the
     /// workload as last written or cached.
-    async fn apply_all(
-        &self,
-        desired: Desired,
-        events: &mut Events,
-    ) -> Result<Option<Live>, Error> {
+    async fn apply_all(&self, desired: Desired, events: &mut Events) -> Result<Live, Error> {
         let (ns, name, caches) = (self.ns, self.name, &self.ctx.caches);
         let memo = &self.ctx.applied;
         let workload = self.apply_workload(desired.workload, events).await?;
@@ -675,12 +671,12 @@ impl Children<'_> {
                 ));
             }
         }
-        Ok(Some(workload))
+        Ok(workload)
     }
 
     /// Applies the workload; the one of the other kind, left from a spec that moved between
     /// one pod and a group per replica, goes once the new one is complete, or at once when the
-    /// rollout may not surge (GPUs for both may not exist) or nothing is wanted.
+    /// rollout may not surge (GPUs for both may not exist).
     async fn apply_workload(&self, desired: Workload, events: &mut Events) -> Result<Live, Error> {
         let (ns, name) = (self.ns, self.name);
         let surges = desired_surges(&desired);

@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use ferrite_testkit::e2e::{
-    Applier, Operator, condition, install, isvc, isvc_api, pods_ready, wait_crd,
+    Applier, Operator, condition, degraded, install, isvc, isvc_api, pods_ready, wait_crd,
 };
 use ferrite_testkit::kube::{Cluster, workspace_root};
 use ferrite_testkit::process::eventually;
@@ -129,10 +129,10 @@ async fn keda_mode_renders_a_scaled_object_keda_accepts_and_prunes_it_after() {
             .is_some_and(|q| q.contains("ferrite_router_held_requests")),
         "{activity}"
     );
-    let degraded = condition(&client, &ns, "chat", "Degraded").await;
+    let chat_degraded = condition(&client, &ns, "chat", "Degraded").await;
     assert!(
-        degraded.as_ref().is_none_or(|d| d.0 != "True"),
-        "{degraded:?}"
+        chat_degraded.as_ref().is_none_or(|d| d.0 != "True"),
+        "{chat_degraded:?}"
     );
 
     // A spec's own Prometheus, and no activity trigger without scale to zero.
@@ -182,12 +182,7 @@ async fn keda_mode_renders_a_scaled_object_keda_accepts_and_prunes_it_after() {
                        "targets": {"queuePerReplica": 1.0}}}),
         ))
         .await;
-    let d = eventually(WAIT, "hpa to be Degraded", async || {
-        condition(&client, &ns, "hpa", "Degraded")
-            .await
-            .filter(|c| c.0 == "True")
-    })
-    .await;
+    let d = degraded(&client, &ns, "hpa", WAIT).await;
     assert_eq!(d.1, "HpaModeWithKeda", "{d:?}");
 
     // A Prometheus address with the external scaler: refused.

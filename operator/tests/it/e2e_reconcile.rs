@@ -8,7 +8,8 @@
 use std::time::Duration;
 
 use ferrite_testkit::e2e::{
-    Applier, Operator, condition, get_isvc, install, install_service_monitor_crd, yaml_docs,
+    Applier, Operator, condition, degraded, get_isvc, install, install_service_monitor_crd,
+    yaml_docs,
 };
 use ferrite_testkit::kube::{Cluster, Options, workspace_root};
 use ferrite_testkit::process::eventually;
@@ -23,16 +24,6 @@ use kube::discovery::ApiResource;
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(60);
-
-/// Waits until `name` is Degraded; its (status, reason, message).
-async fn degraded(client: &kube::Client, ns: &str, name: &str) -> (String, String, String) {
-    eventually(WAIT, &format!("{name} to be Degraded"), async || {
-        condition(client, ns, name, "Degraded")
-            .await
-            .filter(|c| c.0 == "True")
-    })
-    .await
-}
 
 /// Waits for the first pod the ReplicaSet controller made for InferenceService `name`.
 async fn first_pod(client: &kube::Client, ns: &str, name: &str) -> Pod {
@@ -530,7 +521,7 @@ async fn pods_and_children_that_cannot_be_created_show_as_degraded() {
         ),
         (&quota_ns, "over-quota", "exceeded quota"),
     ] {
-        let d = degraded(&client, ns, name).await;
+        let d = degraded(&client, ns, name, WAIT).await;
         assert_eq!(d.1, "ReplicaFailure", "{name}: {d:?}\n{}", op.log());
         assert!(d.2.contains(cause), "{name}: {d:?}");
         let ready = condition(&client, ns, name, "Ready").await.expect("Ready");
@@ -561,7 +552,7 @@ async fn pods_and_children_that_cannot_be_created_show_as_degraded() {
             json!({"model": {"source": "/models/smol.gguf"}}),
         ))
         .await;
-    let d = degraded(&client, &ns, "no-ip").await;
+    let d = degraded(&client, &ns, "no-ip", WAIT).await;
     assert_eq!(d.1, "ChildApplyFailed", "{d:?}\n{}", op.log());
     assert!(
         d.2.contains("Service no-ip") && d.2.contains("range is full"),
@@ -606,7 +597,7 @@ async fn a_missing_claim_blocks_until_it_is_created() {
             json!({"model": {"source": "pvc://weights/smol.gguf"}}),
         ))
         .await;
-    let d = degraded(&client, &ns, "chat").await;
+    let d = degraded(&client, &ns, "chat", WAIT).await;
     assert_eq!(d.1, "PersistentVolumeClaimNotFound");
     assert!(d.2.contains(&format!("{ns}/weights")), "{d:?}");
     let deployments = Api::<Deployment>::namespaced(client.clone(), &ns);
@@ -696,7 +687,7 @@ async fn resource_profiles_from_the_chart_apply_under_the_spec() {
         limits.get("nvidia.com/gpu").map(|q| q.0.as_str()),
         Some("2")
     );
-    let d = degraded(&client, &ns, "tpu").await;
+    let d = degraded(&client, &ns, "tpu", WAIT).await;
     assert_eq!(d.1, "ResourceProfileNotFound", "{d:?}\n{}", op.log());
     assert!(
         d.2.contains("\"tpu-v5\"") && d.2.contains("nvidia-h100"),
@@ -821,7 +812,7 @@ async fn a_model_download_refused_by_the_hub_shows_as_degraded() {
     )
     .await
     .expect("pod status");
-    let d = degraded(&client, &ns, "gated").await;
+    let d = degraded(&client, &ns, "gated", WAIT).await;
     assert_eq!(d.1, "ModelDownloadFailed", "{d:?}\n{}", op.log());
     assert!(
         d.2.contains(&format!("pod {name}"))

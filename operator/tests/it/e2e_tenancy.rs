@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use ferrite_testkit::e2e::{Applier, Operator, condition, install, isvc_api};
+use ferrite_testkit::e2e::{Applier, Operator, condition, degraded, install, isvc_api};
 use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
 use k8s_openapi::api::core::v1::Service;
@@ -39,12 +39,7 @@ async fn colliding_tenants_are_refused_not_taken_over() {
             json!({"model": {"source": "/models/smol.gguf"}}),
         ))
         .await;
-    let d = eventually(WAIT, "web to be Degraded", async || {
-        condition(&client, &ns, "web", "Degraded")
-            .await
-            .filter(|c| c.0 == "True")
-    })
-    .await;
+    let d = degraded(&client, &ns, "web", WAIT).await;
     assert_eq!(d.1, "ChildConflict", "{d:?}");
     assert!(d.2.contains("Service web"), "{d:?}");
     let services: Api<Service> = Api::namespaced(client.clone(), &ns);
