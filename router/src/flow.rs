@@ -4,8 +4,9 @@
 //! - **Priority bands.** A higher tenant priority always goes first.
 //! - **Fair by tokens within a band** (a virtual token counter, as in Sheng et al.,
 //!   "Fairness in Serving Large Language Models", OSDI '24): each flow (a tenant; one flow
-//!   without tenants) has a counter of the work it was given; the backlogged flow with the
-//!   lowest counter goes next. A flow that becomes backlogged is lifted to the lowest
+//!   without tenants) has a counter of the work it was given (charged a request's estimate
+//!   when it is dispatched, corrected to its reported usage when it ends); the backlogged
+//!   flow with the lowest counter goes next. A flow that becomes backlogged is lifted to the lowest
 //!   counter of those already waiting, so idling banks no credit.
 //! - **A slot kept for the light.** Once the service's capacity is known, a flow may hold at
 //!   most that capacity less one slot for each other recently active flow (at most half of
@@ -155,9 +156,20 @@ pub struct Dispatched {
     service: String,
     flow: String,
     pending: bool,
+    /// What its flow's counter was charged: the estimate.
+    cost: f64,
+    /// What it turned out to use, where known ([`Dispatched::settle`]).
+    used: Option<f64>,
 }
 
 impl Dispatched {
+    /// The tokens the request turned out to use (its response's `usage`): when it ends, its
+    /// flow's counter is corrected from the estimate to these, so a tenant whose estimates
+    /// run high (a large `max_tokens` it never uses) is not held back for work it never got.
+    pub fn settle(&mut self, used: f64) {
+        self.used = Some(used);
+    }
+
     /// The request is now counted at its replica.
     pub fn placed(&mut self) {
         if std::mem::take(&mut self.pending) {
@@ -180,6 +192,9 @@ impl Drop for Dispatched {
                 if let Some(f) = s.flows.get_mut(&self.flow) {
                     f.open = f.open.saturating_sub(1);
                     f.last_active = Instant::now();
+                    if let Some(used) = self.used {
+                        f.counter += charged(used) - self.cost;
+                    }
                 }
             }
         }
@@ -195,6 +210,7 @@ pub struct Waiting {
     service: String,
     flow: String,
     id: u64,
+    cost: f64,
     /// Taken by [`Waiting::until_dispatched`].
     rx: Option<oneshot::Receiver<Result<(), Refused>>>,
 }
@@ -212,12 +228,7 @@ impl Waiting {
             Ok(Err(_)) => Err(Refused::Shed),
             Err(_) => Err(Refused::TimedOut),
         };
-        verdict.map(|()| Dispatched {
-            flows: self.flows.clone(),
-            service: self.service.clone(),
-            flow: self.flow.clone(),
-            pending: true,
-        })
+        verdict.map(|()| self.flows.dispatched(&self.service, &self.flow, self.cost))
     }
 }
 
@@ -282,7 +293,7 @@ impl Flows {
             f.last_active = now;
             if s.queued == 0 && s.may_dispatch(ask.flow, room, now, window) {
                 s.dispatch(ask.flow, ask.cost);
-                Admit::Go(self.dispatched(ask.service, ask.flow))
+                Admit::Go(self.dispatched(ask.service, ask.flow, ask.cost))
             } else {
                 if full {
                     // Room is made by shedding someone of lower priority, or not at all.
@@ -310,6 +321,7 @@ impl Flows {
                     service: ask.service.to_string(),
                     flow: ask.flow.to_string(),
                     id,
+                    cost: ask.cost,
                     rx: Some(rx),
                 })
             }
@@ -324,12 +336,14 @@ impl Flows {
         admit
     }
 
-    fn dispatched(self: &Arc<Self>, service: &str, flow: &str) -> Dispatched {
+    fn dispatched(self: &Arc<Self>, service: &str, flow: &str, cost: f64) -> Dispatched {
         Dispatched {
             flows: self.clone(),
             service: service.to_string(),
             flow: flow.to_string(),
             pending: true,
+            cost: charged(cost),
+            used: None,
         }
     }
 
@@ -418,6 +432,12 @@ impl Flows {
     }
 }
 
+/// What a request's tokens count on its flow's counter: at least one, so that requests of
+/// no measured work still take turns.
+fn charged(tokens: f64) -> f64 {
+    tokens.max(1.0)
+}
+
 impl Flow {
     fn busy(&self) -> bool {
         self.open > 0 || !self.queue.is_empty()
@@ -494,7 +514,7 @@ impl Service {
         self.pending += 1;
         if let Some(f) = self.flows.get_mut(flow) {
             self.vtime = self.vtime.max(f.counter);
-            f.counter += cost.max(1.0);
+            f.counter += charged(cost);
             f.open += 1;
         }
     }
@@ -604,7 +624,7 @@ mod tests {
                             out.push(*name);
                             // As `until_dispatched` would: the verdict is taken.
                             wt.rx = None;
-                            let mut d = f.dispatched("ns/chat", name);
+                            let mut d = f.dispatched("ns/chat", name, 0.0);
                             d.placed();
                             held.push(d);
                         }
@@ -668,6 +688,26 @@ mod tests {
     }
 
     #[test]
+    fn a_flow_is_charged_what_its_requests_used_not_their_estimates() {
+        let f = flows(100);
+        let now = Instant::now();
+        // "over" asks for 1,000 tokens and uses 10; "exact" asks for and uses 100.
+        let mut d = go(f.admit(ask("over", 0, 1000.0), room(usize::MAX), now));
+        d.settle(10.0);
+        drop(d);
+        let mut d = go(f.admit(ask("exact", 0, 100.0), room(usize::MAX), now));
+        d.settle(100.0);
+        drop(d);
+        let w_over = waiting(f.admit(ask("over", 0, 1000.0), FULL, now));
+        let w_exact = waiting(f.admit(ask("exact", 0, 100.0), FULL, now));
+        // On estimates "over" would have had 1,000 against 100 and gone second.
+        assert_eq!(
+            order(&f, vec![("exact", w_exact), ("over", w_over)]),
+            ["over", "exact"]
+        );
+    }
+
+    #[test]
     fn a_flow_that_starts_waiting_banks_no_credit() {
         let f = flows(100);
         let now = Instant::now();
@@ -714,7 +754,7 @@ mod tests {
         let rx = light.rx.as_mut().expect("waiting");
         assert_eq!(rx.try_recv().ok(), Some(Ok(())), "dispatched on arrival");
         light.rx = None;
-        drop(f.dispatched("ns/chat", "light"));
+        drop(f.dispatched("ns/chat", "light", 10.0));
         // After the window the light tenant no longer holds a slot.
         let later = now + FlowConfig::default().active_window + Duration::from_secs(1);
         assert_eq!(f.pump("ns/chat", cap(1), later), 1);

@@ -1496,7 +1496,7 @@ fn relay(
         open: t.open,
         event_stream,
         _gauge: t.gauge,
-        _slots: t.slots,
+        slots: t.slots,
         started: t.started,
         duration: Some(app.metrics.upstream_duration.with_label_values(&[model])),
         broken: event_stream.then(|| BrokenStream {
@@ -1652,7 +1652,7 @@ struct Tracked {
     _gauge: GaugeGuard,
     /// The request's place among those open (and its flow's dispatch): given back when the
     /// response ends.
-    _slots: Slots,
+    slots: Slots,
     started: Instant,
     duration: Option<Histogram>,
     /// Set for event streams: a replica lost mid-stream ends the stream with an error event.
@@ -1834,6 +1834,9 @@ impl Tracked {
         let (events, preamble) = (self.events_before + self.open.seen(), self.open.preamble());
         if let Some(u) = self.usage.as_mut() {
             u.settle(events, preamble);
+            if let Some(d) = self.slots.flow.as_mut() {
+                d.settle(u.charge.charge.tokens());
+            }
         }
     }
 

@@ -2,11 +2,10 @@
 //! server with real ferrite-servers behind it: the `model` form field routes the request, the
 //! file is streamed on, and a form whose `model` is missing, late or unknown, or whose body is
 //! too large, is refused with OpenAI's error JSON. ferrite-server has no audio models: it
-//! answers the path with its own 404, which reaches the client as the replica's answer. It
-//! answers without reading the body, and a server that closes a connection with unread bytes
-//! resets it, so the routed form is small (4 KiB, read with the request's head); that a file
-//! of megabytes streams through whole, in order and within the limits, is
-//! `multipart::Upload`'s unit test.
+//! answers the path with its own 404 (and reads the body it refused, so that the answer is not
+//! lost to a reset connection), which reaches the client as the replica's answer. The routed
+//! file (2 MiB) is larger than the router may hold (128 KiB here): it can only have been
+//! streamed; that it arrives whole and in order is `multipart::Upload`'s unit test.
 
 use super::common::*;
 use serde_json::Value;
@@ -69,7 +68,7 @@ async fn forms_are_routed_by_their_model_field_and_their_files_streamed_on() {
     wait_ready_replicas(&base, "code", 1).await;
     let url = format!("{base}/v1/audio/transcriptions");
     let multipart = format!("multipart/form-data; boundary={BOUNDARY}");
-    let audio = vec![7u8; 4 << 10];
+    let audio = vec![7u8; 2 << 20];
 
     // The model first (as the openai SDK sends it), then the file: the replica of `code`
     // answers (ferrite-server serves no audio: its 404 for the path).

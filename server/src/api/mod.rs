@@ -124,12 +124,30 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
         .into_response())
 }
 
+/// Bodies read and dropped after a refusal, at most: the largest form a router forwards
+/// (`--max-upload-body`, 25 MiB) with room.
+const MAX_DISCARDED_BODY: usize = 32 << 20;
+
+/// OpenAI's 404 for any other path (an audio upload a router sent here, say). The body, which
+/// nothing reads, is read and dropped while the answer goes out: a connection closed with
+/// unread bytes is reset, and the reset can destroy the answer before its client reads it.
 async fn not_found(req: Request) -> ApiError {
-    ApiError::not_found(format!(
+    let err = ApiError::not_found(format!(
         "no route for {} {}",
         req.method(),
         req.uri().path()
-    ))
+    ));
+    discard(req, MAX_DISCARDED_BODY);
+    err
+}
+
+/// Reads and drops a refused request's body within its read timeout (see [`not_found`]).
+fn discard(req: Request, limit: usize) {
+    let timeout = req
+        .extensions()
+        .get::<extract::BodyTimeout>()
+        .map_or(ferrite_net::DEFAULT_BODY_READ_TIMEOUT, |t| t.0);
+    ferrite_net::discard_body(req.into_body(), limit, timeout);
 }
 
 async fn require_api_key(
@@ -140,6 +158,7 @@ async fn require_api_key(
     if let Some(key) = &s.api_key {
         let given = ferrite_net::bearer(req.headers()).unwrap_or("");
         if !ferrite_net::constant_time_eq(given.as_bytes(), key.as_bytes()) {
+            discard(req, extract::MAX_BODY);
             return Err(ApiError::unauthorized());
         }
     }

@@ -156,6 +156,19 @@ fn fan_out_stop_strings_and_malformed_bodies_are_refused_early() {
     assert!(reply.starts_with("HTTP/1.1 413"), "{reply}");
     assert!(reply.contains("\"error\""), "{reply}");
 
+    // A refused body is read and dropped while the answer goes out, so that a client that
+    // writes its whole body before reading (as ureq, and a router streaming an upload, do)
+    // reads the answer instead of a reset connection: an unknown path's 404 (an 8 MiB audio
+    // upload a router sent here, say) and a missing key's 401.
+    let big = vec![b' '; 8 << 20];
+    let near_limit = vec![b' '; 2_000_000];
+    for _ in 0..3 {
+        let (st, body) = post_raw(&s, "/v1/audio/transcriptions", &big, Some(KEY));
+        assert_eq!(st, 404, "{body}");
+        let (st, body) = post_raw(&s, "/v1/completions", &near_limit, None);
+        assert_eq!(st, 401, "{body}");
+    }
+
     // The tokenizer endpoints spend CPU on the client's text: behind the key too.
     let tok = json!({"prompt": "Hello there"});
     let (st, _) = post_raw(&s, "/tokenize", tok.to_string().as_bytes(), None);
