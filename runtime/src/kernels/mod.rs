@@ -135,6 +135,21 @@ pub(crate) fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// Prefetches the cache line at `p` for one read soon after (x86's non-temporal hint: into the
+/// core's first-level cache, and out of the shared caches first), for streams read once that
+/// would otherwise push out data used again.
+#[inline(always)]
+pub(crate) fn prefetch_once<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing and never faults; SSE is part of x86-64.
+    unsafe {
+        use std::arch::x86_64::{_MM_HINT_NTA, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_NTA>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    prefetch(p);
+}
+
 /// The environment variable that caps the CPU kernels below what the CPU has (as oneDNN's
 /// `ONEDNN_MAX_CPU_ISA`): `avx512`, `avxvnni`, `avx2`, `neoni8mm`, `neondot`, `neon` or
 /// `portable`. It lets
