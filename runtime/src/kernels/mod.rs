@@ -125,29 +125,27 @@ impl Isa {
 /// never faults whatever the address. Nothing off x86-64.
 #[inline(always)]
 pub(crate) fn prefetch<T>(p: *const T) {
+    prefetch_hinted::<3, T>(p); // _MM_HINT_T0
+}
+
+/// [`prefetch`] for one read soon after (x86's non-temporal hint: into the core's first-level
+/// cache, and out of the shared caches first), for streams read once that would otherwise push
+/// out data used again.
+#[inline(always)]
+pub(crate) fn prefetch_once<T>(p: *const T) {
+    prefetch_hinted::<0, T>(p); // _MM_HINT_NTA
+}
+
+/// x86's `prefetch` with `HINT` (`_MM_HINT_*`); nothing elsewhere.
+#[inline(always)]
+fn prefetch_hinted<const HINT: i32, T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch reads nothing and never faults; SSE is part of x86-64.
     unsafe {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        _mm_prefetch::<_MM_HINT_T0>(p.cast());
+        std::arch::x86_64::_mm_prefetch::<HINT>(p.cast());
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
-}
-
-/// Prefetches the cache line at `p` for one read soon after (x86's non-temporal hint: into the
-/// core's first-level cache, and out of the shared caches first), for streams read once that
-/// would otherwise push out data used again.
-#[inline(always)]
-pub(crate) fn prefetch_once<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads nothing and never faults; SSE is part of x86-64.
-    unsafe {
-        use std::arch::x86_64::{_MM_HINT_NTA, _mm_prefetch};
-        _mm_prefetch::<_MM_HINT_NTA>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    prefetch(p);
 }
 
 /// The environment variable that caps the CPU kernels below what the CPU has (as oneDNN's
