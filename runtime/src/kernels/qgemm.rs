@@ -709,6 +709,40 @@ mod x86 {
         }
     }
 
+    /// Panel blocks ahead of the one being read that a lone row's kernel prefetches.
+    const AHEAD_BLOCKS: usize = 4;
+
+    /// For a lone row (a batch-1 decode step, which reads every weight once and waits on
+    /// memory): prefetches block `b + AHEAD_BLOCKS` of each of the tile's `panels` panels from
+    /// `p0`, its scales and its minimums or sums, or past the panels' last block the next
+    /// tile's first. Each panel is a stream of its own a few KiB long, too short for the
+    /// hardware's prefetchers to have caught up with before it ends.
+    #[inline(always)]
+    fn prefetch_ahead(w: &QWeights, p0: usize, panels: usize, b: usize) {
+        let ahead = b + AHEAD_BLOCKS;
+        let (first, block) = if ahead < w.kb {
+            (p0, ahead)
+        } else {
+            (p0 + panels, ahead - w.kb)
+        };
+        if block >= w.kb {
+            return;
+        }
+        let pbb = w.bits.panel_block_bytes();
+        for j in 0..panels {
+            let at = (first + j) * w.kb + block;
+            if at * pbb >= w.data.len() {
+                return;
+            }
+            let data = w.data.as_ptr().wrapping_add(at * pbb);
+            for line in (0..pbb).step_by(64) {
+                crate::kernels::prefetch(data.wrapping_add(line));
+            }
+            crate::kernels::prefetch(w.scales.as_ptr().wrapping_add(at * NR));
+            crate::kernels::prefetch(w.extra.as_ptr().wrapping_add(at * NR));
+        }
+    }
+
     /// 8-bit weights, `R` rows × `P` panels. `vpdpbusd` multiplies unsigned by signed bytes, so
     /// activations are offset by 128 and `128 · Σw` is subtracted: the integer dot stays exact.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
@@ -722,6 +756,9 @@ mod x86 {
         let pbb = Bits::Eight.panel_block_bytes();
         let mut acc = [[_mm512_setzero_ps(); P]; R];
         for b in 0..w.kb {
+            if R == 1 {
+                prefetch_ahead(w, p0, P, b);
+            }
             let mut dot = [[_mm512_setzero_si512(); P]; R];
             for k4 in 0..QK / 4 {
                 let mut wv = [_mm512_setzero_si512(); P];
@@ -779,6 +816,9 @@ mod x86 {
         let pbb = Bits::Four.panel_block_bytes();
         let mut acc = [[_mm512_setzero_ps(); P]; R];
         for b in 0..w.kb {
+            if R == 1 {
+                prefetch_ahead(w, p0, P, b);
+            }
             // Low and high nibbles feed the same accumulator: integer sums are exact in any
             // order, and one accumulator per (row, panel) leaves registers for more of them.
             let mut dot = [[_mm512_setzero_si512(); P]; R];
