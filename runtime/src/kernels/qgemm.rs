@@ -716,8 +716,9 @@ mod x86 {
 
     /// Whether the tile of rows from `r0` prefetches: the first of a product of at most
     /// [`PREFETCH_ROWS`] rows (a decode step of a few sequences), which reads each weight for
-    /// few rows and waits on memory. Measured on Zen 5: batch-1 decode ~1.05x, batch 8 ~1.16x;
-    /// batch 32 no better and a 512-token prefill ~3% worse, their panels being reused enough.
+    /// few rows and waits on memory. Measured on Zen 5: batch-1 decode ~1.05x, batch 8 ~1.19x
+    /// (the AVX2 and AVX-VNNI paths there ~1.15x); batch 32 no better and a 512-token prefill
+    /// ~3% worse, their panels being reused enough.
     #[inline(always)]
     fn prefetches(w: &QWeights, a: &QuantRows, r0: usize) -> bool {
         r0 == 0 && a.d.len() <= PREFETCH_ROWS * w.kb
@@ -901,6 +902,9 @@ mod x86 {
         }
         let rows: [usize; R] = std::array::from_fn(|r| (r0 + r) * a.stride);
         for b in 0..w.kb {
+            if prefetches(w, a, r0) {
+                prefetch_ahead(w, p, 1, b);
+            }
             let mut dot = [[_mm256_setzero_si256(); 2]; R];
             // Steps 0..4 take the low nibbles of group `step`, 4..8 the high ones of the same
             // bytes (values 16 apart), reloaded rather than held.
@@ -951,6 +955,9 @@ mod x86 {
         let pbb = Bits::Eight.panel_block_bytes();
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
         for b in 0..w.kb {
+            if prefetches(w, a, r0) {
+                prefetch_ahead(w, p, 1, b);
+            }
             let mut dot = [[_mm256_setzero_si256(); 2]; R];
             for k4 in 0..QK / 4 {
                 // SAFETY: in bounds of the panel block (QK * NR bytes): step `k4`'s 64 bytes.
@@ -1005,6 +1012,9 @@ mod x86 {
         }
         let rows: [usize; R] = std::array::from_fn(|r| (r0 + r) * a.stride);
         for b in 0..w.kb {
+            if prefetches(w, a, r0) {
+                prefetch_ahead(w, p, 1, b);
+            }
             let mut dot = [[[_mm256_setzero_si256(); 2]; A]; R];
             for g in 0..4 {
                 // SAFETY: in bounds of the panel block (QK * NR / 2 bytes): group `g`'s 64
@@ -1053,6 +1063,9 @@ mod x86 {
         }
         let rows: [usize; R] = std::array::from_fn(|r| (r0 + r) * a.stride);
         for b in 0..w.kb {
+            if prefetches(w, a, r0) {
+                prefetch_ahead(w, p, 1, b);
+            }
             let mut dot = [[[_mm256_setzero_si256(); 2]; A]; R];
             for k4 in 0..QK / 4 {
                 // SAFETY: in bounds of the panel block (QK * NR bytes): step `k4`'s 64 bytes.
