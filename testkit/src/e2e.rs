@@ -741,6 +741,23 @@ pub async fn degraded(
     .await
 }
 
+/// Waits up to `within` until condition `type_` of the InferenceService `ns/name` has
+/// `reason`; its (status, reason, message).
+pub async fn condition_with_reason(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    (type_, reason): (&str, &str),
+    within: Duration,
+) -> (String, String, String) {
+    eventually(within, &format!("{name}'s {type_}: {reason}"), async || {
+        condition(client, ns, name, type_)
+            .await
+            .filter(|c| c.1 == reason)
+    })
+    .await
+}
+
 /// (status, reason, message) of a condition of an InferenceService.
 pub async fn condition(
     client: &kube::Client,

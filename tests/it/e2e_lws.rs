@@ -18,8 +18,8 @@
 use std::time::Duration;
 
 use ferrite_testkit::e2e::{
-    Applier, Operator, Router, assert_rbac_covers, audited, condition, degraded, get_isvc, install,
-    isvc, isvc_api, wait_crd,
+    Applier, Operator, Router, assert_rbac_covers, audited, condition, condition_with_reason,
+    degraded, get_isvc, install, isvc, isvc_api, wait_crd,
 };
 use ferrite_testkit::kube::standin::ready_pod_labelled;
 use ferrite_testkit::kube::{Cluster, workspace_root};
@@ -342,12 +342,8 @@ async fn a_replica_across_pods_is_a_leader_worker_set_whose_leaders_alone_serve(
         })
         .await;
         if replicas == 0 {
-            let ready = eventually(WAIT, "Ready: ScaledToZero", async || {
-                condition(&client, &ns, "big", "Ready")
-                    .await
-                    .filter(|c| c.1 == "ScaledToZero")
-            })
-            .await;
+            let ready =
+                condition_with_reason(&client, &ns, "big", ("Ready", "ScaledToZero"), WAIT).await;
             assert_eq!(ready.0, "False", "{ready:?}");
         }
     }

@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use ferrite_testkit::e2e::{
-    Applier, Operator, condition, degraded, get_isvc, install, install_service_monitor_crd,
-    yaml_docs,
+    Applier, Operator, condition, condition_with_reason, degraded, get_isvc, install,
+    install_service_monitor_crd, yaml_docs,
 };
 use ferrite_testkit::kube::{Cluster, Options, workspace_root};
 use ferrite_testkit::process::eventually;
@@ -332,11 +332,13 @@ async fn with_the_service_monitor_crd_monitors_are_made_and_pruned() {
             .and_then(|o| o.is_none().then_some(()))
     })
     .await;
-    let c = eventually(WAIT, "MonitoringReady to say disabled", async || {
-        condition(&client, &ns, "smollm2", "MonitoringReady")
-            .await
-            .filter(|c| c.1 == "ServiceMonitorDisabled")
-    })
+    let c = condition_with_reason(
+        &client,
+        &ns,
+        "smollm2",
+        ("MonitoringReady", "ServiceMonitorDisabled"),
+        WAIT,
+    )
     .await;
     assert_eq!(c.0, "True");
     // The other one keeps its monitor.

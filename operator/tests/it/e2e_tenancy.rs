@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use ferrite_testkit::e2e::{Applier, Operator, condition, degraded, install, isvc_api};
+use ferrite_testkit::e2e::{
+    Applier, Operator, condition, condition_with_reason, degraded, install, isvc_api,
+};
 use ferrite_testkit::kube::Cluster;
 use ferrite_testkit::process::eventually;
 use k8s_openapi::api::core::v1::Service;
@@ -89,11 +91,13 @@ async fn colliding_tenants_are_refused_not_taken_over() {
             json!({"model": {"source": "/models/smol.gguf", "servedName": "shared"}}),
         ))
         .await;
-    let r = eventually(WAIT, "the copy to be marked", async || {
-        condition(&client, &copy_ns, "copy", "Ready")
-            .await
-            .filter(|c| c.1 == "ServedNameConflict")
-    })
+    let r = condition_with_reason(
+        &client,
+        &copy_ns,
+        "copy",
+        ("Ready", "ServedNameConflict"),
+        WAIT,
+    )
     .await;
     assert_eq!(r.0, "False");
     assert!(r.2.contains(&format!("{owner_ns}/llm")), "{r:?}");

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use ferrite_testkit::e2e::{
-    Applier, Operator, assert_exact_rbac, audited, condition, get_isvc, install,
+    Applier, Operator, assert_exact_rbac, audited, condition_with_reason, get_isvc, install,
     install_service_monitor_crd, isvc, pods_ready, requests,
 };
 use ferrite_testkit::kube::Cluster;
@@ -99,11 +99,13 @@ async fn the_operator_uses_exactly_the_rbac_the_chart_grants() {
     .await;
     // The chart's default serves no External Metrics API: the HPA is made, and status says it
     // cannot read the signals.
-    let scaling = eventually(WAIT, "ScalingActive: ExternalMetricsOff", async || {
-        condition(&client, &ns, "everything", "ScalingActive")
-            .await
-            .filter(|c| c.1 == "ExternalMetricsOff")
-    })
+    let scaling = condition_with_reason(
+        &client,
+        &ns,
+        "everything",
+        ("ScalingActive", "ExternalMetricsOff"),
+        WAIT,
+    )
     .await;
     assert_eq!(scaling.0, "False", "{scaling:?}");
     assert!(scaling.2.contains("externalMetrics.enabled"), "{scaling:?}");
