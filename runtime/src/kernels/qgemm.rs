@@ -766,8 +766,9 @@ mod x86 {
     ) {
         let pbb = Bits::Eight.panel_block_bytes();
         let mut acc = [[_mm512_setzero_ps(); P]; R];
+        let prefetch = prefetches(w, a, r0);
         for b in 0..w.kb {
-            if prefetches(w, a, r0) {
+            if prefetch {
                 prefetch_ahead(w, p0, P, b);
             }
             let mut dot = [[_mm512_setzero_si512(); P]; R];
@@ -826,8 +827,9 @@ mod x86 {
         let low = _mm512_set1_epi8(15);
         let pbb = Bits::Four.panel_block_bytes();
         let mut acc = [[_mm512_setzero_ps(); P]; R];
+        let prefetch = prefetches(w, a, r0);
         for b in 0..w.kb {
-            if prefetches(w, a, r0) {
+            if prefetch {
                 prefetch_ahead(w, p0, P, b);
             }
             // Low and high nibbles feed the same accumulator: integer sums are exact in any
@@ -901,8 +903,9 @@ mod x86 {
             o[..NR].fill(0.0);
         }
         let rows: [usize; R] = std::array::from_fn(|r| (r0 + r) * a.stride);
+        let prefetch = prefetches(w, a, r0);
         for b in 0..w.kb {
-            if prefetches(w, a, r0) {
+            if prefetch {
                 prefetch_ahead(w, p, 1, b);
             }
             let mut dot = [[_mm256_setzero_si256(); 2]; R];
@@ -954,8 +957,9 @@ mod x86 {
         let ones = _mm256_set1_epi16(1);
         let pbb = Bits::Eight.panel_block_bytes();
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let prefetch = prefetches(w, a, r0);
         for b in 0..w.kb {
-            if prefetches(w, a, r0) {
+            if prefetch {
                 prefetch_ahead(w, p, 1, b);
             }
             let mut dot = [[_mm256_setzero_si256(); 2]; R];
@@ -1011,8 +1015,9 @@ mod x86 {
             o[..NR].fill(0.0);
         }
         let rows: [usize; R] = std::array::from_fn(|r| (r0 + r) * a.stride);
+        let prefetch = prefetches(w, a, r0);
         for b in 0..w.kb {
-            if prefetches(w, a, r0) {
+            if prefetch {
                 prefetch_ahead(w, p, 1, b);
             }
             let mut dot = [[[_mm256_setzero_si256(); 2]; A]; R];
@@ -1062,8 +1067,9 @@ mod x86 {
             o[..NR].fill(0.0);
         }
         let rows: [usize; R] = std::array::from_fn(|r| (r0 + r) * a.stride);
+        let prefetch = prefetches(w, a, r0);
         for b in 0..w.kb {
-            if prefetches(w, a, r0) {
+            if prefetch {
                 prefetch_ahead(w, p, 1, b);
             }
             let mut dot = [[[_mm256_setzero_si256(); 2]; A]; R];

@@ -17,6 +17,15 @@ pub const MAX_BODY: usize = 2 << 20;
 #[derive(Debug, Clone, Copy)]
 pub struct BodyTimeout(pub Duration);
 
+impl BodyTimeout {
+    /// The timeout `req` carries, else the default.
+    pub fn of(req: &Request) -> Duration {
+        req.extensions()
+            .get::<BodyTimeout>()
+            .map_or(ferrite_net::DEFAULT_BODY_READ_TIMEOUT, |t| t.0)
+    }
+}
+
 #[derive(Debug)]
 pub struct JsonBody<T>(pub T);
 
@@ -28,10 +37,7 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
-        let timeout = req
-            .extensions()
-            .get::<BodyTimeout>()
-            .map_or(ferrite_net::DEFAULT_BODY_READ_TIMEOUT, |t| t.0);
+        let timeout = BodyTimeout::of(&req);
         let bytes = ferrite_net::read_body(req.into_body(), MAX_BODY, timeout)
             .await
             .map_err(|e| {

@@ -143,10 +143,7 @@ async fn not_found(req: Request) -> ApiError {
 
 /// Reads and drops a refused request's body within its read timeout (see [`not_found`]).
 fn discard(req: Request, limit: usize) {
-    let timeout = req
-        .extensions()
-        .get::<extract::BodyTimeout>()
-        .map_or(ferrite_net::DEFAULT_BODY_READ_TIMEOUT, |t| t.0);
+    let timeout = extract::BodyTimeout::of(&req);
     ferrite_net::discard_body(req.into_body(), limit, timeout);
 }
 
