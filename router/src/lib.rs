@@ -209,6 +209,17 @@ async fn metrics(State(app): State<Arc<App>>) -> impl IntoResponse {
                 .set(n as i64);
         }
     }
+    if let Some(peers) = &app.peers {
+        let (ready, heard) = peers.replicas();
+        let gauge = |state: &str, n: usize| {
+            app.metrics
+                .peer_replicas
+                .with_label_values(&[state])
+                .set(n as i64);
+        };
+        gauge("ready", ready);
+        gauge("heard", heard);
+    }
     (
         [(
             axum::http::header::CONTENT_TYPE,

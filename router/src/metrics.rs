@@ -55,6 +55,9 @@ pub struct Metrics {
     pub queued: IntGaugeVec,
     /// Time requests waited for a saturated service, by model and tenant.
     pub queue_duration: HistogramVec,
+    /// Router replicas this one splits tenants' limits among (`state="ready"`) and the others
+    /// it heard from lately (`state="heard"`); with `--peers` only.
+    pub peer_replicas: IntGaugeVec,
 }
 
 impl Metrics {
@@ -165,6 +168,14 @@ impl Metrics {
                 "Requests waiting in the router because every replica of their \
                  InferenceService is saturated (flow control).",
                 &["namespace", "inferenceservice", "model_name"],
+            )?,
+            peer_replicas: gauge(
+                "ferrite_router_peer_replicas",
+                "Router replicas this one splits every tenant's limits among: the Ready pods \
+                 matching --peers, itself included (state=\"ready\"), and the other replicas \
+                 whose tenant rates it read within the last 3 s (state=\"heard\"). Fewer than \
+                 run: this replica enforces a larger share than its own.",
+                &["state"],
             )?,
             queue_duration: {
                 let h = HistogramVec::new(

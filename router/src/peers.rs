@@ -128,6 +128,21 @@ impl Peers {
         self.demand.record(tenant, tokens, now);
     }
 
+    /// Ready router replicas (this one among them) and how many of the others were heard
+    /// from lately: what the split of every tenant's limits rests on. A replica that counts
+    /// fewer than run enforces a larger share than its own.
+    pub fn replicas(&self) -> (usize, usize) {
+        let pods = self.ready_pods();
+        let now = Instant::now();
+        let heard = read(&self.heard)
+            .iter()
+            .filter(|(name, (_, at))| {
+                pods.iter().any(|p| p.0 == **name) && now.saturating_duration_since(*at) <= STALE
+            })
+            .count();
+        (pods.len(), heard)
+    }
+
     /// This replica's rates as last published.
     pub fn published(&self) -> BTreeMap<String, f64> {
         read(&self.published).clone()

@@ -43,14 +43,27 @@ pub fn client_config(trusted_pem: &str, client: Option<Identity>) -> ClientConfi
     }
 }
 
+/// How long one request of [`agent`] may take, its body included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A blocking HTTPS client that trusts only `trusted_pem`.
 pub fn agent(trusted_pem: &str) -> ureq::Agent {
     agent_with(client_config(trusted_pem, None))
 }
 
+/// [`agent`] for a request that may take up to `within`, body included: a long stream, which
+/// on a loaded 2-core machine can take longer than [`REQUEST_TIMEOUT`].
+pub fn agent_within(trusted_pem: &str, within: Duration) -> ureq::Agent {
+    built(client_config(trusted_pem, None), within)
+}
+
 pub fn agent_with(config: ClientConfig) -> ureq::Agent {
+    built(config, REQUEST_TIMEOUT)
+}
+
+fn built(config: ClientConfig, timeout: Duration) -> ureq::Agent {
     ureq::AgentBuilder::new()
         .tls_config(Arc::new(config))
-        .timeout(Duration::from_secs(10))
+        .timeout(timeout)
         .build()
 }

@@ -407,6 +407,18 @@ async fn two_routers(client: &kube::Client, ns: &str) -> [String; 2] {
         });
         bases.push(router_bound(client, Some(ns), config, false, &format!("{ip}:{port}")).await);
     }
+    // Until a replica's pod watch shows the other, it splits the limits with no one (on a
+    // loaded machine, for seconds): the tests start from the state the chart runs in.
+    for base in &bases {
+        eventually(WAIT, "each router replica counting both", async || {
+            let text = get_text(format!("{base}/metrics")).await;
+            let counts = |state: &str| {
+                metric_sum(&text, "ferrite_router_peer_replicas", &[("state", state)])
+            };
+            (counts("ready") == 2.0 && counts("heard") == 1.0).then_some(())
+        })
+        .await;
+    }
     [bases[0].clone(), bases[1].clone()]
 }
 

@@ -116,7 +116,9 @@ async fn the_router_serves_https_and_takes_a_renewed_certificate_without_a_resta
     let stream_url = url.clone();
     let trusted = first.0.clone();
     let reader = tokio::task::spawn_blocking(move || {
-        let agent = ferrite_testkit::tls::agent(&trusted);
+        // 400 tokens: at the 2-core CI machine's slowest (a cold run, the CUDA build beside
+        // it) that took more than the plain agent's 10 s.
+        let agent = ferrite_testkit::tls::agent_within(&trusted, Duration::from_secs(180));
         let body = json!({"model": "chat", "prompt": "Once upon a time", "max_tokens": 400,
                           "ignore_eos": true, "stream": true});
         let r = agent
