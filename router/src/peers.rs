@@ -113,9 +113,7 @@ impl Peers {
             .iter()
             .filter(|(name, _)| name != me)
             .map(|(name, _)| {
-                let (rates, at) = heard.get(name)?;
-                (now.saturating_duration_since(*at) <= STALE)
-                    .then(|| rates.get(tenant).copied().unwrap_or(0.0))
+                lately(&heard, name, now).map(|rates| rates.get(tenant).copied().unwrap_or(0.0))
             })
             .collect();
         let own = read(&self.published).get(tenant).copied().unwrap_or(0.0);
@@ -134,13 +132,12 @@ impl Peers {
     pub fn replicas(&self) -> (usize, usize) {
         let pods = self.ready_pods();
         let now = Instant::now();
-        let heard = read(&self.heard)
+        let heard = read(&self.heard);
+        let lately_heard = pods
             .iter()
-            .filter(|(name, (_, at))| {
-                pods.iter().any(|p| p.0 == **name) && now.saturating_duration_since(*at) <= STALE
-            })
+            .filter(|(name, _)| lately(&heard, name, now).is_some())
             .count();
-        (pods.len(), heard)
+        (pods.len(), lately_heard)
     }
 
     /// This replica's rates as last published.
@@ -160,6 +157,16 @@ impl Peers {
             })
             .collect()
     }
+}
+
+/// `name`'s rates, if they were read within [`STALE`] of `now`.
+fn lately<'h>(
+    heard: &'h HashMap<String, Heard>,
+    name: &str,
+    now: Instant,
+) -> Option<&'h HashMap<String, f64>> {
+    let (rates, at) = heard.get(name)?;
+    (now.saturating_duration_since(*at) <= STALE).then_some(rates)
 }
 
 fn read<T: Clone>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {

@@ -48,7 +48,7 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A blocking HTTPS client that trusts only `trusted_pem`.
 pub fn agent(trusted_pem: &str) -> ureq::Agent {
-    agent_with(client_config(trusted_pem, None))
+    agent_within(trusted_pem, REQUEST_TIMEOUT)
 }
 
 /// [`agent`] for a request that may take up to `within`, body included: a long stream, which
