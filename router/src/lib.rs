@@ -156,10 +156,10 @@ pub fn metrics_routes(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-/// This replica's tenants' rates as last published (tokens a second), a JSON object; empty
-/// without `--peers` (no replica reads them, so none are kept).
+/// This replica's tenants' rates now (tokens a second), a JSON object; empty without
+/// `--peers` (no replica reads them, so none are kept).
 async fn tenant_demand(State(app): State<Arc<App>>) -> impl IntoResponse {
-    axum::Json(app.peers.as_ref().map(Peers::published).unwrap_or_default())
+    axum::Json(app.peers.as_ref().map(Peers::rates_now).unwrap_or_default())
 }
 
 /// The OpenAI API and health, without `/metrics`.

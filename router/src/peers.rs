@@ -1,10 +1,14 @@
 //! The router's replicas, as each sees them: the Ready pods matching `--peers` in its own
 //! namespace. Each replica enforces a share of every tenant's limits ([`Peers::share`]), so
 //! that several replicas together admit about what one would, with no store between them.
-//! The shares follow each tenant's traffic: every second a replica publishes the rate each
-//! tenant asks of it ([`crate::demand`]) at `/internal/tenant-demand` and reads the other
-//! replicas' (at their pod IPs, `--peer-port`); a replica not heard from lately, or one that
-//! does not know which pod it is, falls back to the even split `1/N`.
+//! The shares follow each tenant's traffic: every second a replica takes the rate each
+//! tenant asks of it ([`crate::demand`]) and reads the other replicas' rates as they are
+//! then (at their pod IPs, `--peer-port`, `/internal/tenant-demand`), so that it compares
+//! rates of the same moment; a replica not heard from lately, or one that does not know
+//! which pod it is, falls back to the even split `1/N`. A replica enforces the lower of the
+//! shares its last two rounds give: a burst that reaches every replica at once can read, in
+//! the round it starts, as one replica's alone, and earns that replica more only if it
+//! lasts.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
@@ -33,7 +37,7 @@ pub struct PeerConfig {
     pub port: u16,
 }
 
-/// How often rates are published and read.
+/// How often rates are taken and read.
 pub const TICK: Duration = Duration::from_secs(1);
 
 /// A replica's rates older than this are not used: the split falls back to even.
@@ -51,14 +55,41 @@ pub struct Peers {
     pods: Store<Pod>,
     me: Option<String>,
     demand: Arc<Demand>,
-    /// This replica's rates as last published (what the others read).
-    published: Arc<RwLock<BTreeMap<String, f64>>>,
-    /// The others' rates, by pod name, and when they were read.
-    heard: Arc<RwLock<HashMap<String, Heard>>>,
+    /// The latest round and the one before it.
+    rounds: Arc<RwLock<[Round; 2]>>,
 }
 
 /// A replica's rates (tenant to tokens a second) and when they were read.
 type Heard = (HashMap<String, f64>, Instant);
+
+/// What one exchange saw: this replica's rates and the others' as last read, by pod name.
+#[derive(Debug, Default, Clone)]
+struct Round {
+    own: BTreeMap<String, f64>,
+    others: HashMap<String, Heard>,
+}
+
+impl Round {
+    /// The share of `tenant` this round gives `me` among `pods` (`me` among them).
+    fn share(
+        &self,
+        me: &str,
+        pods: &[(String, Option<String>)],
+        tenant: &str,
+        now: Instant,
+    ) -> f64 {
+        let others: Vec<Option<f64>> = pods
+            .iter()
+            .filter(|(name, _)| name != me)
+            .map(|(name, _)| {
+                lately(&self.others, name, now)
+                    .map(|rates| rates.get(tenant).copied().unwrap_or(0.0))
+            })
+            .collect();
+        let own = self.own.get(tenant).copied().unwrap_or(0.0);
+        demand::share(own, &others)
+    }
+}
 
 impl std::fmt::Debug for Peers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -84,8 +115,7 @@ impl Peers {
             pods,
             me: config.pod_name,
             demand: Arc::default(),
-            published: Arc::default(),
-            heard: Arc::default(),
+            rounds: Arc::default(),
         };
         tokio::spawn(exchange(peers.clone(), config.port));
         peers
@@ -96,8 +126,8 @@ impl Peers {
     }
 
     /// This replica's share of `tenant`'s limits: in proportion to the tenant's traffic each
-    /// replica sees, with a floor ([`demand::share`]); even when a replica's rates are not
-    /// known lately.
+    /// replica sees, with a floor ([`demand::share`]), the lower of what the last two rounds
+    /// give; even when a replica's rates are not known lately.
     pub fn share(&self, tenant: &str) -> f64 {
         let pods = self.ready_pods();
         let Some(me) = self
@@ -108,16 +138,10 @@ impl Peers {
             return 1.0 / pods.len().max(1) as f64;
         };
         let now = Instant::now();
-        let heard = read(&self.heard);
-        let others: Vec<Option<f64>> = pods
+        read(&self.rounds)
             .iter()
-            .filter(|(name, _)| name != me)
-            .map(|(name, _)| {
-                lately(&heard, name, now).map(|rates| rates.get(tenant).copied().unwrap_or(0.0))
-            })
-            .collect();
-        let own = read(&self.published).get(tenant).copied().unwrap_or(0.0);
-        demand::share(own, &others)
+            .map(|round| round.share(me, &pods, tenant, now))
+            .fold(1.0, f64::min)
     }
 
     /// `tenant` asked this replica for `tokens` at `now`, admitted or not: what its share
@@ -132,17 +156,17 @@ impl Peers {
     pub fn replicas(&self) -> (usize, usize) {
         let pods = self.ready_pods();
         let now = Instant::now();
-        let heard = read(&self.heard);
+        let [latest, _] = &*read(&self.rounds);
         let lately_heard = pods
             .iter()
-            .filter(|(name, _)| lately(&heard, name, now).is_some())
+            .filter(|(name, _)| lately(&latest.others, name, now).is_some())
             .count();
         (pods.len(), lately_heard)
     }
 
-    /// This replica's rates as last published.
-    pub fn published(&self) -> BTreeMap<String, f64> {
-        read(&self.published).clone()
+    /// This replica's rates now: what the others read.
+    pub fn rates_now(&self) -> BTreeMap<String, f64> {
+        self.demand.rates(Instant::now())
     }
 
     /// Ready router pods: name and IP.
@@ -178,15 +202,16 @@ fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
     lock.write().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Every [`TICK`]: publish this replica's rates, read the others' (at once, each bounded in
-/// time and size), forget replicas that are gone. Stops when the caches are dropped.
+/// Every [`TICK`], a round: take this replica's rates, read the others' (at once, each
+/// bounded in time and size), forget replicas that are gone; the round before is kept.
+/// Stops when the caches are dropped.
 async fn exchange(peers: Peers, port: u16) {
     let client = ferrite_api::scrape::pod_client(TICK / 2);
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        *write(&peers.published) = peers.demand.rates(Instant::now());
+        let own = peers.demand.rates(Instant::now());
         let pods = peers.ready_pods();
         let others = pods
             .iter()
@@ -198,16 +223,21 @@ async fn exchange(peers: Peers, port: u16) {
         });
         let answers = futures::future::join_all(reads).await;
         let now = Instant::now();
-        let mut heard = write(&peers.heard);
+        let mut rounds = write(&peers.rounds);
+        rounds[1] = rounds[0].clone();
+        let latest = &mut rounds[0];
+        latest.own = own;
         for (name, answer) in answers {
             match answer {
                 Ok(rates) => {
-                    heard.insert(name, (rates, now));
+                    latest.others.insert(name, (rates, now));
                 }
                 Err(e) => tracing::debug!(peer = %name, error = %e, "no tenant rates"),
             }
         }
-        heard.retain(|name, _| pods.iter().any(|p| p.0 == *name));
+        latest
+            .others
+            .retain(|name, _| pods.iter().any(|p| p.0 == *name));
     }
 }
 

@@ -7,7 +7,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use crate::kube::workspace_root;
+use crate::paths::workspace_root;
 use crate::tools::python;
 use crate::validate::{run_validator, temp_dir};
 

@@ -8,15 +8,19 @@
 //! Deployments would run them.
 
 pub mod chart;
+#[cfg(feature = "kube")]
 pub mod e2e;
 pub mod gpu;
 pub mod hub;
+#[cfg(feature = "kube")]
 pub mod kube;
 pub mod model;
+pub mod paths;
 pub mod process;
 pub mod prometheus;
 pub mod random;
 pub mod server;
+#[cfg(feature = "kube")]
 pub mod tls;
 pub mod tools;
 pub mod validate;

@@ -61,7 +61,7 @@ fn generated(
     args: impl Fn(&std::path::Path) -> Vec<std::ffi::OsString>,
 ) -> PathBuf {
     let src = default_model();
-    let script_path = crate::kube::workspace_root().join(script);
+    let script_path = crate::paths::workspace_root().join(script);
     let text = std::fs::read(&script_path).unwrap_or_else(|e| panic!("{script}: {e}"));
     let mut h = std::hash::DefaultHasher::new();
     text.hash(&mut h);

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use crate::kube::workspace_root;
+use crate::paths::workspace_root;
 
 /// `$env` if set, else what `scripts/<script>` prints (it installs on first use). Panics with
 /// the script's error when it fails: a test without its tool cannot say anything.

@@ -8,7 +8,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use crate::kube::workspace_root;
+use crate::paths::workspace_root;
 use crate::tools::{node_modules, python};
 
 /// Runs a validator; returns (success, stdout and stderr).

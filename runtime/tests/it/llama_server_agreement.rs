@@ -26,7 +26,7 @@ const MIN_AGREED: usize = 16;
 const TIE_GAP: f32 = 1.0;
 
 fn fixture(name: &str) -> Value {
-    let path = ferrite_testkit::kube::workspace_root()
+    let path = ferrite_testkit::paths::workspace_root()
         .join("runtime/tests/fixtures")
         .join(name);
     let text = std::fs::read_to_string(path).expect("fixture");

@@ -2,7 +2,7 @@
 //! `tests/python/`, which starts the server on 127.0.0.1 itself. Two halves, so that nextest
 //! runs them side by side (the whole suite was the longest test of the workspace).
 
-use ferrite_testkit::kube::workspace_root;
+use ferrite_testkit::paths::workspace_root;
 use std::process::Command;
 
 /// Runs pytest over `args` (files, or `--ignore` options) in `tests/python`.

@@ -190,7 +190,7 @@ fn prometheus_scrapes_the_server_under_load_and_promql_matches_the_clients() {
 /// one series, and agrees with the raw metric it aggregates (one server: sum and avg are the
 /// value itself).
 fn check_adapter_rules(prom: &Prometheus) {
-    let path = ferrite_testkit::kube::workspace_root()
+    let path = ferrite_testkit::paths::workspace_root()
         .join("charts/ferrite-operator/files/prometheus-adapter-rules.yaml");
     let text = std::fs::read_to_string(&path).expect("adapter rules");
     let rules: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).expect("rules are YAML");

@@ -26,8 +26,9 @@ use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
+pub use crate::paths::{target_dir, workspace_root};
 use crate::process::{Guard, free_port, unique};
-pub use bins::{Binaries, target_dir, workspace_root};
+pub use bins::Binaries;
 pub use pki::{Authority, Pem, Pki};
 
 /// What a cluster runs with.
