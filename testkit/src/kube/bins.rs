@@ -3,9 +3,9 @@
 //! the target directory.
 
 use std::path::PathBuf;
+use std::process::Command;
 
 use crate::paths::{target_dir, workspace_root};
-use std::process::Command;
 
 /// Paths of the three programs a test cluster runs.
 #[derive(Debug, Clone)]
