@@ -33,5 +33,6 @@ newest=$(printf '%s\n' $CUDA_ARCHS | sort -n | tail -1)
 python3 "$root/scripts/cuda-archs.py" "${CARGO_TARGET_DIR:-$root/target}/cuda-ci/ferrite-server" \
   --sass "${CUDA_ARCHS// /,}" --ptx "$newest" --text-ptx "$CUDA_COMPUTE_CAP" \
   --entry paged_attention_f32 --entry paged_attention_f16 --entry paged_attention_bf16 \
+  --entry paged_attention_combine \
   --entry rope_cache_write_f32 --entry rope_cache_write_f16 --entry rope_cache_write_bf16 \
   --entry swiglu_f32

@@ -108,7 +108,7 @@ for p in $(awk '{print $2}' "$pack/parts.sha256"); do
     echo "  run  carry=[\".gpu-check/parts.sha256\", \".gpu-check/$p\"]  timeout_s=540  command: bash scripts/gpu-run.sh"
   fi
 done
-echo "Results: \$OUT/summary.txt, run.log, serve.json, logs.tar.xz"
+echo "Results: \$OUT/summary.txt, run.log, serve.json, logs.tar.xz, ncu.csv"
 
 if [ "$dry" = 1 ]; then
   log "dry run: unpacking and running scripts/gpu-run.sh --dry-run"

@@ -6,14 +6,17 @@
 #      nothing passes by skipping;
 #   2. bench-runtime --device cuda: decode tok/s at batch 1, 8, 32 with CUDA graphs and op by
 #      op, and each step's bytes as a share of the device-to-device copy bandwidth measured in
-#      the same run; prefill tok/s of 1, 8 and 32 128-token prompts in one forward;
+#      the same run; prefill tok/s of 1, 8 and 32 128-token prompts in one forward; the same
+#      decode at 1,024 tokens of context (what attention adds as a sequence grows);
 #   3. bench-serve at concurrency 1, 8, 32 against llama.cpp's llama-server built with CUDA
 #      (the baseline), ferrite-server --device cuda and the same with --enforce-eager (no CUDA
 #      graphs), same GGUF, same KV capacity, two alternating repetitions.
+#   4. ncu (Nsight Compute, where the machine has it): every kernel's time in a short batch-1
+#      decode, eager and replayed from graphs (ncu.csv).
 # Every step has its own time limit and the run goes on past a failed step; the whole run is
 # meant to end within 8 minutes. Results go to $OUT (the device tool's output folder), else
 # .gpu-check/out: summary.txt (one line per step, then the figures), run.log (everything),
-# serve.json (bench-serve's raw samples) and logs.tar.xz (the servers' logs).
+# serve.json (bench-serve's raw samples), logs.tar.xz (the servers' logs) and ncu.csv.
 #
 # The bundle may arrive in several parts (the device tool carries at most 64 MiB a call):
 #   scripts/gpu-run.sh --part    reports which parts are here and exits (the calls before the
@@ -181,6 +184,13 @@ for weights in auto quantized; do
     --model "$FERRITE_MODEL" --weights "$weights" "${runtime_args[@]}"
   tail -n +"$((mark + 1))" "$log" | grep -E '^(ceiling|decode|prefill|model|CUDA graphs)' >>"$summary"
 done
+# The same decode at a long context: what attention adds as a sequence grows.
+long=1024
+[ "$mode" = dry ] && long=128
+mark=$(wc -l <"$log")
+step "bench-runtime --device $device --weights auto --context $long" 120 "$b/bin/bench-runtime" \
+  --model "$FERRITE_MODEL" --weights auto --context "$long" "${runtime_args[@]}"
+tail -n +"$((mark + 1))" "$log" | grep -E '^decode' | sed "s/^/context $long: /" >>"$summary"
 
 # 3. Serving against llama.cpp on the same GPU. Either server failing to start leaves the
 # other measured alone.
@@ -249,6 +259,23 @@ if [ ${#targets[@]} -gt 0 ]; then
 fi
 cleanup
 trap - EXIT
+
+# 4. Where a decode step's time goes: Nsight Compute (on the GPU image; it reads the hardware
+# counters on Firecracker machines) times every kernel of a short bench-runtime run at batch 1,
+# eager and replayed, one CSV row per kernel in launch order (ncu.csv).
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
+if [ "$mode" = run ] && [ -n "$ncu" ]; then
+  step "ncu: kernel times of a batch-1 decode" 150 "$ncu" --clock-control none \
+    --metrics gpu__time_duration.sum --launch-count 2500 \
+    --log-file "$work/ncu.log" --export "$work/ncu" \
+    "$b/bin/bench-runtime" --model "$FERRITE_MODEL" --device cuda --weights auto \
+    --batches 1 --steps 3 --reps 1 --context 256
+  "$ncu" --import "$work/ncu.ncu-rep" --csv --page raw --metrics gpu__time_duration.sum \
+    >"$out/ncu.csv" 2>>"$log" || true
+  say "ncu.csv: $(wc -l <"$out/ncu.csv" 2>/dev/null || echo 0) rows"
+elif [ "$mode" = run ]; then
+  result "SKIP ncu: not on this machine"
+fi
 tar -cJf "$out/logs.tar.xz" -C "$work" $(cd "$work" && ls ./*.log 2>/dev/null) 2>/dev/null
 say "done in $(( $(date +%s) - t0 ))s"
 echo "---- summary"

@@ -16,7 +16,9 @@ use crate::common;
 use candle_core::{DType, Device, Tensor};
 use common::batches::BatchShape;
 use ferrite_runtime::model::attention::{AttentionBackend, AttnMeta, paged_attention};
-use ferrite_runtime::model::attention_kernel::{KernelTables, LaunchShape, launch_shape};
+use ferrite_runtime::model::attention_kernel::{
+    KernelTables, LaunchShape, graph_launch_shape, launch_shape,
+};
 use ferrite_testkit::process::TempDir;
 use proptest::prelude::*;
 
@@ -66,7 +68,18 @@ fn push<T: Copy>(buf: &mut Vec<u8>, xs: &[T], bytes: impl Fn(T) -> Vec<u8>) {
 
 /// Runs the kernel on the CPU for `meta`, as the CUDA build would launch it.
 fn run_kernel(meta: &AttnMeta, q: &[f32], kc: &Tensor, vc: &Tensor) -> Vec<f32> {
-    let shape: LaunchShape = launch_shape(meta).expect("a launch");
+    let shape = launch_shape(meta).expect("a launch");
+    run_shape(meta, &shape, q, kc, vc)
+}
+
+/// Runs the kernel on the CPU for `meta` as launched with `shape`.
+fn run_shape(
+    meta: &AttnMeta,
+    shape: &LaunchShape,
+    q: &[f32],
+    kc: &Tensor,
+    vc: &Tensor,
+) -> Vec<f32> {
     let t = KernelTables::new(meta);
     let slots = kc.dim(0).expect("slots");
     let cache_type = match kc.dtype() {
@@ -75,6 +88,8 @@ fn run_kernel(meta: &AttnMeta, q: &[f32], kc: &Tensor, vc: &Tensor) -> Vec<f32> 
         DType::BF16 => 2,
         other => panic!("cache type {other:?}"),
     };
+    let runs = shape.runs(t.token_seq.len());
+    let scratch = shape.scratch_floats(t.token_seq.len(), meta.head_dim);
     let header = [
         t.token_seq.len(),
         t.table_start.len(),
@@ -88,11 +103,17 @@ fn run_kernel(meta: &AttnMeta, q: &[f32], kc: &Tensor, vc: &Tensor) -> Vec<f32> 
         t.tables.len(),
         shape.threads as usize,
         shape.shared_bytes as usize,
+        shape.max_parts as usize,
+        scratch,
+        runs.len(),
     ];
     let mut buf = Vec::new();
     push(&mut buf, &header, |x| (x as i32).to_le_bytes().to_vec());
     buf.extend(meta.scale.to_le_bytes());
     buf.extend(meta.softcap.unwrap_or(0.0).to_le_bytes());
+    for (t0, n, z) in runs {
+        push(&mut buf, &[t0, n, z], |x| (x as i32).to_le_bytes().to_vec());
+    }
     push(&mut buf, q, |x: f32| x.to_le_bytes().to_vec());
     for c in [kc, vc] {
         let flat = c.flatten_all().expect("flat");
@@ -166,7 +187,8 @@ proptest! {
     /// The kernel agrees with the fused CPU kernel within 1e-4 (they sum in different orders,
     /// and the CPU kernel's exp is an approximation), reads nothing outside its buffers, and
     /// gives each sequence bitwise the same rows when the batch around it changes (here: the
-    /// sequences in the opposite order). Contexts reach 300 keys: several chunks of 128.
+    /// sequences in the opposite order) or the launch spreads its parts otherwise. Contexts
+    /// reach 300 keys: several chunks of 128, so tokens of several parts are combined.
     #[test]
     fn the_cuda_kernel_agrees_with_the_cpu_kernel(
         kv_heads in 1usize..4,
@@ -189,6 +211,22 @@ proptest! {
         let max = gpu.iter().zip(&cpu).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         prop_assert!(max < 1e-4, "kernel vs CPU: {}", max);
 
+        // How a launch spreads and runs the parts changes no bit: a graph's launch (every token
+        // combined) in runs of two tokens, each (token, head) over three blocks.
+        let graph = graph_launch_shape(&b.meta).expect("a launch");
+        let spread = LaunchShape { run_tokens: 2, target_blocks: 2 * graph.heads * 3, ..graph };
+        let again = run_shape(&b.meta, &spread, &b.q, &b.k_cache, &b.v_cache);
+        prop_assert!(
+            gpu.iter().zip(&again).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "the graph's launch differs from the eager one"
+        );
+        // Parts of several chunks (contexts past MAX_PARTS chunks), here at most two parts.
+        let plain = launch_shape(&b.meta).expect("a launch");
+        let two = LaunchShape { max_parts: 2, planned_parts: 2, ..plain };
+        let wide = run_shape(&b.meta, &two, &b.q, &b.k_cache, &b.v_cache);
+        let max = wide.iter().zip(&cpu).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        prop_assert!(max < 1e-4, "kernel with parts of two chunks vs CPU: {}", max);
+
         let order: Vec<usize> = (0..shape.seqs.len()).collect();
         let reversed: Vec<usize> = order.iter().rev().copied().collect();
         let r = shape.batch(&reversed);
@@ -204,7 +242,7 @@ proptest! {
 }
 
 /// A token whose table points past the pool is refused before any launch (the CUDA path runs
-/// the same check), and the kernel's launch covers one block per token and kv head.
+/// the same check), and the kernel's launch covers one block per token and head.
 #[test]
 fn tables_outside_the_pool_are_refused() {
     let meta = AttnMeta {
@@ -224,7 +262,8 @@ fn tables_outside_the_pool_are_refused() {
     let q = Tensor::zeros((1, 16), DType::F32, &Device::Cpu).expect("q");
     let err = paged_attention(&q, &kc, &kc, &meta, AttentionBackend::Auto).expect_err("refused");
     assert!(err.to_string().contains("outside the pool"), "{err}");
-    assert_eq!(launch_shape(&meta).map(|s| s.grid), Some((1, 1)));
+    let shape = launch_shape(&meta).expect("a launch");
+    assert_eq!((shape.heads, shape.runs(1)), (2, vec![(0, 1, 1)]));
 }
 
 /// `kernels/fused.cu`, built for the CPU.
