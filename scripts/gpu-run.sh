@@ -177,7 +177,7 @@ fi
 # 2. Decode against the bandwidth roofline: the weights as the server loads them by default
 # (auto: dense on a GPU) and as GGUF blocks (quantized).
 runtime_args=(--device "$device")
-[ "$mode" = dry ] && runtime_args+=(--steps 4 --batches 1,8 --prefill-len 64 --reps 1)
+[ "$mode" = dry ] && runtime_args+=(--steps 4 --batches 1,8 --prefill-len 64 --reps 1 --mix 0,0,0)
 for weights in auto quantized; do
   mark=$(wc -l <"$log")
   step "bench-runtime --device $device --weights $weights" 120 "$b/bin/bench-runtime" \
