@@ -68,10 +68,11 @@ pub fn parts(pos: usize, window: usize, chunk: usize, max_parts: usize) -> usize
 }
 
 /// What a launch takes besides the operands: its block, shared memory and scalars, and how its
-/// tokens are run (`launches`).
+/// tokens are run (`LaunchShape::runs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LaunchShape {
-    /// Query heads: one block per (token, head) and part (`blocks_per_head`).
+    /// Query heads: one block per (token, head), times the blocks its parts spread over
+    /// (`LaunchShape::runs`).
     pub heads: u32,
     pub threads: u32,
     pub shared_bytes: u32,
@@ -99,9 +100,7 @@ impl LaunchShape {
             return 0;
         }
         tokens.min(self.run_tokens as usize)
-            * self.heads as usize
-            * self.max_parts as usize
-            * (2 + head_dim)
+            * part_states(self.heads as usize, self.max_parts as usize, head_dim)
     }
 
     /// The launch pairs over `tokens`: (first token, tokens, blocks per (token, head)). A
@@ -133,6 +132,11 @@ pub fn graph_launch_shape(meta: &AttnMeta) -> Option<LaunchShape> {
     shape(meta, true)
 }
 
+/// Scratch floats per token: each (head, part)'s max, sum and row.
+fn part_states(heads: usize, max_parts: usize, head_dim: usize) -> usize {
+    heads * max_parts * (2 + head_dim)
+}
+
 fn shape(meta: &AttnMeta, any_position: bool) -> Option<LaunchShape> {
     let window = match meta.sliding_window {
         None => 0,
@@ -158,7 +162,7 @@ fn shape(meta: &AttnMeta, any_position: bool) -> Option<LaunchShape> {
             .max()
             .unwrap_or(1)
     };
-    let per_token = meta.num_heads * MAX_PARTS * (2 + hd) * 4;
+    let per_token = 4 * part_states(meta.num_heads, MAX_PARTS, hd);
     let run_tokens = if planned > 1 {
         (SCRATCH_BYTES / per_token.max(1)).max(1)
     } else {
