@@ -116,7 +116,7 @@ impl Tokenizer {
             .filter(|(_, ty)| matches!(ty, 3 | 4))
             .map(|(t, _)| AddedToken::from((*t).clone(), true))
             .collect();
-        inner.add_special_tokens(&specials);
+        inner.add_special_tokens(specials).map_err(tok_err)?;
         let id = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
         let bos = id("tokenizer.ggml.bos_token_id");
         let mut eos: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
