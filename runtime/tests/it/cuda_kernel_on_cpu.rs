@@ -22,20 +22,27 @@ use ferrite_runtime::model::attention_kernel::{
 use ferrite_testkit::process::TempDir;
 use proptest::prelude::*;
 
-/// The harness binary, built once per test run.
+/// The harness binary.
 fn harness() -> &'static Path {
-    static BUILT: OnceLock<(TempDir, PathBuf)> = OnceLock::new();
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
     build(&BUILT, "harness.cpp")
 }
 
-/// `tests/cuda_shim/<source>` compiled with g++ under AddressSanitizer and UBSan, once.
-fn build<'a>(cell: &'a OnceLock<(TempDir, PathBuf)>, source: &str) -> &'a Path {
-    let (_, exe) = cell.get_or_init(|| {
-        let dir = TempDir::new("cuda-shim");
-        let exe = dir.path().join("harness");
-        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/cuda_shim")
-            .join(source);
+/// `tests/cuda_shim/<source>` compiled with g++ under AddressSanitizer and UBSan into the test
+/// target's scratch folder, named by a hash of the shim's and the kernels' sources: each test
+/// runs in its own process, and the sanitized build is seconds of CPU, so a build is kept until
+/// a source changes (and nothing is left in the system's temporary folder).
+fn build<'a>(cell: &'a OnceLock<PathBuf>, source: &str) -> &'a Path {
+    cell.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let src = root.join("tests/cuda_shim").join(source);
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-shim");
+        std::fs::create_dir_all(&dir).expect("the shim's folder");
+        let exe = dir.join(format!("{source}-{:016x}", sources_hash(root, source)));
+        if exe.exists() {
+            return exe;
+        }
+        let partial = dir.join(format!("{source}.{}", std::process::id()));
         let out = Command::new("g++")
             .args([
                 "-std=c++20",
@@ -46,7 +53,7 @@ fn build<'a>(cell: &'a OnceLock<(TempDir, PathBuf)>, source: &str) -> &'a Path {
             ])
             .args(["-fsanitize=address,undefined", "-fno-sanitize-recover=all"])
             .arg("-o")
-            .arg(&exe)
+            .arg(&partial)
             .arg(&src)
             .output()
             .unwrap_or_else(|e| panic!("g++ (Debian g++) is needed to build {src:?}: {e}"));
@@ -55,9 +62,27 @@ fn build<'a>(cell: &'a OnceLock<(TempDir, PathBuf)>, source: &str) -> &'a Path {
             "g++ failed on the kernel:\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        (dir, exe)
-    });
-    exe
+        std::fs::rename(&partial, &exe).expect("put the harness in place");
+        exe
+    })
+}
+
+/// A hash of what a harness is built from: its source, the shim's headers and the kernels.
+fn sources_hash(root: &Path, source: &str) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut files: Vec<PathBuf> = ["tests/cuda_shim", "kernels"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(root.join(d)).expect("the kernels' sources"))
+        .map(|e| e.expect("a source").path())
+        .collect();
+    files.sort();
+    let mut h = DefaultHasher::new();
+    source.hash(&mut h);
+    for f in files {
+        f.file_name().hash(&mut h);
+        std::fs::read(&f).expect("read a source").hash(&mut h);
+    }
+    h.finish()
 }
 
 fn push<T: Copy>(buf: &mut Vec<u8>, xs: &[T], bytes: impl Fn(T) -> Vec<u8>) {
@@ -264,7 +289,7 @@ fn tables_outside_the_pool_are_refused() {
 
 /// `kernels/fused.cu`, built for the CPU.
 fn fused() -> &'static Path {
-    static BUILT: OnceLock<(TempDir, PathBuf)> = OnceLock::new();
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
     build(&BUILT, "fused_harness.cpp")
 }
 

@@ -102,9 +102,7 @@ pub fn from_gguf(
     } else {
         spaces
     };
-    inner
-        .with_normalizer(Some(normalizer))
-        .map_err(tok_err)?;
+    inner.with_normalizer(Some(normalizer)).map_err(tok_err)?;
     let mut decoders: Vec<DecoderWrapper> = vec![
         Replace::new(SPACE, " ").map_err(tok_err)?.into(),
         ByteFallback::new().into(),
