@@ -954,7 +954,9 @@ pub fn assert_exact_rbac_with(
     log: &str,
     also: &[(&str, &str, &str)],
 ) -> usize {
-    let (used, granted) = rbac_uses(cluster, docs, sa, log, also);
+    let (used, granted) = rbac_uses_settled(cluster, docs, sa, log, also, |used, granted| {
+        granted.iter().all(|g| used.contains(g))
+    });
     let unused: Vec<_> = granted.iter().filter(|g| !used.contains(g)).collect();
     assert!(
         unused.is_empty(),
@@ -973,7 +975,13 @@ pub fn assert_rbac_covers(
     log: &str,
     must_use: &[(&str, &str, &str)],
 ) {
-    let (used, granted) = rbac_uses(cluster, docs, sa, log, &[]);
+    let wanted: Uses = must_use
+        .iter()
+        .map(|(v, g, r)| (v.to_string(), g.to_string(), r.to_string()))
+        .collect();
+    let (used, granted) = rbac_uses_settled(cluster, docs, sa, log, &[], |used, _| {
+        used.is_superset(&wanted)
+    });
     for (v, g, r) in must_use {
         let m = (v.to_string(), g.to_string(), r.to_string());
         assert!(granted.contains(&m), "{m:?} is not granted to {sa}");
@@ -983,6 +991,27 @@ pub fn assert_rbac_covers(
 
 /// (verb, group, resource) uses or grants.
 type Uses = BTreeSet<(String, String, String)>;
+
+/// [`rbac_uses`] once `settled` holds of them, or after 15 s: the API server writes a request's
+/// audit event when its response is complete, which can be after the client (and a test
+/// watching the result) has seen it, so a loaded machine's last uses can be a moment late.
+fn rbac_uses_settled(
+    cluster: &Cluster,
+    docs: &[Value],
+    sa: &str,
+    log: &str,
+    also: &[(&str, &str, &str)],
+    settled: impl Fn(&Uses, &Uses) -> bool,
+) -> (Uses, Uses) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (used, granted) = rbac_uses(cluster, docs, sa, log, also);
+        if settled(&used, &granted) || Instant::now() > deadline {
+            return (used, granted);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
 
 /// What `sa` used, and what it is granted (the rules of `docs` and `also`), after asserting
 /// that it was never refused and used nothing beyond them (discovery aside).
