@@ -3,7 +3,6 @@
 //! batch mixing three adapters and the base model. (Agreement with llama-server's `--lora` is
 //! in `llama_server_agreement.rs`.) The adapters are made by `scripts/lora-adapter.py`.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use candle_core::Device;
@@ -11,6 +10,7 @@ use ferrite_runtime::kv::{KvCache, KvCacheConfig};
 use ferrite_runtime::model::driver::{GreedySeq, run_greedy};
 use ferrite_runtime::model::lora::{self, LoraAdapter, LoraDtype, LoraError, LoraOptions, Target};
 use ferrite_runtime::model::{self, LoadOptions, LoadedModel};
+use ferrite_testkit::process::TempDir;
 
 use crate::common;
 
@@ -175,10 +175,10 @@ fn bad_adapters_are_refused_with_the_reason() {
     )
     .expect_err("a model is not an adapter");
     assert!(err.to_string().contains("not a LoRA adapter"), "{err}");
-    let empty = tempdir();
+    let empty = TempDir::new("ferrite-lora-test");
     let err = lora::load(
         "empty",
-        &empty,
+        empty.path(),
         cfg,
         &Device::Cpu,
         LoraOptions::max_rank(64),
@@ -187,31 +187,26 @@ fn bad_adapters_are_refused_with_the_reason() {
     assert!(err.to_string().contains("adapter_config.json"), "{err}");
 
     // A PEFT folder whose config asks for DoRA.
-    let dora = tempdir();
+    let dora = TempDir::new("ferrite-lora-test");
     std::fs::copy(
         dir.join("peft/adapter_model.safetensors"),
-        dora.join("adapter_model.safetensors"),
+        dora.path().join("adapter_model.safetensors"),
     )
     .expect("copy");
     std::fs::write(
-        dora.join("adapter_config.json"),
+        dora.path().join("adapter_config.json"),
         r#"{"r": 8, "lora_alpha": 16, "use_dora": true}"#,
     )
     .expect("write");
-    let err =
-        lora::load("dora", &dora, cfg, &Device::Cpu, LoraOptions::max_rank(64)).expect_err("DoRA");
+    let err = lora::load(
+        "dora",
+        dora.path(),
+        cfg,
+        &Device::Cpu,
+        LoraOptions::max_rank(64),
+    )
+    .expect_err("DoRA");
     assert!(err.to_string().contains("DoRA"), "{err}");
-}
-
-fn tempdir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "ferrite-lora-test-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
 }
 
 /// `--lora-dtype bfloat16`: the factors take half the bytes, each rounded once at load, and the
