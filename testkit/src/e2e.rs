@@ -975,22 +975,25 @@ pub fn assert_rbac_covers(
     log: &str,
     must_use: &[(&str, &str, &str)],
 ) {
-    let wanted: Uses = must_use
-        .iter()
-        .map(|(v, g, r)| (v.to_string(), g.to_string(), r.to_string()))
-        .collect();
+    let wanted = owned(must_use);
     let (used, granted) = rbac_uses_settled(cluster, docs, sa, log, &[], |used, _| {
         used.is_superset(&wanted)
     });
-    for (v, g, r) in must_use {
-        let m = (v.to_string(), g.to_string(), r.to_string());
-        assert!(granted.contains(&m), "{m:?} is not granted to {sa}");
-        assert!(used.contains(&m), "{sa} never used {m:?}\nused: {used:?}");
+    for m in &wanted {
+        assert!(granted.contains(m), "{m:?} is not granted to {sa}");
+        assert!(used.contains(m), "{sa} never used {m:?}\nused: {used:?}");
     }
 }
 
 /// (verb, group, resource) uses or grants.
 type Uses = BTreeSet<(String, String, String)>;
+
+/// `uses` as owned (verb, group, resource) triples.
+fn owned(uses: &[(&str, &str, &str)]) -> Uses {
+    uses.iter()
+        .map(|(v, g, r)| (v.to_string(), g.to_string(), r.to_string()))
+        .collect()
+}
 
 /// [`rbac_uses`] once `settled` holds of them, or after 15 s: the API server writes a request's
 /// audit event when its response is complete, which can be after the client (and a test
@@ -1026,10 +1029,7 @@ fn rbac_uses(
     assert!(refused.is_empty(), "refused requests: {refused:#?}\n{log}");
     let used: Uses = seen.into_iter().collect();
     let mut granted = granted(docs, sa);
-    granted.extend(
-        also.iter()
-            .map(|(v, g, r)| (v.to_string(), g.to_string(), r.to_string())),
-    );
+    granted.extend(owned(also));
     let ungranted: Vec<_> = used
         .iter()
         .filter(|u| !granted.contains(*u) && !u.2.is_empty())
